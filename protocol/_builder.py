@@ -1,0 +1,307 @@
+"""Builders: a response being sampled in, its exact event sequence out.
+
+`ResponseStream` is a small table-driven state machine (after h11's `_state.py`). Each method
+is one action; the table says in which states it is legal and what state follows. A misuse
+raises `LocalProtocolError` and moves the machine to ERROR, which refuses further use.
+
+What it guarantees, whatever the caller does legally:
+- `sequence_number` starts at `first_sequence_number` (0) and grows by one per event, across
+  suspensions of a rollout (the extension's `response.done` and resume);
+- `output_index` is the item's index in the final `response.output`; `item_id` is the item
+  `id` (never a `call_id`); `content_index` is the part's index in the message;
+- concatenated text deltas equal `output_text.done.text`, the `content_part.done` part, the
+  item in `output_item.done` and the item in the terminal response's `output`; likewise for
+  function-call argument deltas.
+
+It holds no clock and no randomness: timestamps and ids are arguments.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+
+import attrs
+
+from ._errors import LocalProtocolError
+from ._events import (
+    ContentPartAdded,
+    ContentPartDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputTextDelta,
+    OutputTextDone,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseDone,
+    ResponseFailed,
+    ResponseIncomplete,
+    ResponseInProgress,
+    ServerEvent,
+)
+from ._items import FunctionCall, Item, ItemStatus, Message, OutputText
+from ._response import IncompleteDetails, Response, ResponseError, ResponseStatus, Usage
+
+__all__ = ["BuilderState", "ResponseStream", "iter_chunks"]
+
+
+class BuilderState(enum.Enum):
+    NEW = "new"  # nothing sent yet
+    ACTIVE = "active"  # created/in_progress sent, between items
+    IN_MESSAGE = "in_message"  # an assistant message's text is streaming
+    IN_CALL = "in_call"  # a function call's arguments are streaming
+    SUSPENDED = "suspended"  # rollout extension: response.done sent, waiting for outputs
+    DONE = "done"  # a terminal event was sent
+    ERROR = "error"  # misused; refuses everything
+
+
+_S = BuilderState
+# action -> {state it is legal in: state after it}
+_TRANSITIONS: dict[str, dict[BuilderState, BuilderState]] = {
+    "start": {_S.NEW: _S.ACTIVE},
+    "begin_message": {_S.ACTIVE: _S.IN_MESSAGE},
+    "text_delta": {_S.IN_MESSAGE: _S.IN_MESSAGE},
+    "end_message": {_S.IN_MESSAGE: _S.ACTIVE},
+    "begin_call": {_S.ACTIVE: _S.IN_CALL},
+    "arguments_delta": {_S.IN_CALL: _S.IN_CALL},
+    "end_call": {_S.IN_CALL: _S.ACTIVE},
+    "suspend": {_S.ACTIVE: _S.SUSPENDED},
+    "resume": {_S.SUSPENDED: _S.ACTIVE},
+    "complete": {_S.ACTIVE: _S.DONE},
+    "incomplete": {_S.ACTIVE: _S.DONE, _S.IN_MESSAGE: _S.DONE, _S.IN_CALL: _S.DONE},
+    "fail": {s: _S.DONE for s in (_S.NEW, _S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED)},
+}
+
+
+def iter_chunks(text: str, size: int) -> Iterator[str]:
+    """Split `text` into pieces of at most `size` characters (one piece for empty text)."""
+    if size < 1:
+        raise LocalProtocolError(f"chunk size must be >= 1, got {size}")
+    if not text:
+        yield ""
+        return
+    for i in range(0, len(text), size):
+        yield text[i : i + size]
+
+
+@attrs.define
+class _Open:
+    """The item being streamed."""
+
+    item_id: str
+    output_index: int
+    parts: list[str]
+    call: FunctionCall | None = None
+
+
+class ResponseStream:
+    """The event sequence of one response. `response` is the snapshot sent in
+    `response.created`; every later snapshot is derived from it."""
+
+    def __init__(self, response: Response, *, first_sequence_number: int = 0) -> None:
+        self._base = attrs.evolve(response, status="in_progress", output=[], usage=None)
+        self._output: list[Item] = list(response.output)
+        self._seq = first_sequence_number
+        self._state = BuilderState.NEW
+        self._open: _Open | None = None
+
+    # --- introspection ---
+    @property
+    def state(self) -> BuilderState:
+        return self._state
+
+    @property
+    def next_sequence_number(self) -> int:
+        return self._seq
+
+    @property
+    def output(self) -> list[Item]:
+        """Items finished so far, in output order."""
+        return list(self._output)
+
+    def snapshot(self) -> Response:
+        """The response as it stands (status in_progress, finished items only)."""
+        return attrs.evolve(self._base, output=list(self._output))
+
+    # --- machinery ---
+    def _go(self, action: str) -> None:
+        nxt = _TRANSITIONS[action].get(self._state)
+        if nxt is None:
+            was = self._state
+            self._state = BuilderState.ERROR
+            raise LocalProtocolError(f"can't {action} in state {was.value}")
+        self._state = nxt
+
+    def _n(self) -> int:
+        n = self._seq
+        self._seq += 1
+        return n
+
+    # --- actions ---
+    def start(self) -> list[ServerEvent]:
+        """`response.created` then `response.in_progress`."""
+        self._go("start")
+        snap = self.snapshot()
+        return [
+            ResponseCreated(sequence_number=self._n(), response=snap),
+            ResponseInProgress(sequence_number=self._n(), response=snap),
+        ]
+
+    def begin_message(self, item_id: str) -> list[ServerEvent]:
+        self._go("begin_message")
+        index = len(self._output)
+        self._open = _Open(item_id=item_id, output_index=index, parts=[])
+        item = Message(id=item_id, role="assistant", status="in_progress", content=[])
+        return [
+            OutputItemAdded(sequence_number=self._n(), output_index=index, item=item),
+            ContentPartAdded(
+                sequence_number=self._n(),
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                part=OutputText(text=""),
+            ),
+        ]
+
+    def text_delta(self, delta: str) -> ServerEvent:
+        self._go("text_delta")
+        assert self._open is not None
+        self._open.parts.append(delta)
+        return OutputTextDelta(
+            sequence_number=self._n(),
+            item_id=self._open.item_id,
+            output_index=self._open.output_index,
+            content_index=0,
+            delta=delta,
+        )
+
+    def end_message(self, *, status: ItemStatus = "completed") -> list[ServerEvent]:
+        self._go("end_message")
+        return self._close_message(status)
+
+    def _close_message(self, status: ItemStatus) -> list[ServerEvent]:
+        assert self._open is not None
+        o, self._open = self._open, None
+        text = "".join(o.parts)
+        part = OutputText(text=text)
+        item = Message(
+            id=o.item_id,
+            role="assistant",
+            status=status,
+            content=[part],
+        )
+        self._output.append(item)
+        common = {"item_id": o.item_id, "output_index": o.output_index, "content_index": 0}
+        return [
+            OutputTextDone(sequence_number=self._n(), text=text, **common),  # type: ignore[arg-type]
+            ContentPartDone(sequence_number=self._n(), part=part, **common),  # type: ignore[arg-type]
+            OutputItemDone(sequence_number=self._n(), output_index=o.output_index, item=item),
+        ]
+
+    def begin_call(
+        self, item_id: str, call_id: str, name: str, *, namespace: str | None = None
+    ) -> list[ServerEvent]:
+        self._go("begin_call")
+        index = len(self._output)
+        call = FunctionCall(
+            id=item_id,
+            call_id=call_id,
+            name=name,
+            arguments="",
+            status="in_progress",
+            namespace=namespace,
+        )
+        self._open = _Open(item_id=item_id, output_index=index, parts=[], call=call)
+        return [OutputItemAdded(sequence_number=self._n(), output_index=index, item=call)]
+
+    def arguments_delta(self, delta: str) -> ServerEvent:
+        self._go("arguments_delta")
+        assert self._open is not None
+        self._open.parts.append(delta)
+        return FunctionCallArgumentsDelta(
+            sequence_number=self._n(),
+            item_id=self._open.item_id,
+            output_index=self._open.output_index,
+            delta=delta,
+        )
+
+    def end_call(self, *, status: ItemStatus = "completed") -> list[ServerEvent]:
+        self._go("end_call")
+        return self._close_call(status)
+
+    def _close_call(self, status: ItemStatus) -> list[ServerEvent]:
+        assert self._open is not None and self._open.call is not None
+        o, self._open = self._open, None
+        call: FunctionCall = o.call  # type: ignore[assignment]
+        arguments = "".join(o.parts)
+        item = attrs.evolve(call, arguments=arguments, status=status)
+        self._output.append(item)
+        return [
+            FunctionCallArgumentsDone(
+                sequence_number=self._n(),
+                item_id=o.item_id,
+                output_index=o.output_index,
+                arguments=arguments,
+            ),
+            OutputItemDone(sequence_number=self._n(), output_index=o.output_index, item=item),
+        ]
+
+    def suspend(self, pending_call_ids: list[str]) -> ResponseDone:
+        """Rollout extension: the rollout waits for the outputs of `pending_call_ids`."""
+        self._go("suspend")
+        return ResponseDone(
+            sequence_number=self._n(),
+            response=self.snapshot(),
+            pending_call_ids=list(pending_call_ids),
+        )
+
+    def resume(self) -> ResponseInProgress:
+        """Rollout extension: outputs were appended; sampling continues in this response."""
+        self._go("resume")
+        return ResponseInProgress(sequence_number=self._n(), response=self.snapshot())
+
+    def complete(self, *, usage: Usage, completed_at: int) -> ResponseCompleted:
+        self._go("complete")
+        return ResponseCompleted(
+            sequence_number=self._n(), response=self.final("completed", usage, completed_at)
+        )
+
+    def incomplete(
+        self, *, reason: str, usage: Usage, completed_at: int
+    ) -> list[ServerEvent]:
+        """End early (e.g. `max_output_tokens`): an open item is closed as `incomplete`."""
+        was = self._state
+        self._go("incomplete")
+        events: list[ServerEvent] = []
+        if was is BuilderState.IN_MESSAGE:
+            events += self._close_message("incomplete")
+        elif was is BuilderState.IN_CALL:
+            events += self._close_call("incomplete")
+        response = attrs.evolve(
+            self.final("incomplete", usage, completed_at),
+            incomplete_details=IncompleteDetails(reason=reason),  # type: ignore[arg-type]
+        )
+        events.append(ResponseIncomplete(sequence_number=self._n(), response=response))
+        return events
+
+    def fail(self, *, error: ResponseError, usage: Usage | None) -> ResponseFailed:
+        """End with `response.failed`; an item still open is dropped from the output."""
+        if self._state is BuilderState.NEW:
+            raise LocalProtocolError("can't fail before start(): send an error event instead")
+        self._go("fail")
+        self._open = None
+        response = attrs.evolve(self.final("failed", usage, None), error=error)
+        return ResponseFailed(sequence_number=self._n(), response=response)
+
+    def final(
+        self, status: ResponseStatus, usage: Usage | None, completed_at: int | None
+    ) -> Response:
+        return attrs.evolve(
+            self._base,
+            status=status,
+            output=list(self._output),
+            usage=usage,
+            completed_at=completed_at,
+        )

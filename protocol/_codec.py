@@ -1,0 +1,482 @@
+"""The codec: one cattrs converter per direction, made once, for JSON and msgpack.
+
+Decoding is strict where a peer feeds us (client events, request bodies): unknown keys,
+wrong JSON types, bad enum values and out-of-range numbers are refused with the exact OpenAI
+error `code` and a `param` path such as `input[2].content[0].type`. Everything a peer can send
+ends as a decoded value or a `RemoteProtocolError`, never another exception.
+
+Decoding server events (what a client of some other server receives) is lenient about unknown
+keys, so the conformance harness and the benchmark can talk to servers that add fields.
+
+`None` means absent: explicit JSON `null`s are dropped before an object is structured.
+Encoding drops absent optional fields of items, tools and client events, and keeps `null`s in
+responses, errors and server events, where clients expect every field to be present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import typing
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import attrs
+import cattrs
+import msgpack
+from cattrs.cols import list_structure_factory
+from cattrs.errors import (
+    AttributeValidationNote,
+    ForbiddenExtraKeysError,
+    IterableValidationNote,
+)
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
+
+from ._errors import ErrorBody, RemoteProtocolError
+from ._events import (
+    CLIENT_EVENT_TYPES,
+    SERVER_EVENT_TYPES,
+    ClientEvent,
+    ResponseCreate,
+    ServerEvent,
+    SseErrorEvent,
+)
+from ._items import (
+    CONTENT_PART_TYPES,
+    ITEM_TYPES,
+    TOOL_TYPES,
+    ContentPart,
+    Item,
+    Tool,
+    ToolChoice,
+    ToolChoiceFunction,
+)
+from ._response import (
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputTokensDetails,
+    ReasoningConfig,
+    Response,
+    ResponseError,
+    TextConfig,
+    Usage,
+)
+from ._validate import InvalidField, describe
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_SIZE",
+    "decode_client_event",
+    "decode_create_body",
+    "decode_server_event",
+    "encode_json",
+    "encode_msgpack",
+    "from_wire",
+    "make_converter",
+    "to_wire",
+]
+
+T = TypeVar("T")
+
+# The largest client message the decoder accepts, in bytes. Agents send whole histories in
+# stateless mode (a 200k-token context is ~1 MB of text, more with tool outputs and JSON
+# escaping), so the default is generous; servers can lower it per deployment.
+DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+
+# Objects whose absent fields are encoded as explicit `null` (the Response object and its
+# parts, error bodies, and every server event): clients and the SDK types expect them present.
+_KEEP_NULLS: frozenset[type[Any]] = frozenset(
+    {
+        Response,
+        ResponseError,
+        IncompleteDetails,
+        ReasoningConfig,
+        TextConfig,
+        Usage,
+        InputTokensDetails,
+        OutputTokensDetails,
+        ErrorBody,
+        SseErrorEvent,
+        *SERVER_EVENT_TYPES.values(),
+    }
+)
+
+
+# --- structuring hooks -----------------------------------------------------------------------
+
+
+def _strict_str(value: Any, _: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidField.wrong_type("a string", value)
+    return value
+
+
+def _strict_bool(value: Any, _: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidField.wrong_type("a boolean", value)
+    return value
+
+
+def _strict_int(value: Any, _: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise InvalidField.wrong_type("an integer", value)
+    return value
+
+
+def _strict_float(value: Any, _: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidField.wrong_type("a number", value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidField.wrong_type("a finite number", value)
+    return float(value)
+
+
+def _is_list(t: Any) -> bool:
+    return get_origin(t) is list
+
+
+def _is_dict(t: Any) -> bool:
+    return get_origin(t) is dict
+
+
+def _is_literal(t: Any) -> bool:
+    return get_origin(t) is Literal
+
+
+def _make_converter(strict: bool) -> cattrs.Converter:
+    conv = cattrs.Converter(detailed_validation=True)
+
+    conv.register_structure_hook(str, _strict_str)
+    conv.register_structure_hook(bool, _strict_bool)
+    conv.register_structure_hook(int, _strict_int)
+    conv.register_structure_hook(float, _strict_float)
+
+    def literal_factory(t: Any) -> Callable[[Any, Any], Any]:
+        allowed = list(get_args(t))
+
+        def hook(value: Any, _: Any) -> Any:
+            if value in allowed and type(value) is type(allowed[0]):
+                return value
+            if not isinstance(value, str):
+                raise InvalidField.wrong_type("a string", value)
+            raise InvalidField.bad_value(value, allowed)
+
+        return hook
+
+    conv.register_structure_hook_factory(_is_literal, literal_factory)
+
+    def list_factory(t: Any) -> Callable[[Any, Any], Any]:
+        inner = list_structure_factory(t, conv)
+
+        def hook(value: Any, _: Any) -> Any:
+            if not isinstance(value, list):
+                raise InvalidField.wrong_type("an array", value)
+            return inner(value, t)
+
+        return hook
+
+    conv.register_structure_hook_factory(_is_list, list_factory)
+
+    def dict_factory(t: Any) -> Callable[[Any, Any], Any]:
+        _key_t, val_t = get_args(t) or (str, Any)
+        plain = val_t is Any
+
+        def hook(value: Any, _: Any) -> Any:
+            if not isinstance(value, dict):
+                raise InvalidField.wrong_type("an object", value)
+            out = {}
+            for key, val in value.items():
+                if not isinstance(key, str):
+                    raise InvalidField.wrong_type("string keys", key)
+                out[key] = val if plain else conv.structure(val, val_t)
+            return out
+
+        return hook
+
+    conv.register_structure_hook_factory(_is_dict, dict_factory)
+
+    def attrs_factory(cls: type[Any]) -> Callable[[Any, Any], Any]:
+        inner = make_dict_structure_fn(
+            cls, conv, _cattrs_forbid_extra_keys=strict, _cattrs_detailed_validation=True
+        )
+
+        def hook(value: Any, _: Any) -> Any:
+            if not isinstance(value, dict):
+                raise InvalidField.wrong_type("an object", value)
+            return inner({k: v for k, v in value.items() if v is not None}, cls)
+
+        return hook
+
+    conv.register_structure_hook_factory(attrs.has, attrs_factory)
+
+    def tagged(
+        table: dict[str, type[Any]], *, default: Callable[[dict[str, Any]], str | None]
+    ) -> Callable[[Any, Any], Any]:
+        supported = list(table)
+
+        def hook(value: Any, _: Any) -> Any:
+            if not isinstance(value, dict):
+                raise InvalidField.wrong_type("an object", value)
+            tag = value.get("type")
+            if tag is None:
+                tag = default(value)
+                if tag is None:
+                    raise InvalidField.missing("type")
+                value = {**value, "type": tag}
+            if not isinstance(tag, str):
+                raise InvalidField.wrong_type("a string", tag, "type")
+            cls = table.get(tag)
+            if cls is None:
+                raise InvalidField.bad_value(tag, supported, "type")
+            return conv.structure(value, cls)
+
+        return hook
+
+    def no_default(_: dict[str, Any]) -> None:
+        return None
+
+    def message_if_role(value: dict[str, Any]) -> str | None:
+        return "message" if "role" in value else None
+
+    conv.register_structure_hook(Item, tagged(ITEM_TYPES, default=message_if_role))
+    conv.register_structure_hook(ContentPart, tagged(CONTENT_PART_TYPES, default=no_default))
+    conv.register_structure_hook(Tool, tagged(TOOL_TYPES, default=no_default))
+
+    def text_or(expected: str, items_t: Any) -> Callable[[Any, Any], Any]:
+        def hook(value: Any, _: Any) -> Any:
+            if isinstance(value, str):
+                return value
+            if isinstance(value, list):
+                return conv.structure(value, items_t)
+            raise InvalidField.wrong_type(expected, value)
+
+        return hook
+
+    conv.register_structure_hook(
+        str | list[ContentPart], text_or("a string or an array of content parts", list[ContentPart])
+    )
+    conv.register_structure_hook(
+        str | list[Item] | None, text_or("a string or an array of input items", list[Item])
+    )
+
+    modes = ["none", "auto", "required"]
+
+    def tool_choice(value: Any, _: Any) -> ToolChoice:
+        if isinstance(value, str):
+            if value in modes:
+                return typing.cast(ToolChoice, value)
+            raise InvalidField.bad_value(value, modes)
+        if isinstance(value, dict):
+            return conv.structure(value, ToolChoiceFunction)
+        raise InvalidField.wrong_type("a string or an object", value)
+
+    conv.register_structure_hook(ToolChoice, tool_choice)
+    conv.register_structure_hook(ToolChoice | None, tool_choice)
+
+    # --- unstructuring: drop absent optionals except where clients expect nulls ---
+    def unstructure_factory(cls: type[Any]) -> Callable[[Any], Any]:
+        inner = make_dict_unstructure_fn(cls, conv)
+        if cls in _KEEP_NULLS:
+            return inner
+        optional = frozenset(a.name for a in attrs.fields(cls) if a.default is None)
+
+        def hook(obj: Any) -> dict[str, Any]:
+            out: dict[str, Any] = inner(obj)
+            for name in optional:
+                if out.get(name, 0) is None:
+                    del out[name]
+            return out
+
+        return hook
+
+    conv.register_unstructure_hook_factory(attrs.has, unstructure_factory)
+    return conv
+
+
+def make_converter(*, strict: bool = True) -> cattrs.Converter:
+    """A converter for rollout's wire types. `strict` forbids unknown keys."""
+    return _make_converter(strict)
+
+
+_STRICT = make_converter(strict=True)
+_LENIENT = make_converter(strict=False)
+
+
+# --- error translation -----------------------------------------------------------------------
+
+
+def _join(path: str, sub: str) -> str:
+    if not path:
+        return sub
+    if not sub:
+        return path
+    return path + sub if sub.startswith("[") else f"{path}.{sub}"
+
+
+def _leaf(exc: BaseException, path: str) -> tuple[BaseException, str]:
+    """The first leaf error of a cattrs validation error group, and the path to it."""
+    while isinstance(exc, BaseExceptionGroup):
+        sub = exc.exceptions[0]
+        for note in getattr(sub, "__notes__", ()):
+            if isinstance(note, AttributeValidationNote):
+                path = _join(path, note.name)
+            elif isinstance(note, IterableValidationNote):
+                path = _join(path, f"[{note.index}]")
+        exc = sub
+    return exc, path
+
+
+def _to_remote(exc: BaseException) -> RemoteProtocolError:
+    leaf, path = _leaf(exc, "")
+    if isinstance(leaf, InvalidField):
+        param = _join(path, leaf.subpath)
+        return RemoteProtocolError.invalid(
+            leaf.template.replace("{param}", param), code=leaf.code, param=param or None
+        )
+    if isinstance(leaf, ForbiddenExtraKeysError):
+        param = _join(path, sorted(leaf.extra_fields)[0])
+        return RemoteProtocolError.invalid(
+            f"Unknown parameter: '{param}'.", code="unknown_parameter", param=param
+        )
+    if isinstance(leaf, KeyError):
+        return RemoteProtocolError.invalid(
+            f"Missing required parameter: '{path}'.",
+            code="missing_required_parameter",
+            param=path or None,
+        )
+    return RemoteProtocolError.invalid(
+        f"Invalid value for '{path}': {leaf}.", code="invalid_value", param=path or None
+    )
+
+
+def _structure(conv: cattrs.Converter, data: Any, cls: Any) -> Any:
+    try:
+        return conv.structure(data, cls)
+    except RecursionError:
+        raise RemoteProtocolError.invalid(
+            "The message is nested too deeply.", code="invalid_value"
+        ) from None
+    except Exception as exc:
+        raise _to_remote(exc) from None
+
+
+# --- bytes <-> values ------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _load(data: str | bytes, *, max_size: int, fmt: Literal["json", "msgpack"]) -> Any:
+    if len(data) > max_size:
+        raise RemoteProtocolError.invalid(
+            f"The message is {len(data)} bytes, larger than the limit of {max_size} bytes.",
+            code="message_too_large",
+        )
+    try:
+        if fmt == "json":
+            return json.loads(data, parse_constant=_reject_constant)
+        if isinstance(data, str):
+            data = data.encode()
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except RecursionError:
+        raise RemoteProtocolError.invalid(
+            "The message is nested too deeply.", code=f"invalid_{fmt}"
+        ) from None
+    except Exception as exc:
+        what = "JSON" if fmt == "json" else "msgpack"
+        raise RemoteProtocolError.invalid(
+            f"We could not parse the {what} body of your message: {exc}", code=f"invalid_{fmt}"
+        ) from None
+
+
+def _as_event(value: Any, table: dict[str, type[Any]], conv: cattrs.Converter) -> Any:
+    if not isinstance(value, dict):
+        raise RemoteProtocolError.invalid(
+            f"Invalid type for message: expected a JSON object, but got {describe(value)}.",
+            code="invalid_type",
+        )
+    tag = value.get("type")
+    if tag is None:
+        raise RemoteProtocolError.invalid(
+            "Missing required parameter: 'type'.", code="missing_required_parameter", param="type"
+        )
+    cls = table.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        supported = ", ".join(repr(t) for t in table)
+        raise RemoteProtocolError.invalid(
+            f"Invalid value: {tag!r}. Supported values are: {supported}.",
+            code="invalid_value",
+            param="type",
+        )
+    return _structure(conv, value, cls)
+
+
+def decode_client_event(
+    data: str | bytes,
+    *,
+    max_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    fmt: Literal["json", "msgpack"] = "json",
+) -> ClientEvent:
+    """Decode one client message. Raises `RemoteProtocolError` (with the error to send back)
+    for anything malformed, oversized or unknown."""
+    return typing.cast(
+        ClientEvent, _as_event(_load(data, max_size=max_size, fmt=fmt), CLIENT_EVENT_TYPES, _STRICT)
+    )
+
+
+def decode_create_body(
+    data: str | bytes | dict[str, Any],
+    *,
+    max_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+) -> ResponseCreate:
+    """Decode the JSON body of `POST /v1/responses` (a `response.create` without `type`)."""
+    value = data if isinstance(data, dict) else _load(data, max_size=max_size, fmt="json")
+    if not isinstance(value, dict):
+        raise RemoteProtocolError.invalid(
+            f"Invalid type for body: expected a JSON object, but got {describe(value)}.",
+            code="invalid_type",
+        )
+    if "type" in value:
+        raise RemoteProtocolError.invalid(
+            "Unknown parameter: 'type'.", code="unknown_parameter", param="type"
+        )
+    return typing.cast(ResponseCreate, _structure(_STRICT, value, ResponseCreate))
+
+
+def decode_server_event(
+    data: str | bytes,
+    *,
+    max_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    fmt: Literal["json", "msgpack"] = "json",
+    sse: bool = False,
+) -> ServerEvent | SseErrorEvent:
+    """Decode one server event, leniently (unknown keys ignored). With `sse=True` the `error`
+    type is the flat SSE shape instead of the nested WebSocket one."""
+    table: dict[str, type[Any]] = SERVER_EVENT_TYPES
+    if sse:
+        table = {**SERVER_EVENT_TYPES, "error": SseErrorEvent}
+    return typing.cast(
+        ServerEvent | SseErrorEvent,
+        _as_event(_load(data, max_size=max_size, fmt=fmt), table, _LENIENT),
+    )
+
+
+def from_wire(value: Any, cls: type[T] | Any, *, strict: bool = True) -> T:
+    """Structure an already-parsed JSON value as `cls`, raising `RemoteProtocolError`."""
+    return typing.cast(T, _structure(_STRICT if strict else _LENIENT, value, cls))
+
+
+def to_wire(obj: Any) -> Any:
+    """Unstructure a wire value to plain JSON-able data."""
+    return _STRICT.unstructure(obj)
+
+
+def encode_json(obj: Any) -> str:
+    return json.dumps(_STRICT.unstructure(obj), ensure_ascii=False, separators=(",", ":"))
+
+
+def encode_msgpack(obj: Any) -> bytes:
+    return typing.cast(bytes, msgpack.packb(_STRICT.unstructure(obj), use_bin_type=True))
+

@@ -1,0 +1,73 @@
+"""The protocol's two errors, after h11: the local one (we broke the protocol) and the
+remote one (the peer did). A remote error carries the ready-made OpenAI-shaped error that
+goes back on the wire, so the I/O layer never has to invent error text."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    from ._events import ErrorEvent
+
+__all__ = [
+    "ErrorBody",
+    "LocalProtocolError",
+    "ProtocolError",
+    "RemoteProtocolError",
+]
+
+
+@attrs.frozen(kw_only=True)
+class ErrorBody:
+    """The body every OpenAI error shares: HTTP `{"error": {...}}`, the nested WebSocket
+    `error` event, and (flattened) the SSE `error` event."""
+
+    type: str = "invalid_request_error"
+    code: str | None = None
+    message: str
+    param: str | None = None
+
+
+class ProtocolError(Exception):
+    """Base class of every error the protocol layer raises."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We tried to do something the protocol forbids (a bug on our side, never the peer's)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol forbids.
+
+    `body` and `status` are exactly what should be sent back: over WebSocket as the nested
+    `error` event (see `error_event()`), over HTTP as `{"error": body}` with `status`.
+    """
+
+    def __init__(self, body: ErrorBody, status: int = 400) -> None:
+        super().__init__(body.message)
+        self.body = body
+        self.status = status
+
+    @classmethod
+    def invalid(
+        cls, message: str, *, code: str | None, param: str | None = None, status: int = 400
+    ) -> RemoteProtocolError:
+        return cls(ErrorBody(code=code, message=message, param=param), status)
+
+    @property
+    def code(self) -> str | None:
+        return self.body.code
+
+    @property
+    def param(self) -> str | None:
+        return self.body.param
+
+    def error_event(self) -> ErrorEvent:
+        from ._events import ErrorEvent
+
+        return ErrorEvent(status=self.status, error=self.body)
+
+    def __repr__(self) -> str:
+        return f"RemoteProtocolError(status={self.status}, body={self.body!r})"

@@ -1,0 +1,142 @@
+"""The `Response` object, with the field set of the official SDK's
+`openai.types.responses.Response` and the non-null defaults the Open Responses specification
+asks for (temperature 1, top_p 1, tool_choice "auto", truncation "disabled", ...)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeAlias
+
+import attrs
+
+from ._items import Item, Tool, ToolChoice
+
+__all__ = [
+    "IncompleteDetails",
+    "InputTokensDetails",
+    "OutputTokensDetails",
+    "ReasoningConfig",
+    "Response",
+    "ResponseError",
+    "ResponseStatus",
+    "TextConfig",
+    "Usage",
+]
+
+ResponseStatus: TypeAlias = Literal[
+    "queued", "in_progress", "completed", "incomplete", "failed", "cancelled"
+]
+IncompleteReason: TypeAlias = Literal[
+    "max_output_tokens", "max_messages", "content_filter", "steered"
+]
+
+
+@attrs.frozen(kw_only=True)
+class InputTokensDetails:
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class OutputTokensDetails:
+    reasoning_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = attrs.field(factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = attrs.field(factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, *, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(
+            input_tokens=input_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+            output_tokens=output_tokens,
+            total_tokens=input_tokens + output_tokens,
+        )
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens + other.input_tokens,
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=self.input_tokens_details.cached_tokens
+                + other.input_tokens_details.cached_tokens,
+                cache_write_tokens=self.input_tokens_details.cache_write_tokens
+                + other.input_tokens_details.cache_write_tokens,
+            ),
+            output_tokens=self.output_tokens + other.output_tokens,
+            output_tokens_details=OutputTokensDetails(
+                reasoning_tokens=self.output_tokens_details.reasoning_tokens
+                + other.output_tokens_details.reasoning_tokens
+            ),
+            total_tokens=self.total_tokens + other.total_tokens,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class ResponseError:
+    """Why a response failed. `code` is one of the SDK's `ResponseError.code` values
+    (`server_error`, `invalid_prompt`, `rate_limit_exceeded`, ...)."""
+
+    code: str
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class IncompleteDetails:
+    reason: IncompleteReason | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ReasoningConfig:
+    effort: str | None = None
+    summary: str | None = None
+
+
+def _text_format_default() -> dict[str, Any]:
+    return {"type": "text"}
+
+
+@attrs.frozen(kw_only=True)
+class TextConfig:
+    format: dict[str, Any] = attrs.field(factory=_text_format_default)
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Response:
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    completed_at: int | None = None
+    status: ResponseStatus = "in_progress"
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    model: str
+    output: list[Item] = attrs.field(factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: ReasoningConfig = attrs.field(factory=ReasoningConfig)
+    store: bool = True
+    temperature: float = 1.0
+    text: TextConfig = attrs.field(factory=TextConfig)
+    tool_choice: ToolChoice = "auto"
+    tools: list[Tool] = attrs.field(factory=list)
+    top_p: float = 1.0
+    truncation: Literal["auto", "disabled"] = "disabled"
+    usage: Usage | None = None
+    metadata: dict[str, str] = attrs.field(factory=dict)
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    background: bool = False
+    service_tier: str = "default"
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
