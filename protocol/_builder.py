@@ -268,9 +268,7 @@ class ResponseStream:
             sequence_number=self._n(), response=self.final("completed", usage, completed_at)
         )
 
-    def incomplete(
-        self, *, reason: str, usage: Usage, completed_at: int
-    ) -> list[ServerEvent]:
+    def incomplete(self, *, reason: str, usage: Usage, completed_at: int) -> list[ServerEvent]:
         """End early (e.g. `max_output_tokens`): an open item is closed as `incomplete`."""
         was = self._state
         self._go("incomplete")

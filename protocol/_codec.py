@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 import typing
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, get_args, get_origin
@@ -140,8 +141,21 @@ def _is_dict(t: Any) -> bool:
     return get_origin(t) is dict
 
 
+def _literal_values(t: Any) -> list[Any] | None:
+    """The values of a `Literal`, or of a union of `Literal`s (e.g. a standard set plus an
+    extension's `Literal["x"]`, optionally `| None`), flattened; `None` for any other type."""
+    if get_origin(t) is Literal:
+        return list(get_args(t))
+    if get_origin(t) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in get_args(t) if a is not type(None)]
+    if not args or any(get_origin(a) is not Literal for a in args):
+        return None
+    return [v for a in args for v in get_args(a)]
+
+
 def _is_literal(t: Any) -> bool:
-    return get_origin(t) is Literal
+    return _literal_values(t) is not None
 
 
 def _make_converter(strict: bool) -> cattrs.Converter:
@@ -153,10 +167,10 @@ def _make_converter(strict: bool) -> cattrs.Converter:
     conv.register_structure_hook(float, _strict_float)
 
     def literal_factory(t: Any) -> Callable[[Any, Any], Any]:
-        allowed = list(get_args(t))
+        allowed = _literal_values(t) or []
 
         def hook(value: Any, _: Any) -> Any:
-            if value in allowed and type(value) is type(allowed[0]):
+            if any(value == a and type(value) is type(a) for a in allowed):
                 return value
             if not isinstance(value, str):
                 raise InvalidField.wrong_type("a string", value)
@@ -479,4 +493,3 @@ def encode_json(obj: Any) -> str:
 
 def encode_msgpack(obj: Any) -> bytes:
     return typing.cast(bytes, msgpack.packb(_STRICT.unstructure(obj), use_bin_type=True))
-

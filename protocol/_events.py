@@ -61,9 +61,7 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # --- validators (run at construction; the codec turns their errors into `param` paths) ----------
 
 
-def _range(
-    lo: float | None = None, hi: float | None = None, *, integer: bool
-) -> Any:
+def _range(lo: float | None = None, hi: float | None = None, *, integer: bool) -> Any:
     kind = "integer" if integer else "decimal"
 
     def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -343,9 +341,7 @@ class FunctionCallArgumentsDelta:
 
 @attrs.frozen(kw_only=True)
 class FunctionCallArgumentsDone:
-    type: Literal["response.function_call_arguments.done"] = (
-        "response.function_call_arguments.done"
-    )
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
     sequence_number: int
     item_id: str
     output_index: int
@@ -393,6 +389,8 @@ ServerEvent: TypeAlias = (
     | FunctionCallArgumentsDone
     | ErrorEvent
 )
+
+
 # The WebSocket union; the SSE `error` shape shares the tag and is decoded separately.
 def wire_type(cls: type[Any]) -> str:
     """The wire `type` tag of an event or item class."""

@@ -87,7 +87,10 @@ class ResponseError:
 
 @attrs.frozen(kw_only=True)
 class IncompleteDetails:
-    reason: IncompleteReason | None = None
+    """Why a response ended early: one of the standard reasons, or (rollout extension only)
+    `rollout_timeout` when a suspended rollout waited longer than the server's limit."""
+
+    reason: IncompleteReason | Literal["rollout_timeout"] | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,97 @@
+"""Work counters and stage timings.
+
+Counters are deterministic (items validated, tokens rendered, tokens classified, ...): tests
+assert them and the benchmark reports them. Timings are wall-clock (`time.perf_counter`) and are
+only reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import attrs
+
+__all__ = ["STAGES", "Counters", "StageTimer"]
+
+# The pre-inference stages whose latency is measured, in pipeline order.
+STAGES = ("decode", "resolve", "validate", "render", "classify", "route", "store")
+
+# Histogram bucket upper bounds in seconds for per-stage latency (Prometheus-style, cumulative).
+LATENCY_BUCKETS = (
+    0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0,
+)  # fmt: skip
+
+
+@attrs.define
+class Counters:
+    """Deterministic work counters of one engine (or one request, for per-request deltas)."""
+
+    items_validated: int = 0
+    tokens_rendered: int = 0
+    tokens_classified: int = 0
+    route_resolutions: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    hydrations: int = 0
+    store_reads: int = 0
+    store_writes: int = 0
+    ledger_records: int = 0
+    post_inference_runs: int = 0
+    samplings: int = 0
+    tokens_sampled: int = 0
+    responses_completed: int = 0
+    responses_incomplete: int = 0
+    responses_failed: int = 0
+    request_errors: int = 0
+
+    def snapshot(self) -> Counters:
+        return attrs.evolve(self)
+
+    def __sub__(self, other: Counters) -> Counters:
+        return Counters(
+            **{
+                f.name: getattr(self, f.name) - getattr(other, f.name)
+                for f in attrs.fields(Counters)
+            }
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return attrs.asdict(self)
+
+
+@attrs.define
+class _Histogram:
+    buckets: list[int] = attrs.field(factory=lambda: [0] * len(LATENCY_BUCKETS))
+    count: int = 0
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.buckets[i] += 1
+                break
+
+
+@attrs.define
+class StageTimer:
+    """Per-stage latency histograms (engine-wide), and the last request's split for callers
+    that ask for timing (the benchmark reads it from the server)."""
+
+    histograms: dict[str, _Histogram] = attrs.field(
+        factory=lambda: {stage: _Histogram() for stage in STAGES}
+    )
+
+    @contextmanager
+    def measure(self, stage: str, into: dict[str, float] | None = None) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.histograms[stage].observe(elapsed)
+            if into is not None:
+                into[stage] = into.get(stage, 0.0) + elapsed

@@ -1,0 +1,867 @@
+"""The engine, sessions, and the one sampling loop every mode shares.
+
+- `Engine` owns what is shared across connections: the pipeline stages, the model registry,
+  the store, the usage ledger, the post-inference worker, the work counters.
+- `Session` is the connection scope: a bounded cache of `ResponseState`s (the WebSocket handler
+  owns one per socket; an HTTP request uses a throwaway one) and the rollouts in flight.
+- `Session.create` runs a response: stateless (no `previous_response_id`) or continuing a
+  parent from the cache or the store. `Session.open_rollout` runs the rollout extension: one
+  long-lived response whose sampling coroutine suspends at tool calls (`response.done`) and
+  resumes when `Rollout.append` has delivered every pending output.
+
+The three modes differ only in where the parent state comes from and whether the loop in
+`Session._run` suspends at tool calls; every stage is shared. That is what makes them equal.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from protocol import (
+    FunctionCall,
+    Item,
+    ReasoningConfig,
+    RemoteProtocolError,
+    Response,
+    ResponseAppend,
+    ResponseCreate,
+    ResponseError,
+    ResponseStream,
+    ServerEvent,
+    TextConfig,
+    Usage,
+)
+
+from ._counters import Counters, StageTimer
+from ._errors import BackendError
+from ._ids import new_id
+from ._interfaces import (
+    ArgsDelta,
+    CallEnd,
+    CallStart,
+    Classifier,
+    Finish,
+    Renderer,
+    ResponseStore,
+    SampleRequest,
+    StoredResponse,
+    TextDelta,
+    TextEnd,
+    TextStart,
+    UsageLedger,
+    UsageRecord,
+)
+from ._models import ModelRegistry
+from ._pipeline import ConversationValidator, Pipeline, Validator, invalid, normalize_input
+from ._postinfer import PostInference, PostJob
+from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens
+
+__all__ = [
+    "DEFAULT_CACHE_RESPONSES",
+    "DEFAULT_CACHE_TOKENS",
+    "DEFAULT_ROLLOUT_SUSPEND_LIMIT",
+    "Emit",
+    "Engine",
+    "ResponseCache",
+    "Rollout",
+    "Session",
+    "open_engine",
+    "previous_response_not_found",
+]
+
+Emit = Callable[[ServerEvent], Awaitable[None]]
+
+# Responses a connection keeps for previous_response_id continuation. OpenAI keeps the most
+# recent one; a few more let a client retry or fork from an earlier turn without the store.
+DEFAULT_CACHE_RESPONSES = 8
+# Total rendered tokens a connection's cache may hold (about 4 bytes each, plus items): bounds
+# memory per connection at roughly 100 MB for the largest contexts.
+DEFAULT_CACHE_TOKENS = 8_000_000
+# How long a suspended rollout waits for its tool outputs before it ends `incomplete`.
+DEFAULT_ROLLOUT_SUSPEND_LIMIT = 600.0
+# Events a rollout may buffer for a reader that is slower than sampling (embedded API).
+ROLLOUT_EVENT_BUFFER = 256
+
+
+def previous_response_not_found(response_id: str) -> RemoteProtocolError:
+    return RemoteProtocolError.invalid(
+        f"Previous response with id '{response_id}' not found.",
+        code="previous_response_not_found",
+        param="previous_response_id",
+    )
+
+
+_NO_ROUTE = Route(model="", name="", params={}, context_window=0, backend=None)
+_EMPTY_PREFIX = Prefix(
+    instructions=None,
+    tools=(),
+    tokens=array("I"),
+    digest=digest_tokens(array("I")),
+    tool_index={},
+    classifier_state=None,
+)
+
+
+class ResponseCache:
+    """A connection's ResponseStates, least recently used evicted first, bounded by count and
+    by the rendered tokens held (lineages shared by several states are counted once)."""
+
+    def __init__(
+        self,
+        max_responses: int = DEFAULT_CACHE_RESPONSES,
+        max_tokens: int = DEFAULT_CACHE_TOKENS,
+    ) -> None:
+        if max_responses < 1:
+            raise ValueError("max_responses must be >= 1")
+        self.max_responses = max_responses
+        self.max_tokens = max_tokens
+        self._states: OrderedDict[str, ResponseState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._states
+
+    def get(self, response_id: str) -> ResponseState | None:
+        state = self._states.get(response_id)
+        if state is not None:
+            self._states.move_to_end(response_id)
+        return state
+
+    def put(self, state: ResponseState) -> None:
+        self._states[state.id] = state
+        self._states.move_to_end(state.id)
+        while len(self._states) > self.max_responses or (
+            len(self._states) > 1 and self.tokens_held() > self.max_tokens
+        ):
+            self._states.popitem(last=False)
+
+    def evict(self, response_id: str) -> None:
+        self._states.pop(response_id, None)
+
+    def tokens_held(self) -> int:
+        lineages = {id(s.lineage): s.lineage for s in self._states.values()}
+        return sum(len(lin.tokens) for lin in lineages.values())
+
+
+@attrs.define
+class _Progress:
+    """What the step being sampled has produced so far (for usage on interruption)."""
+
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    started: bool = False
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _Step:
+    state: ResponseState
+    finish: str
+    usage: Usage
+    pending_outputs: list[Item] = attrs.field(factory=list)
+
+
+class Engine:
+    """Shared machinery. Open one with `open_engine()`."""
+
+    def __init__(
+        self,
+        *,
+        registry: ModelRegistry,
+        renderer: Renderer,
+        classifier: Classifier,
+        validator: Validator,
+        store: ResponseStore | None,
+        ledger: UsageLedger | None,
+        wall_clock: Callable[[], float] = time.time,
+        rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT,
+    ) -> None:
+        self.counters = Counters()
+        self.timer = StageTimer()
+        self.registry = registry
+        self.store = store
+        self.ledger = ledger
+        self.wall_clock = wall_clock
+        self.rollout_suspend_limit = rollout_suspend_limit
+        self.pipeline = Pipeline(
+            validator=validator,
+            renderer=renderer,
+            classifier=classifier,
+            registry=registry,
+            counters=self.counters,
+            timer=self.timer,
+        )
+        self.post = PostInference(store=store, ledger=ledger, counters=self.counters)
+        self.responses_by_status: dict[str, int] = {}
+
+    def session(
+        self,
+        *,
+        owner: str | None = None,
+        max_cached_responses: int = DEFAULT_CACHE_RESPONSES,
+        max_cached_tokens: int = DEFAULT_CACHE_TOKENS,
+    ) -> Session:
+        return Session(
+            self, owner=owner, cache=ResponseCache(max_cached_responses, max_cached_tokens)
+        )
+
+    def now(self) -> int:
+        return int(self.wall_clock())
+
+    def empty_state(self) -> ResponseState:
+        return ResponseState(
+            response=Response(id="", created_at=0, model=""),
+            lineage=Lineage(),
+            n_items=0,
+            prefix=_EMPTY_PREFIX,
+            classifier_state=self.pipeline.classifier.initial(),
+            route=_NO_ROUTE,
+            open_calls=(),
+            stored=True,
+            first_new_item=0,
+        )
+
+    async def get_stored(self, response_id: str, *, owner: str | None) -> StoredResponse | None:
+        """A stored response (including one whose write is still queued)."""
+        pending = self.post.pending_get(response_id)
+        if pending is not None:
+            return pending if pending.owner == owner else None
+        if self.store is None:
+            return None
+        self.counters.store_reads += 1
+        return await self.store.get(response_id, owner=owner)
+
+    async def delete_stored(self, response_id: str, *, owner: str | None) -> bool:
+        pending = self.post.pending_get(response_id)
+        if pending is not None and pending.owner == owner:
+            self.post.forget(response_id)
+            if self.store is not None:
+                await self.store.delete(response_id, owner=owner)
+            return True
+        if self.store is None:
+            return False
+        return await self.store.delete(response_id, owner=owner)
+
+    async def stored_chain(self, response_id: str, *, owner: str | None) -> list[StoredResponse]:
+        """The stored response and its ancestors up to a root, newest first. Writes still
+        queued are read first; the rest comes from the store in one call. Raises LookupError."""
+        chain: list[StoredResponse] = []
+        current = response_id
+        while (pending := self.post.pending_get(current)) is not None:
+            if pending.owner != owner:
+                raise LookupError(current)
+            chain.append(pending)
+            if pending.is_root or pending.parent_id is None:
+                return chain
+            current = pending.parent_id
+        if self.store is None:
+            raise LookupError(current)
+        rest = await self.store.get_chain(current, owner=owner)
+        self.counters.store_reads += len(rest)
+        return chain + list(rest)
+
+    def record_status(self, status: str) -> None:
+        self.responses_by_status[status] = self.responses_by_status.get(status, 0) + 1
+        if status == "completed":
+            self.counters.responses_completed += 1
+        elif status == "incomplete":
+            self.counters.responses_incomplete += 1
+        elif status == "failed":
+            self.counters.responses_failed += 1
+
+
+class Session:
+    """The connection scope. Not safe for concurrent `create`s: callers serialize them
+    (the WebSocket handler runs its FIFO queue one request at a time)."""
+
+    def __init__(self, engine: Engine, *, owner: str | None, cache: ResponseCache) -> None:
+        self.engine = engine
+        self.owner = owner
+        self.cache = cache
+        self.rollouts: dict[str, Rollout] = {}
+        self.last_timings: dict[str, float] = {}
+
+    # --- parents ---
+    async def resolve(self, response_id: str, timings: dict[str, float]) -> ResponseState:
+        counters = self.engine.counters
+        with self.engine.timer.measure("resolve", timings):
+            state = self.cache.get(response_id)
+            if state is not None:
+                counters.cache_hits += 1
+                return state
+            counters.cache_misses += 1
+        with self.engine.timer.measure("store", timings):
+            try:
+                chain = await self.engine.stored_chain(response_id, owner=self.owner)
+            except LookupError:
+                raise previous_response_not_found(response_id) from None
+        return self._hydrate(chain, timings)
+
+    def _hydrate(self, chain: list[StoredResponse], timings: dict[str, float]) -> ResponseState:
+        """Rebuild a state from stored responses (newest first): re-render and re-classify."""
+        engine = self.engine
+        engine.counters.hydrations += 1
+        target = chain[0]
+        items: list[Item] = []
+        for stored in reversed(chain):
+            items.extend(stored.items)
+        root = engine.empty_state()
+        pipeline = engine.pipeline
+        route = pipeline.route(target.response.model, None, timings)
+        prefix = pipeline.prefix(target.instructions, target.tools, None, timings)
+        staged = pipeline.stage(
+            items,
+            lineage=root.lineage,
+            n_items=0,
+            classifier_state=root.classifier_state,
+            open_calls={},
+            param="input",
+            timings=timings,
+        )
+        own = 0 if target.is_root else len(items) - len(target.items)
+        state = pipeline.commit(
+            root, staged, prefix=prefix, route=route, first_new_item=own, response=target.response
+        )
+        self.cache.put(state)
+        return state
+
+    # --- responses ---
+    async def create(
+        self, request: ResponseCreate, emit: Emit | None = None
+    ) -> ResponseState | None:
+        """Run one response (stateless or continuing), sending its events to `emit`.
+        Returns the final state (None when the response failed). Request errors raise
+        `RemoteProtocolError` before any event is sent."""
+        if request.rollout:
+            raise invalid(
+                "Use open_rollout() (or the WebSocket transport) for rollout mode.",
+                param="rollout",
+            )
+        return await self._run(request, emit or _discard, rollout=None)
+
+    async def respond(self, request: ResponseCreate) -> Response:
+        """Run one response and return the final Response object."""
+        final: list[Response] = []
+
+        async def keep(event: ServerEvent) -> None:
+            response = getattr(event, "response", None)
+            if response is not None:
+                final[:] = [response]
+
+        await self._run(request, keep, rollout=None)
+        return final[-1]
+
+    @asynccontextmanager
+    async def open_rollout(self, request: ResponseCreate) -> AsyncIterator[Rollout]:
+        """Run `request` as a rollout: iterate the Rollout for events up to each suspension,
+        `append` the tool outputs, iterate again, until `rollout.response` is final."""
+        send, recv = trio.open_memory_channel[ServerEvent](ROLLOUT_EVENT_BUFFER)
+        rollout = Rollout(self, recv)
+        async with trio.open_nursery() as nursery:
+
+            async def body() -> None:
+                async with send:
+                    try:
+                        await self._run(request, send.send, rollout=rollout)
+                    except RemoteProtocolError as exc:
+                        rollout.error = exc
+                        await send.send(exc.error_event())
+
+            nursery.start_soon(body)
+            try:
+                yield rollout
+            finally:
+                # A rollout left before its end is cancelled (its usage is still recorded);
+                # one that ended is left to finish its post-inference hand-off.
+                if not rollout.ended:
+                    nursery.cancel_scope.cancel()
+
+    async def run_rollout(self, request: ResponseCreate, emit: Emit, rollout: Rollout) -> None:
+        """Server-side form: run the rollout in the caller's task, emitting to `emit`."""
+        await self._run(request, emit, rollout=rollout)
+
+    # --- the loop every mode shares ---
+    async def _run(
+        self, request: ResponseCreate, emit: Emit, *, rollout: Rollout | None
+    ) -> ResponseState | None:
+        engine = self.engine
+        pipeline = engine.pipeline
+        timings: dict[str, float] = {}
+        self.last_timings = timings
+        new_items = normalize_input(request.input)
+        parent: ResponseState | None = None
+        generate = request.generate is not False
+        try:
+            if request.previous_response_id is not None:
+                parent = await self.resolve(request.previous_response_id, timings)
+            prepared = pipeline.prepare(
+                request,
+                parent,
+                root=parent or engine.empty_state(),
+                new_items=new_items,
+                timings=timings,
+                require_outputs=generate,
+            )
+        except RemoteProtocolError:
+            engine.counters.request_errors += 1
+            if parent is not None:
+                self.cache.evict(parent.id)
+            raise
+
+        assert request.model is not None
+        response = Response(
+            id=new_id("resp"),
+            created_at=engine.now(),
+            model=request.model,
+            instructions=request.instructions,
+            tools=list(request.tools or ()),
+            tool_choice=request.tool_choice or "auto",
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            previous_response_id=request.previous_response_id,
+            store=request.store is not False,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            metadata=dict(request.metadata or {}),
+            max_output_tokens=request.max_output_tokens,
+            max_tool_calls=request.max_tool_calls,
+            truncation=request.truncation or "disabled",
+            safety_identifier=request.safety_identifier,
+            prompt_cache_key=request.prompt_cache_key,
+            user=request.user,
+            text=request.text or TextConfig(),
+            reasoning=request.reasoning or ReasoningConfig(),
+        )
+        stream = ResponseStream(response)
+        for event in stream.start():
+            await emit(event)
+        if rollout is not None:
+            rollout.response_id = response.id
+            self.rollouts[response.id] = rollout
+
+        records: list[UsageRecord] = []
+        progress = _Progress()
+        submitted = False
+        state = prepared.state
+        total = Usage()
+        parent_stored = parent is None or parent.stored
+        try:
+            if prepared.flags:
+                flag = prepared.flags[0]
+                await self._fail(
+                    stream,
+                    emit,
+                    parent,
+                    ResponseError(
+                        code="invalid_prompt",
+                        message=f"The input was flagged by the {flag.classifier} classifier: "
+                        f"{flag.message}",
+                    ),
+                    None,
+                )
+                return None
+            if not generate:
+                final = stream.complete(usage=Usage(), completed_at=engine.now())
+                await emit(final)
+                engine.record_status("completed")
+                warmed = await self._finish(state, final.response, parent_stored, [])
+                submitted = True
+                return warmed
+
+            cached = prepared.cached_tokens
+            step = 0
+            while True:
+                progress = _Progress()
+                try:
+                    result = await self._sample(state, request, stream, emit, cached, progress)
+                except BackendError as exc:
+                    records.append(self._record(response, step, progress, complete=False))
+                    usage = total + _usage_of(progress)
+                    await self._fail(
+                        stream,
+                        emit,
+                        parent,
+                        ResponseError(code=exc.code, message=exc.message),
+                        usage,
+                    )
+                    await engine.post.submit(PostJob(records=records))
+                    submitted = True
+                    return None
+                records.append(self._record(response, step, progress, complete=True))
+                progress = _Progress()
+                total = total + result.usage
+                state = result.state
+                step += 1
+                if result.finish == "max_output_tokens":
+                    first = len(stream.output)
+                    events = stream.incomplete(
+                        reason="max_output_tokens", usage=total, completed_at=engine.now()
+                    )
+                    for event in events:
+                        await emit(event)
+                    engine.record_status("incomplete")
+                    final_response = events[-1].response  # type: ignore[union-attr]
+                    state = self._extend(state, result.pending_outputs + stream.output[first:])
+                    break
+                if rollout is not None and state.open_calls:
+                    before = state.context_tokens
+                    rollout._suspend(state)  # appends are accepted from response.done on
+                    await emit(stream.suspend([cid for cid, _ in state.open_calls]))
+                    resumed = await rollout._wait_resume(engine.rollout_suspend_limit)
+                    if resumed is None:
+                        events = stream.incomplete(
+                            reason="rollout_timeout", usage=total, completed_at=engine.now()
+                        )
+                        for event in events:
+                            await emit(event)
+                        engine.record_status("incomplete")
+                        final_response = events[-1].response  # type: ignore[union-attr]
+                        break
+                    state, flags = resumed
+                    if flags:
+                        await self._fail(
+                            stream,
+                            emit,
+                            None,
+                            ResponseError(
+                                code="invalid_prompt",
+                                message=f"The appended input was flagged by the "
+                                f"{flags[0].classifier} classifier: {flags[0].message}",
+                            ),
+                            total,
+                        )
+                        await engine.post.submit(PostJob(records=records))
+                        submitted = True
+                        return None
+                    await emit(stream.resume())
+                    cached = before
+                    continue
+                final_event = stream.complete(usage=total, completed_at=engine.now())
+                await emit(final_event)
+                engine.record_status("completed")
+                final_response = final_event.response
+                break
+            final_state = await self._finish(state, final_response, parent_stored, records)
+            submitted = True
+            return final_state
+        finally:
+            if rollout is not None:
+                rollout._finished()
+                self.rollouts.pop(response.id, None)
+            if not submitted:
+                # Interrupted (disconnect, cancellation): the work done still counts.
+                if progress.started:
+                    records.append(self._record(response, len(records), progress, complete=False))
+                engine.post.submit_sync_records(records)
+
+    async def _finish(
+        self,
+        state: ResponseState,
+        final: Response,
+        parent_stored: bool,
+        records: list[UsageRecord],
+    ) -> ResponseState:
+        engine = self.engine
+        stored = final.store and parent_stored
+        state = attrs.evolve(state, response=final, stored=stored)
+        self.cache.put(state)
+        job_store = None
+        if final.store:
+            job_store = StoredResponse(
+                response=final,
+                items=state.own_items
+                if parent_stored and state.first_new_item
+                else list(state.items),
+                instructions=state.prefix.instructions,
+                tools=list(state.prefix.tools),
+                parent_id=final.previous_response_id,
+                is_root=not (parent_stored and state.first_new_item),
+                owner=self.owner,
+            )
+        await engine.post.submit(PostJob(records=records, stored=job_store))
+        return state
+
+    async def _fail(
+        self,
+        stream: ResponseStream,
+        emit: Emit,
+        parent: ResponseState | None,
+        error: ResponseError,
+        usage: Usage | None,
+    ) -> None:
+        await emit(stream.fail(error=error, usage=usage))
+        self.engine.record_status("failed")
+        if parent is not None:
+            self.cache.evict(parent.id)
+
+    def _record(
+        self, response: Response, step: int, progress: _Progress, *, complete: bool
+    ) -> UsageRecord:
+        return UsageRecord(
+            response_id=response.id,
+            step=step,
+            owner=self.owner,
+            model=response.model,
+            input_tokens=progress.input_tokens,
+            cached_tokens=progress.cached_tokens,
+            output_tokens=progress.output_tokens,
+            complete=complete,
+            created_at=self.engine.wall_clock(),
+        )
+
+    async def _sample(
+        self,
+        state: ResponseState,
+        request: ResponseCreate,
+        stream: ResponseStream,
+        emit: Emit,
+        cached: int,
+        progress: _Progress,
+    ) -> _Step:
+        """Sample one turn from `state`, stream its events, and extend the state with the
+        output items (rendered and classified once, here)."""
+        engine = self.engine
+        engine.counters.samplings += 1
+        progress.started = True
+        progress.input_tokens = state.context_tokens
+        progress.cached_tokens = cached
+        sample_request = SampleRequest(
+            model=state.route.model,
+            params=state.route.params,
+            context_digest=state.context_digest,
+            context_tokens=state.context_tokens,
+            items=state.items,
+            instructions=state.prefix.instructions,
+            tools=state.prefix.tools,
+            tool_choice=request.tool_choice or "auto",
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            max_output_tokens=request.max_output_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            calls_since_user=state.calls_since_user,
+        )
+        first_output = len(stream.output)
+        finish = "stop"
+        measured: tuple[int | None, int | None] = (None, None)
+        async with aclosing(state.route.backend.sample(sample_request)) as events:
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    progress.output_tokens += ev.n_tokens
+                    await emit(stream.text_delta(ev.text))
+                elif isinstance(ev, ArgsDelta):
+                    progress.output_tokens += ev.n_tokens
+                    await emit(stream.arguments_delta(ev.text))
+                elif isinstance(ev, TextStart):
+                    for e in stream.begin_message(new_id("msg")):
+                        await emit(e)
+                elif isinstance(ev, TextEnd):
+                    for e in stream.end_message():
+                        await emit(e)
+                elif isinstance(ev, CallStart):
+                    for e in stream.begin_call(
+                        new_id("fc"), new_id("call", 12), ev.name, namespace=ev.namespace
+                    ):
+                        await emit(e)
+                elif isinstance(ev, CallEnd):
+                    for e in stream.end_call():
+                        await emit(e)
+                elif isinstance(ev, Finish):
+                    finish = ev.reason
+                    measured = (ev.input_tokens, ev.output_tokens)
+        engine.counters.tokens_sampled += progress.output_tokens
+        if measured[1] is not None:
+            progress.output_tokens = measured[1]
+        if measured[0] is not None:
+            progress.input_tokens = measured[0]
+        outputs = stream.output[first_output:]
+        usage = _usage_of(progress)
+        if finish == "max_output_tokens":
+            # The caller closes the open item as incomplete, then extends the state.
+            return _Step(state=state, finish=finish, usage=usage, pending_outputs=outputs)
+        return _Step(state=self._extend(state, outputs), finish=finish, usage=usage)
+
+    def _extend(self, state: ResponseState, outputs: Sequence[Item]) -> ResponseState:
+        """The state with the model's output items rendered and classified into it. Completed
+        function calls become the calls waiting for output."""
+        pipeline = self.engine.pipeline
+        staged = pipeline.stage(
+            outputs,
+            lineage=state.lineage,
+            n_items=state.n_items,
+            classifier_state=state.classifier_state,
+            open_calls=dict(state.open_calls),
+            param="output",
+            timings={},
+            validate=False,
+        )
+        for item in outputs:
+            if isinstance(item, FunctionCall) and item.status == "completed":
+                staged.open_calls[item.call_id] = item.name
+        return pipeline.commit(state, staged)
+
+
+def _usage_of(progress: _Progress) -> Usage:
+    return Usage.of(
+        input_tokens=progress.input_tokens,
+        output_tokens=progress.output_tokens,
+        cached_tokens=progress.cached_tokens,
+    )
+
+
+async def _discard(_event: ServerEvent) -> None:
+    return None
+
+
+_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
+
+
+class Rollout:
+    """A rollout in flight (the extension). Iterate it for events up to the next suspension
+    or the end; `pending_calls` names the calls whose outputs resume it; `append` delivers
+    outputs. Missing outputs are waited for: a partial append is accepted, and the rollout
+    resumes when every pending call has its output."""
+
+    def __init__(
+        self, session: Session, events: trio.MemoryReceiveChannel[ServerEvent] | None = None
+    ) -> None:
+        self.session = session
+        self.response_id: str | None = None
+        self.error: RemoteProtocolError | None = None
+        self.response: Response | None = None
+        self._events = events
+        self._state: ResponseState | None = None  # set while suspended
+        self._flags: tuple[Any, ...] = ()
+        self._wake = trio.Event()
+        self._done = False
+        self.ended = False  # a terminal event was emitted
+
+    @property
+    def suspended(self) -> bool:
+        return self._state is not None
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def pending_calls(self) -> list[tuple[str, str]]:
+        """(call_id, name) of the calls the suspended rollout waits for."""
+        return list(self._state.open_calls) if self._state is not None else []
+
+    def __aiter__(self) -> AsyncIterator[ServerEvent]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[ServerEvent]:
+        if self._events is None:
+            raise RuntimeError("this rollout streams to its emitter; it can't be iterated")
+        async for event in self._events:
+            response = getattr(event, "response", None)
+            if response is not None:
+                self.response = response
+            if event.type in _ENDS:
+                self.ended = True
+            yield event
+            if event.type in _ENDS or event.type == "response.done":
+                return
+
+    def append(self, items: Sequence[Item] | ResponseAppend) -> None:
+        """Deliver tool outputs (and any other input items) to the suspended rollout.
+        Raises `RemoteProtocolError` for a rollout that is not suspended or an output that
+        answers no pending call; the rollout stays suspended and resumable after an error."""
+        if isinstance(items, ResponseAppend):
+            items = items.input
+        state = self._state
+        if state is None:
+            raise invalid(
+                "The rollout is not suspended: append tool outputs after response.done.",
+                code="rollout_not_suspended",
+                param="response_id",
+            )
+        engine = self.session.engine
+        staged = engine.pipeline.stage(
+            items,
+            lineage=state.lineage,
+            n_items=state.n_items,
+            classifier_state=state.classifier_state,
+            open_calls=dict(state.open_calls),
+            param="input",
+            timings={},
+        )
+        new_calls = {i.call_id for i in items if isinstance(i, FunctionCall)}
+        if new_calls:
+            raise invalid(
+                "response.append carries tool outputs and messages, not function calls.",
+                param="input",
+            )
+        self._state = engine.pipeline.commit(state, staged)
+        self._flags += staged.flags
+        if not self._state.open_calls or self._flags:
+            self._wake.set()
+
+    def _suspend(self, state: ResponseState) -> None:
+        self._state = state
+        self._flags = ()
+        self._wake = trio.Event()
+
+    async def _wait_resume(self, limit: float) -> tuple[ResponseState, tuple[Any, ...]] | None:
+        try:
+            with trio.move_on_after(limit if math.isfinite(limit) else math.inf):
+                await self._wake.wait()
+                assert self._state is not None
+                return self._state, self._flags
+            return None
+        finally:
+            self._state = None
+
+    def _finished(self) -> None:
+        self._done = True
+        self._state = None
+
+
+@asynccontextmanager
+async def open_engine(
+    *,
+    registry: ModelRegistry | None = None,
+    renderer: Renderer | None = None,
+    classifier: Classifier | None = None,
+    validator: Validator | None = None,
+    store: ResponseStore | None = None,
+    ledger: UsageLedger | None = None,
+    wall_clock: Callable[[], float] = time.time,
+    rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT,
+) -> AsyncIterator[Engine]:
+    """Open an engine. Defaults: the built-in `sim` models, the o200k chat-template
+    renderer, the default classifiers, no store and no ledger (pass SQLite ones, see
+    `open_sqlite_store` / `open_sqlite_ledger`, for durability)."""
+    from ._classify import default_classifiers
+    from ._defaults import default_registry
+    from ._render import ChatTemplateRenderer
+    from ._tokenizer import O200kTokenizer
+
+    engine = Engine(
+        registry=registry or default_registry(),
+        renderer=renderer or ChatTemplateRenderer(O200kTokenizer()),
+        classifier=classifier or default_classifiers(),
+        validator=validator or ConversationValidator(),
+        store=store,
+        ledger=ledger,
+        wall_clock=wall_clock,
+        rollout_suspend_limit=rollout_suspend_limit,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.post.run)
+        try:
+            yield engine
+        finally:
+            with trio.CancelScope(shield=True):
+                await engine.post.aclose()

@@ -1,0 +1,255 @@
+"""The engine's injected interfaces: small `typing.Protocol`s with built-in implementations.
+
+Each pipeline stage, the model backend, the response store and the usage ledger is one of
+these; an embedding application passes its own to `open_engine()`. Data passed between them is
+plain immutable values (attrs) so that stages stay independent of each other.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal, Protocol, TypeAlias
+
+import attrs
+
+from protocol import Item, Response, Tool, ToolChoice
+
+__all__ = [
+    "ArgsDelta",
+    "Backend",
+    "CallEnd",
+    "CallStart",
+    "Classifier",
+    "ClassifierVerdict",
+    "Finish",
+    "Flag",
+    "Renderer",
+    "ResponseStore",
+    "SampleEvent",
+    "SampleRequest",
+    "StoredResponse",
+    "TextDelta",
+    "TextEnd",
+    "TextStart",
+    "Tokenizer",
+    "Tokens",
+    "UsageLedger",
+    "UsageRecord",
+]
+
+# Rendered tokens: a compact array of unsigned 32-bit token ids.
+Tokens: TypeAlias = "array[int]"
+
+
+def tokens(values: Sequence[int] = ()) -> array[int]:
+    return array("I", values)
+
+
+# --- render ----------------------------------------------------------------------------------
+
+
+class Tokenizer(Protocol):
+    """Text -> token ids (o200k_base by default), offline."""
+
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class Renderer(Protocol):
+    """Items -> tokens with a chat template.
+
+    Rendering is per item and context-free: `render_item` depends on the item alone (never on
+    ids such as `call_id` or item `id`, so the same conversation renders the same whatever ids
+    were generated), and a context is `render_prefix(...) + concat(render_item(i) for i)`.
+    Hence `render(history + new) == render(history) + render(new)` holds exactly.
+    """
+
+    def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> array[int]: ...
+
+    def render_item(self, item: Item) -> array[int]: ...
+
+    def prefix_text(self, instructions: str | None, tools: Sequence[Tool]) -> str:
+        """The text classifiers see for the prefix."""
+        ...
+
+    def item_text(self, item: Item) -> str:
+        """The text classifiers see for an item (its content, arguments or output)."""
+        ...
+
+
+# --- classify --------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Flag:
+    """A classifier's finding that fails the response. `message` must not echo the secret."""
+
+    classifier: str
+    category: str
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class ClassifierVerdict:
+    state: Any
+    flags: tuple[Flag, ...] = ()
+
+
+class Classifier(Protocol):
+    """A safety classifier with incremental state.
+
+    `feed` is a pure function: folding `feed` over N texts one at a time gives the same state
+    (and the same flags, in order) as folding it over the same texts in any grouping, so the
+    state after N items equals the state from classifying them at once. States are immutable
+    and comparable with `==`.
+    """
+
+    name: str
+
+    def initial(self) -> Any: ...
+
+    def feed(self, state: Any, text: str, n_tokens: int) -> ClassifierVerdict: ...
+
+
+# --- sample ----------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class SampleRequest:
+    """What a backend needs to sample one turn. `context_digest` identifies the whole rendered
+    context (prefix and items, independent of ids) and is maintained incrementally."""
+
+    model: str
+    params: dict[str, str]
+    context_digest: bytes
+    context_tokens: int
+    items: Sequence[Item]  # the whole conversation so far (a view; do not copy on hot paths)
+    instructions: str | None
+    tools: Sequence[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    calls_since_user: int
+
+
+@attrs.frozen
+class TextStart:
+    pass
+
+
+@attrs.frozen
+class TextDelta:
+    text: str
+    n_tokens: int = 1
+
+
+@attrs.frozen
+class TextEnd:
+    pass
+
+
+@attrs.frozen
+class CallStart:
+    name: str
+    namespace: str | None = None
+
+
+@attrs.frozen
+class ArgsDelta:
+    text: str
+    n_tokens: int = 1
+
+
+@attrs.frozen
+class CallEnd:
+    pass
+
+
+@attrs.frozen
+class Finish:
+    reason: Literal["stop", "tool_calls", "max_output_tokens"] = "stop"
+    # Token counts the backend measured (an upstream server's usage); None: render and count.
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+SampleEvent: TypeAlias = TextStart | TextDelta | TextEnd | CallStart | ArgsDelta | CallEnd | Finish
+
+
+class Backend(Protocol):
+    """A model. `sample` yields one turn's output as a stream of events: items open and close
+    in order (TextStart/TextDelta*/TextEnd, CallStart/ArgsDelta*/CallEnd), then one Finish.
+    Failures raise `BackendError`. Pacing (time to first token, tokens per second) happens
+    inside, on trio's clock."""
+
+    def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]: ...
+
+
+# --- post-inference: store and ledger --------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class StoredResponse:
+    """A response as persisted. `items` holds the conversation items this response added
+    (its new input then its output) when `parent_id` is set and the parent is stored;
+    otherwise (`parent_id` None, or `is_root`) the whole conversation up to and including its
+    output, so hydration can always rebuild the context by walking parents to a root."""
+
+    response: Response
+    items: list[Item]
+    instructions: str | None
+    tools: list[Tool]
+    parent_id: str | None
+    is_root: bool
+    owner: str | None
+
+
+class ResponseStore(Protocol):
+    """Durable storage of responses with `store=true` (SQLite by default; a shared PostgreSQL
+    serves several rollout processes behind a load balancer)."""
+
+    async def put(self, stored: StoredResponse) -> None: ...
+
+    async def get(self, response_id: str, *, owner: str | None) -> StoredResponse | None: ...
+
+    async def delete(self, response_id: str, *, owner: str | None) -> bool: ...
+
+    async def get_chain(self, response_id: str, *, owner: str | None) -> list[StoredResponse]:
+        """The response and its ancestors (following `parent_id`) up to the first root, newest
+        first. Raises LookupError when one of them is missing or owned by someone else."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+@attrs.frozen(kw_only=True)
+class UsageRecord:
+    """One sampling step's usage. `(response_id, step)` is unique: recording is idempotent."""
+
+    response_id: str
+    step: int
+    owner: str | None
+    model: str
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    complete: bool  # False: the step was interrupted (disconnect, cancel); work still counts
+    created_at: float
+
+
+class UsageLedger(Protocol):
+    """Durable usage accounting. `record` must be idempotent on `(response_id, step)`."""
+
+    async def record(self, records: Sequence[UsageRecord]) -> None: ...
+
+    def record_sync(self, records: Sequence[UsageRecord]) -> None:
+        """Blocking variant for the last word of a cancelled rollout (called shielded)."""
+        ...
+
+    async def aclose(self) -> None: ...

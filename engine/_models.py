@@ -1,0 +1,120 @@
+"""The model registry: the route stage resolves a request's `model` string to a backend.
+
+A model string is a registered name or alias, optionally followed by `:key=value,...`
+parameters for families that take them (the simulated `sim` model does):
+`sim`, `sim:steps=3,parallel=2`, `sim-4000` (an alias of `sim:tps=4000`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from protocol import RemoteProtocolError
+
+from ._state import Route
+
+__all__ = [
+    "DEFAULT_CONTEXT_WINDOW",
+    "ModelRegistry",
+    "ModelSpec",
+    "model_not_found",
+    "parse_model_string",
+]
+
+# The context window of the built-in simulated models, in tokens (like current frontier models).
+DEFAULT_CONTEXT_WINDOW = 400_000
+# A model string longer than this is refused without parsing (it is fed by the peer).
+MAX_MODEL_STRING = 512
+
+
+@attrs.frozen(kw_only=True)
+class ModelSpec:
+    name: str
+    backend: object  # engine._interfaces.Backend
+    context_window: int = DEFAULT_CONTEXT_WINDOW
+    params: Mapping[str, str] = attrs.field(factory=dict)  # defaults, overridden by the string
+    accepts_params: bool = False  # whether `name:key=value,...` is allowed
+    description: str = ""
+    owned_by: str = "rollout"
+
+
+def model_not_found(model: str) -> RemoteProtocolError:
+    return RemoteProtocolError.invalid(
+        f"The model `{model}` does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+        status=404,
+    )
+
+
+def parse_model_string(model: str) -> tuple[str, dict[str, str]]:
+    """`name:k=v,k2=v2` -> (`name`, {k: v, k2: v2}). Raises ValueError when malformed."""
+    name, sep, rest = model.partition(":")
+    params: dict[str, str] = {}
+    if sep:
+        for pair in rest.split(","):
+            key, eq, value = pair.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(f"expected key=value, got {pair!r}")
+            params[key.strip()] = value.strip()
+    return name, params
+
+
+class ModelRegistry:
+    """Names and aliases -> model specs. Resolution is what the route stage counts."""
+
+    def __init__(self, specs: Iterable[ModelSpec] = (), aliases: Mapping[str, str] = {}) -> None:
+        self._specs: dict[str, ModelSpec] = {}
+        self._aliases: dict[str, str] = {}
+        for spec in specs:
+            self.add(spec)
+        for alias, target in aliases.items():
+            self.alias(alias, target)
+
+    def add(self, spec: ModelSpec) -> None:
+        self._specs[spec.name] = spec
+
+    def alias(self, alias: str, target: str) -> None:
+        """`alias` stands for the model string `target` (which may carry parameters)."""
+        self._aliases[alias] = target
+
+    def names(self) -> list[str]:
+        return sorted({*self._specs, *self._aliases})
+
+    def specs(self) -> list[ModelSpec]:
+        return list(self._specs.values())
+
+    def resolve(self, model: str) -> Route:
+        if len(model) > MAX_MODEL_STRING:
+            raise model_not_found(model[:64] + "...")
+        target = model
+        name, params = self._split(target)
+        seen = set()
+        while name in self._aliases and name not in seen:  # aliases may chain, never loop
+            seen.add(name)
+            alias_name, alias_params = self._split(self._aliases[name])
+            name, params = alias_name, {**alias_params, **params}
+        spec = self._specs.get(name)
+        if spec is None or (params and not spec.accepts_params):
+            raise model_not_found(model)
+        return Route(
+            model=model,
+            name=spec.name,
+            params={**spec.params, **params},
+            context_window=spec.context_window,
+            backend=spec.backend,
+        )
+
+    @staticmethod
+    def _split(model: str) -> tuple[str, dict[str, str]]:
+        try:
+            return parse_model_string(model)
+        except ValueError as exc:
+            raise RemoteProtocolError.invalid(
+                f"Invalid model string {model!r}: {exc}.",
+                code="model_not_found",
+                param="model",
+                status=404,
+            ) from None

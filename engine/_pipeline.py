@@ -1,0 +1,385 @@
+"""The request pipeline: validate, render, classify, route, as explicit pluggable stages.
+
+`Pipeline.prepare` takes a request and the parent state (None for a new chain) and does the
+pre-inference work for the *new* input only: the parent's items are already validated,
+rendered and classified, and its route is reused when the model string is unchanged. Work is
+staged and committed to the lineage only when every stage has passed, so a failed request
+leaves its parent untouched (and still the tip of its chain).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+import jsonschema
+
+from protocol import (
+    FunctionCall,
+    FunctionCallOutput,
+    FunctionTool,
+    Item,
+    ItemReference,
+    Message,
+    NamespaceTool,
+    RemoteProtocolError,
+    ResponseCreate,
+    Tool,
+    ToolChoiceFunction,
+)
+
+from ._counters import Counters, StageTimer
+from ._interfaces import Classifier, Flag, Renderer
+from ._models import ModelRegistry
+from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens
+
+__all__ = [
+    "ConversationValidator",
+    "Pipeline",
+    "Prepared",
+    "Validator",
+    "invalid",
+    "normalize_input",
+]
+
+
+def invalid(
+    message: str, *, code: str = "invalid_value", param: str | None = None
+) -> RemoteProtocolError:
+    return RemoteProtocolError.invalid(message, code=code, param=param)
+
+
+def normalize_input(value: str | list[Item] | None) -> list[Item]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [Message(role="user", content=value)]
+    return list(value)
+
+
+class ConversationView(Protocol):
+    """What validation may ask about the conversation so far."""
+
+    def call(self, call_id: str) -> str | None:
+        """The name of the function call with this id, or None if there is none."""
+        ...
+
+
+@attrs.frozen
+class _LineageView:
+    lineage: Lineage
+    n_items: int
+
+    def call(self, call_id: str) -> str | None:
+        found = self.lineage.call(call_id, self.n_items)
+        return found.name if found else None
+
+
+class Validator(Protocol):
+    """Structure and semantics of a request against its conversation."""
+
+    def validate_request(self, request: ResponseCreate) -> None: ...
+
+    def validate_items(
+        self,
+        items: Sequence[Item],
+        conversation: ConversationView,
+        open_calls: dict[str, str],
+        *,
+        param: str,
+        offset: int = 0,
+    ) -> None:
+        """Check new items; update `open_calls` (call_id -> name) as calls and outputs pass."""
+        ...
+
+
+class ConversationValidator:
+    """The built-in validator.
+
+    Request level: a model is named; tools have unique names and valid JSON schemas; a named
+    `tool_choice` names a declared tool; unsupported features are refused by name.
+    Item level: every `function_call_output` answers a function call of the conversation that
+    has no output yet; a function call's `call_id` is new; item references are resolved before
+    validation (by the caller) and refused if any remain.
+    """
+
+    def validate_request(self, request: ResponseCreate) -> None:
+        if not request.model:
+            raise invalid(
+                "Missing required parameter: 'model'.",
+                code="missing_required_parameter",
+                param="model",
+            )
+        if request.conversation is not None:
+            raise invalid(
+                "Conversations are not supported by this server; use previous_response_id.",
+                code="unsupported_parameter",
+                param="conversation",
+            )
+        names: set[str] = set()
+        for i, tool in enumerate(request.tools or ()):
+            members = tool.tools if isinstance(tool, NamespaceTool) else [tool]
+            for j, member in enumerate(members):
+                where = f"tools[{i}]" + (f".tools[{j}]" if isinstance(tool, NamespaceTool) else "")
+                qualified = _qualified(tool, member)
+                if qualified in names:
+                    raise invalid(f"Duplicate tool name: '{qualified}'.", param=f"{where}.name")
+                names.add(qualified)
+                if member.parameters is not None:
+                    try:
+                        jsonschema.validators.validator_for(member.parameters).check_schema(
+                            member.parameters
+                        )
+                    except jsonschema.SchemaError as exc:
+                        raise invalid(
+                            f"Invalid schema for function '{member.name}': {exc.message}.",
+                            code="invalid_function_parameters",
+                            param=f"{where}.parameters",
+                        ) from None
+        choice = request.tool_choice
+        if isinstance(choice, ToolChoiceFunction) and not any(
+            q == choice.name or q.rsplit(".", 1)[-1] == choice.name for q in names
+        ):
+            raise invalid(
+                f"Tool choice '{choice.name}' not found in 'tools' parameter.",
+                param="tool_choice",
+            )
+
+    def validate_items(
+        self,
+        items: Sequence[Item],
+        conversation: ConversationView,
+        open_calls: dict[str, str],
+        *,
+        param: str,
+        offset: int = 0,
+    ) -> None:
+        new_calls: set[str] = set()
+        for k, item in enumerate(items):
+            where = f"{param}[{offset + k}]"
+            if isinstance(item, FunctionCall):
+                if item.call_id in new_calls or conversation.call(item.call_id) is not None:
+                    raise invalid(
+                        f"Duplicate function call id '{item.call_id}'.",
+                        param=f"{where}.call_id",
+                    )
+                new_calls.add(item.call_id)
+                open_calls[item.call_id] = item.name
+            elif isinstance(item, FunctionCallOutput):
+                if item.call_id not in open_calls:
+                    known = item.call_id in new_calls or conversation.call(item.call_id)
+                    why = "already has an output" if known else "was not found"
+                    raise invalid(
+                        f"No tool call found for function call output with call_id "
+                        f"'{item.call_id}': the call {why}.",
+                        param=f"{where}.call_id",
+                    )
+                del open_calls[item.call_id]
+            elif isinstance(item, ItemReference):
+                raise invalid(
+                    f"Item reference '{item.id}' could not be resolved.",
+                    code="item_not_found",
+                    param=f"{where}.id",
+                )
+
+
+def _qualified(tool: Tool, member: FunctionTool) -> str:
+    return f"{tool.name}.{member.name}" if isinstance(tool, NamespaceTool) else member.name
+
+
+def tool_index(tools: Sequence[Tool]) -> dict[str, FunctionTool]:
+    out: dict[str, FunctionTool] = {}
+    for tool in tools:
+        if isinstance(tool, NamespaceTool):
+            for member in tool.tools:
+                out[_qualified(tool, member)] = member
+        else:
+            out[tool.name] = tool
+    return out
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Staged:
+    """Items validated, rendered and classified, not yet committed to a lineage."""
+
+    items: list[Item]
+    tokens: list[array[int]]
+    classifier_state: Any
+    open_calls: dict[str, str]
+    flags: tuple[Flag, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Prepared:
+    """The outcome of pre-inference work for one request."""
+
+    state: ResponseState  # the conversation with the new input committed (response: parent's)
+    flags: tuple[Flag, ...]
+    cached_tokens: int  # context tokens reused from the parent without rendering
+
+
+class Pipeline:
+    def __init__(
+        self,
+        *,
+        validator: Validator,
+        renderer: Renderer,
+        classifier: Classifier,
+        registry: ModelRegistry,
+        counters: Counters,
+        timer: StageTimer,
+    ) -> None:
+        self.validator = validator
+        self.renderer = renderer
+        self.classifier = classifier
+        self.registry = registry
+        self.counters = counters
+        self.timer = timer
+
+    # --- stages ---
+    def route(self, model: str, parent: ResponseState | None, timings: dict[str, float]) -> Route:
+        if parent is not None and parent.route.model == model:
+            return parent.route
+        with self.timer.measure("route", timings):
+            route = self.registry.resolve(model)
+            check = getattr(route.backend, "check_params", None)
+            if check is not None:
+                check(route.params)
+            self.counters.route_resolutions += 1
+            return route
+
+    def prefix(
+        self,
+        instructions: str | None,
+        tools: Sequence[Tool],
+        parent: ResponseState | None,
+        timings: dict[str, float],
+    ) -> Prefix:
+        if parent is not None and parent.prefix.same_as(instructions, tools):
+            return parent.prefix
+        with self.timer.measure("render", timings):
+            tokens = self.renderer.render_prefix(instructions, tools)
+            self.counters.tokens_rendered += len(tokens)
+        with self.timer.measure("classify", timings):
+            verdict = self.classifier.feed(
+                self.classifier.initial(),
+                self.renderer.prefix_text(instructions, tools),
+                len(tokens),
+            )
+            self.counters.tokens_classified += len(tokens)
+        return Prefix(
+            instructions=instructions,
+            tools=tuple(tools),
+            tokens=tokens,
+            digest=digest_tokens(tokens),
+            tool_index=tool_index(tools),
+            classifier_state=verdict.state,
+            flags=verdict.flags,
+        )
+
+    def stage(
+        self,
+        items: Sequence[Item],
+        *,
+        lineage: Lineage,
+        n_items: int,
+        classifier_state: Any,
+        open_calls: dict[str, str],
+        param: str,
+        timings: dict[str, float],
+        validate: bool = True,
+        offset: int = 0,
+    ) -> Staged:
+        """Validate, render and classify `items` after the first `n_items` of `lineage`."""
+        open_calls = dict(open_calls)
+        if validate:
+            with self.timer.measure("validate", timings):
+                self.validator.validate_items(
+                    items, _LineageView(lineage, n_items), open_calls, param=param, offset=offset
+                )
+                self.counters.items_validated += len(items)
+        with self.timer.measure("render", timings):
+            rendered = [self.renderer.render_item(item) for item in items]
+            self.counters.tokens_rendered += sum(len(t) for t in rendered)
+        flags: list[Flag] = []
+        with self.timer.measure("classify", timings):
+            for item, toks in zip(items, rendered, strict=True):
+                verdict = self.classifier.feed(
+                    classifier_state, self.renderer.item_text(item), len(toks)
+                )
+                classifier_state = verdict.state
+                flags.extend(verdict.flags)
+                self.counters.tokens_classified += len(toks)
+        return Staged(
+            items=list(items),
+            tokens=rendered,
+            classifier_state=classifier_state,
+            open_calls=open_calls,
+            flags=tuple(flags),
+        )
+
+    @staticmethod
+    def commit(base: ResponseState, staged: Staged, **changes: Any) -> ResponseState:
+        """Append staged items to `base`'s conversation (in place on the tip of a chain)."""
+        lineage = base.writable_lineage()
+        for item, toks in zip(staged.items, staged.tokens, strict=True):
+            lineage.append(item, toks)
+        return attrs.evolve(
+            base,
+            lineage=lineage,
+            n_items=base.n_items + len(staged.items),
+            classifier_state=staged.classifier_state,
+            open_calls=tuple(staged.open_calls.items()),
+            **changes,
+        )
+
+    # --- the whole pre-inference pass ---
+    def prepare(
+        self,
+        request: ResponseCreate,
+        parent: ResponseState | None,
+        *,
+        root: ResponseState,
+        new_items: Sequence[Item],
+        timings: dict[str, float],
+        require_outputs: bool,
+    ) -> Prepared:
+        """`root` is `parent`, or for a new chain an empty state to build from. With
+        `require_outputs`, every function call must have its output by the end of the input
+        (a model can't be sampled while tool results are missing)."""
+        with self.timer.measure("validate", timings):
+            self.validator.validate_request(request)
+        assert request.model is not None
+        route = self.route(request.model, parent, timings)
+        prefix = self.prefix(request.instructions, request.tools or (), parent, timings)
+        staged = self.stage(
+            new_items,
+            lineage=root.lineage,
+            n_items=root.n_items,
+            classifier_state=root.classifier_state,
+            open_calls=dict(root.open_calls),
+            param="input",
+            timings=timings,
+        )
+        if require_outputs and staged.open_calls:
+            call_id = next(iter(staged.open_calls))
+            raise invalid(f"No tool output found for function call {call_id}.", param="input")
+        context = len(prefix.tokens) + root.item_tokens + staged.n_tokens
+        if context > route.context_window:
+            raise invalid(
+                f"Your input exceeds the context window of this model: {context} tokens, "
+                f"the limit is {route.context_window}.",
+                code="context_length_exceeded",
+                param="input",
+            )
+        prefix_reused = parent is not None and prefix is parent.prefix
+        reused = root.item_tokens + (len(prefix.tokens) if prefix_reused else 0)
+        state = self.commit(root, staged, prefix=prefix, route=route, first_new_item=root.n_items)
+        flags = (() if prefix_reused else prefix.flags) + staged.flags
+        return Prepared(state=state, flags=flags, cached_tokens=reused if parent else 0)

@@ -1,0 +1,136 @@
+"""Post-inference work: usage records into the ledger and responses into the store.
+
+It runs off the critical path, in one background task fed by a bounded channel, so it overlaps
+the next request. It is never lost:
+- `aclose()` (graceful shutdown) drains the queue;
+- if the engine's task is cancelled outright, the worker writes the usage records still queued
+  with the ledger's blocking `record_sync` before it dies (store writes still queued are lost
+  in that case only; they are a cache of the conversation, usage is money);
+- reads see writes still queued (read-your-writes inside a process): `pending_get` answers for
+  a response whose store write has not landed yet, so a store=true follow-up never misses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from ._counters import Counters
+from ._interfaces import ResponseStore, StoredResponse, UsageLedger, UsageRecord
+
+__all__ = ["POST_INFERENCE_QUEUE_LIMIT", "PostInference", "PostJob"]
+
+# Jobs waiting for the background writer. When full, finishing a response waits for room
+# (backpressure on the writer's slowest dependency instead of unbounded memory).
+POST_INFERENCE_QUEUE_LIMIT = 1024
+
+
+@attrs.frozen(kw_only=True)
+class PostJob:
+    records: Sequence[UsageRecord] = ()
+    stored: StoredResponse | None = None
+
+
+class PostInference:
+    def __init__(
+        self,
+        *,
+        store: ResponseStore | None,
+        ledger: UsageLedger | None,
+        counters: Counters,
+        limit: int = POST_INFERENCE_QUEUE_LIMIT,
+    ) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.counters = counters
+        self._send, self._recv = trio.open_memory_channel[PostJob](limit)
+        self._pending: dict[str, StoredResponse] = {}
+        self._idle = trio.Event()
+        self._idle.set()
+        self._outstanding = 0  # submitted and not yet written
+
+    @property
+    def backlog(self) -> int:
+        return self._outstanding
+
+    def pending_get(self, response_id: str) -> StoredResponse | None:
+        return self._pending.get(response_id)
+
+    def forget(self, response_id: str) -> bool:
+        """Drop a queued store write (the response was deleted before it landed)."""
+        return self._pending.pop(response_id, None) is not None
+
+    async def submit(self, job: PostJob) -> None:
+        """Queue a job (waits for room when the queue is full). If this is cancelled, the job
+        was not queued and the caller still owns it."""
+        if job.stored is not None:
+            self._pending[job.stored.response.id] = job.stored
+        self._outstanding += 1
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        try:
+            await self._send.send(job)
+        except BaseException:
+            if job.stored is not None:
+                self._pending.pop(job.stored.response.id, None)
+            self._done_one()
+            raise
+
+    def _done_one(self) -> None:
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._idle.set()
+
+    def submit_sync_records(self, records: Sequence[UsageRecord]) -> None:
+        """Record usage now, blocking (for cancellation paths that can't await)."""
+        if records and self.ledger is not None:
+            self.ledger.record_sync(records)
+            self.counters.ledger_records += len(records)
+
+    async def flushed(self) -> None:
+        """Wait until every job submitted so far has been written."""
+        await self._idle.wait()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            async for job in self._recv:
+                try:
+                    await self._process(job)
+                finally:
+                    self._done_one()
+        finally:
+            # Cancelled (or closed): whatever usage is still queued is written synchronously.
+            leftover: list[UsageRecord] = []
+            while True:
+                try:
+                    job = self._recv.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+                leftover.extend(job.records)
+                self._done_one()
+            self.submit_sync_records(leftover)
+
+    async def _process(self, job: PostJob) -> None:
+        if job.records and self.ledger is not None:
+            try:
+                await self.ledger.record(job.records)
+            except trio.Cancelled:
+                self.submit_sync_records(job.records)
+                raise
+            self.counters.ledger_records += len(job.records)
+        stored = job.stored
+        if stored is not None and self.store is not None:
+            rid = stored.response.id
+            if self._pending.get(rid) is stored:
+                await self.store.put(stored)
+                self.counters.store_writes += 1
+                if self._pending.get(rid) is stored:
+                    del self._pending[rid]
+        self.counters.post_inference_runs += 1
+
+    async def aclose(self) -> None:
+        """Stop accepting jobs; the worker drains what is queued and exits."""
+        await self._send.aclose()

@@ -1,0 +1,303 @@
+"""The simulated model: deterministic, paced on trio's clock, driven by its model id.
+
+Its output is a deterministic function of the whole rendered context (the context digest the
+engine maintains incrementally), so any difference in context between two ways of running the
+same rollout shows up as different output. Its behaviour is chosen by the model string, so an
+unmodified client can drive it:
+
+    sim[:key=value,...]
+
+| key         | default   | meaning                                                               |
+|-------------|-----------|-----------------------------------------------------------------------|
+| steps       | 1         | while tools are declared and fewer than `steps` function calls were    |
+|             |           | made since the last user message, call tools; otherwise answer text   |
+| parallel    | 1         | function calls per turn (1 when `parallel_tool_calls` is false)        |
+| tokens      | 32        | length of a text answer, in tokens                                    |
+| tps         | unlimited | sampled tokens per second                                             |
+| ttft_ms     | 0         | delay before the first token                                          |
+| interval_ms | 5         | after the first token, deltas are coalesced to one per interval       |
+
+It honours `tool_choice` like a real model (`none`: text; `required`: always call a tool;
+a named function: always call that function; `auto`: the `steps` rule), `parallel_tool_calls:
+false`, and `max_output_tokens` (the turn stops there and the response ends `incomplete`).
+Function-call arguments are generated from the tool's JSON schema and validate against it for
+the common keywords (type, properties, required, enum, const, items, min/max, lengths,
+anyOf/oneOf/allOf taking the first branch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import trio
+
+from protocol import FunctionTool, NamespaceTool, RemoteProtocolError, ToolChoiceFunction
+
+from ._interfaces import (
+    ArgsDelta,
+    CallEnd,
+    CallStart,
+    Finish,
+    SampleEvent,
+    SampleRequest,
+    TextDelta,
+    TextEnd,
+    TextStart,
+)
+
+__all__ = ["SIM_PARAMS", "SimBackend", "SimParams", "schema_instance"]
+
+# Single-token English words (each is one o200k token with its leading space).
+_WORDS = (
+    " the of and to in is that for it as was with be by on not he this are or his from at which"
+    " but have an they you were her she there been one all we their has would when if so no what"
+    " up out who them some into more time could about than only other new over also after can"
+    " first made well like way years work then most should through may such where back any"
+    " these great much before good people use day man long must world life here between both"
+    " under never same another know while last might us great old year off come since against"
+    " go came right used take three states himself few house during without place again home"
+    " small found thought went say part once general high upon school every don does got united"
+    " left number course war until always away something fact though water less public put think"
+    " almost hand enough far took head yet government system better set told nothing night end"
+    " why called didn eyes find going look asked later knew point next city business give group"
+    " toward young let room side social given present several order national possible rather"
+    " second face per among form important often things looked early white case john become large"
+    " big need four within felt along children saw best church ever least power development light"
+).split(" ")[1:]
+_VOCAB = tuple(" " + w for w in _WORDS)
+
+SIM_PARAMS = ("steps", "parallel", "tokens", "tps", "ttft_ms", "interval_ms")
+# Bounds on parameters a peer can choose through the model string.
+MAX_SIM_TOKENS = 1_000_000
+MAX_SIM_STEPS = 100_000
+MAX_SIM_PARALLEL = 128
+
+
+class SimParams:
+    __slots__ = ("interval", "parallel", "steps", "tokens", "tps", "ttft")
+
+    def __init__(self, params: Mapping[str, str]) -> None:
+        self.steps = _int(params, "steps", 1, 0, MAX_SIM_STEPS)
+        self.parallel = _int(params, "parallel", 1, 1, MAX_SIM_PARALLEL)
+        self.tokens = _int(params, "tokens", 32, 0, MAX_SIM_TOKENS)
+        tps = _float(params, "tps", 0.0)
+        self.tps = tps if tps > 0 else math.inf
+        self.ttft = _float(params, "ttft_ms", 0.0) / 1000
+        self.interval = _float(params, "interval_ms", 5.0) / 1000
+
+
+def _bad(key: str, value: str, why: str) -> RemoteProtocolError:
+    return RemoteProtocolError.invalid(
+        f"Invalid sim model parameter {key}={value!r}: {why}.", code="invalid_value", param="model"
+    )
+
+
+def _int(params: Mapping[str, str], key: str, default: int, lo: int, hi: int) -> int:
+    raw = params.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _bad(key, raw, "expected an integer") from None
+    if not lo <= value <= hi:
+        raise _bad(key, raw, f"expected {lo}..{hi}")
+    return value
+
+
+def _float(params: Mapping[str, str], key: str, default: float) -> float:
+    raw = params.get(key)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _bad(key, raw, "expected a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise _bad(key, raw, "expected a non-negative number")
+    return value
+
+
+def _declared(tools: Any) -> list[tuple[str | None, FunctionTool]]:
+    out: list[tuple[str | None, FunctionTool]] = []
+    for tool in tools:
+        if isinstance(tool, NamespaceTool):
+            out.extend((tool.name, member) for member in tool.tools)
+        else:
+            out.append((None, tool))
+    return out
+
+
+class SimBackend:
+    """The `sim` family. Stateless: everything comes from the SampleRequest."""
+
+    def check_params(self, params: Mapping[str, str]) -> None:
+        unknown = sorted(set(params) - set(SIM_PARAMS))
+        if unknown:
+            known = ", ".join(SIM_PARAMS)
+            raise _bad(unknown[0], params[unknown[0]], f"unknown; known are {known}")
+        SimParams(params)
+
+    async def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]:
+        p = SimParams(request.params)
+        rng = random.Random(request.context_digest)
+        budget = (
+            request.max_output_tokens if request.max_output_tokens is not None else MAX_SIM_TOKENS
+        )
+        start = trio.current_time()
+        clock = _Pacer(start + p.ttft, p.tps)
+        if p.ttft:
+            await trio.sleep_until(start + p.ttft)
+
+        calls = self._plan_calls(request, p, rng)
+        if not calls:
+            n = min(p.tokens, budget)
+            yield TextStart()
+            emitted = 0
+            while emitted < n:
+                size = 1 if emitted == 0 else max(1, min(n - emitted, clock.per_interval(p)))
+                words = "".join(rng.choice(_VOCAB) for _ in range(size))
+                if emitted == 0:
+                    words = words.lstrip()
+                emitted += size
+                await clock.wait(emitted)
+                yield TextDelta(words, size)
+            yield TextEnd()
+            yield Finish("max_output_tokens" if n < p.tokens else "stop")
+            return
+
+        used = 0
+        for namespace, tool in calls:
+            arguments = json.dumps(
+                schema_instance(tool.parameters or {"type": "object"}, rng), ensure_ascii=False
+            )
+            yield CallStart(tool.name, namespace)
+            pieces = [arguments[i : i + 4] for i in range(0, len(arguments), 4)] or [""]
+            i = 0
+            while i < len(pieces):
+                size = 1 if used == 0 else max(1, clock.per_interval(p))
+                take = pieces[i : i + size]
+                if used + len(take) > budget:
+                    take = take[: max(0, int(budget - used))]
+                    if take:
+                        used += len(take)
+                        await clock.wait(used)
+                        yield ArgsDelta("".join(take), len(take))
+                    yield Finish("max_output_tokens")
+                    return
+                used += len(take)
+                i += len(take)
+                await clock.wait(used)
+                yield ArgsDelta("".join(take), len(take))
+            yield CallEnd()
+        yield Finish("tool_calls")
+
+    @staticmethod
+    def _plan_calls(
+        request: SampleRequest, p: SimParams, rng: random.Random
+    ) -> list[tuple[str | None, FunctionTool]]:
+        declared = _declared(request.tools)
+        choice = request.tool_choice
+        if not declared or choice == "none":
+            return []
+        per_turn = p.parallel if request.parallel_tool_calls else 1
+        if isinstance(choice, ToolChoiceFunction):
+            named = [d for d in declared if d[1].name == choice.name]
+            return named[:1] * per_turn if named else []
+        if choice == "auto":
+            remaining = p.steps - request.calls_since_user
+            if remaining <= 0:
+                return []
+            per_turn = min(per_turn, remaining)
+        return [rng.choice(declared) for _ in range(per_turn)]
+
+
+class _Pacer:
+    """Tokens become available at `first + n / tps` on trio's clock."""
+
+    __slots__ = ("first", "tps")
+
+    def __init__(self, first: float, tps: float) -> None:
+        self.first = first
+        self.tps = tps
+
+    def per_interval(self, p: SimParams) -> int:
+        if math.isinf(self.tps):
+            return 1_000_000
+        return max(1, int(self.tps * p.interval))
+
+    async def wait(self, n_tokens: int) -> None:
+        if not math.isinf(self.tps):
+            await trio.sleep_until(self.first + n_tokens / self.tps)
+
+
+# --- JSON schema instances -------------------------------------------------------------------
+
+_MAX_DEPTH = 6
+
+
+def schema_instance(schema: Any, rng: random.Random, depth: int = 0) -> Any:
+    """A value that validates against `schema` for the common keywords (best effort beyond)."""
+    if not isinstance(schema, dict):
+        return {}
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return rng.choice(schema["enum"])
+    for key in ("anyOf", "oneOf", "allOf"):
+        if schema.get(key):
+            return schema_instance(schema[key][0], rng, depth + 1)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind is None:
+        kind = "object" if "properties" in schema else "string"
+    if kind == "object":
+        out: dict[str, Any] = {}
+        if depth >= _MAX_DEPTH:
+            return out
+        props = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
+        for name, sub in props.items():
+            if name in required or rng.random() < 0.5:
+                out[name] = schema_instance(sub, rng, depth + 1)
+        return out
+    if kind == "array":
+        lo = int(schema.get("minItems", 0))
+        hi = int(schema.get("maxItems", max(lo, 3)))
+        n = rng.randint(lo, max(lo, min(hi, lo + 3)))
+        if depth >= _MAX_DEPTH:
+            n = lo
+        return [schema_instance(schema.get("items", {}), rng, depth + 1) for _ in range(n)]
+    if kind == "integer":
+        ilo, ihi = _bounds(schema, integer=True)
+        return rng.randint(int(ilo), int(ihi))
+    if kind == "number":
+        flo, fhi = _bounds(schema, integer=False)
+        return round(rng.uniform(flo, fhi), 3) if flo < fhi else flo
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    lo_len = int(schema.get("minLength", 1))
+    hi_len = int(schema.get("maxLength", max(lo_len, 24)))
+    text = "".join(rng.choice(_VOCAB) for _ in range(4)).strip()
+    while len(text) < lo_len:
+        text += rng.choice(_VOCAB)
+    return text[:hi_len]
+
+
+def _bounds(schema: dict[str, Any], *, integer: bool) -> tuple[float, float]:
+    lo = float(schema.get("minimum", 0))
+    hi = float(schema.get("maximum", lo + 100))
+    if "exclusiveMinimum" in schema:
+        lo = float(schema["exclusiveMinimum"]) + (1 if integer else 1e-3)
+    if "exclusiveMaximum" in schema:
+        hi = float(schema["exclusiveMaximum"]) - (1 if integer else 1e-3)
+    if integer:
+        lo, hi = float(math.ceil(lo)), float(math.floor(hi))
+    return lo, max(lo, hi)

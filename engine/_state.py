@@ -1,0 +1,236 @@
+"""ResponseState: what a finished response leaves behind for the next turn.
+
+Everything fast in rollout is reuse of this state; everything slow is rebuilding it.
+
+A conversation's items, their rendered tokens, a running digest of the context and the index of
+function calls live in a `Lineage`: append-only storage shared by every state along one chain
+of responses. A `ResponseState` is a view of the first `n_items` items of a lineage plus the
+small per-turn values (the prefix, the classifier state, the route, the calls still waiting for
+output). Extending the newest state of a chain appends in place, so a follow-up costs work
+proportional to its new items only, never to the history. Extending an older state (a fork:
+two children of one parent) first copies the shared prefix into a new lineage; that is the only
+operation whose cost grows with the conversation, and it happens only on forks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import attrs
+
+from protocol import FunctionCall, FunctionCallOutput, FunctionTool, Item, Message, Response, Tool
+
+__all__ = ["ItemsView", "Lineage", "Prefix", "ResponseState", "Route", "digest_tokens"]
+
+_EMPTY_DIGEST = hashlib.blake2b(b"rollout-context", digest_size=16).digest()
+
+
+def digest_tokens(tokens: array[int]) -> bytes:
+    return hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
+
+
+def _chain(previous: bytes, item_digest: bytes) -> bytes:
+    return hashlib.blake2b(previous + item_digest, digest_size=16).digest()
+
+
+@attrs.define(eq=False)
+class _Call:
+    name: str
+    added_at: int  # index of the function_call item in the lineage
+
+
+class Lineage:
+    """Append-only storage shared along a chain of states (copy-on-fork)."""
+
+    __slots__ = ("_calls", "_csu", "_digests", "_ends", "items", "tokens")
+
+    def __init__(self) -> None:
+        self.items: list[Item] = []
+        self.tokens: array[int] = array("I")
+        self._ends: array[int] = array("Q")  # cumulative token count after each item
+        self._digests: list[bytes] = []  # chained context digest after each item
+        self._csu: array[int] = array("I")  # function calls since the last user message
+        self._calls: dict[str, _Call] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def token_count(self, n_items: int) -> int:
+        return self._ends[n_items - 1] if n_items else 0
+
+    def digest(self, n_items: int) -> bytes:
+        return self._digests[n_items - 1] if n_items else _EMPTY_DIGEST
+
+    def calls_since_user(self, n_items: int) -> int:
+        return self._csu[n_items - 1] if n_items else 0
+
+    def item_tokens(self, index: int) -> array[int]:
+        start = self._ends[index - 1] if index else 0
+        return self.tokens[start : self._ends[index]]
+
+    def call(self, call_id: str, n_items: int) -> _Call | None:
+        """The function call with `call_id` among the first `n_items` items, if any."""
+        found = self._calls.get(call_id)
+        if found is None or found.added_at >= n_items:
+            return None
+        return found
+
+    def append(self, item: Item, item_tokens: array[int]) -> None:
+        index = len(self.items)
+        self.items.append(item)
+        self.tokens.extend(item_tokens)
+        self._ends.append(len(self.tokens))
+        self._digests.append(_chain(self.digest(index), digest_tokens(item_tokens)))
+        csu = self.calls_since_user(index)
+        if isinstance(item, Message) and item.role == "user":
+            csu = 0
+        elif isinstance(item, FunctionCall):
+            csu += 1
+            self._calls[item.call_id] = _Call(item.name, index)
+        self._csu.append(csu)
+
+    def fork(self, n_items: int) -> Lineage:
+        """A new lineage holding a copy of the first `n_items` items (O(history))."""
+        new = Lineage()
+        new.items = self.items[:n_items]
+        new._ends = self._ends[:n_items]
+        new.tokens = self.tokens[: self.token_count(n_items)]
+        new._digests = self._digests[:n_items]
+        new._csu = self._csu[:n_items]
+        new._calls = {k: v for k, v in self._calls.items() if v.added_at < n_items}
+        return new
+
+
+class ItemsView(Sequence[Item]):
+    """A read-only view of a state's items, without copying the history."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list[Item], n: int) -> None:
+        self._items = items
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, index: int) -> Item: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Item]: ...
+    def __getitem__(self, index: int | slice) -> Item | Sequence[Item]:
+        if isinstance(index, slice):
+            return self._items[: self._n][index]
+        if index < 0:
+            index += self._n
+        if not 0 <= index < self._n:
+            raise IndexError(index)
+        return self._items[index]
+
+    def __iter__(self) -> Iterator[Item]:
+        items = self._items
+        for i in range(self._n):
+            yield items[i]
+
+
+@attrs.frozen(eq=False)
+class Prefix:
+    """Instructions and tools, rendered once and reused while a chain keeps them unchanged."""
+
+    instructions: str | None
+    tools: tuple[Tool, ...]
+    tokens: array[int]
+    digest: bytes
+    tool_index: dict[str, FunctionTool]  # qualified name ("ns.name" or "name") -> tool
+    classifier_state: Any
+    flags: tuple[Any, ...] = ()  # classifier flags raised by the prefix (fail the response)
+
+    def same_as(self, instructions: str | None, tools: Sequence[Tool]) -> bool:
+        return self.instructions == instructions and self.tools == tuple(tools)
+
+
+@attrs.frozen(eq=False)
+class Route:
+    """Where a model string resolved to. `model` is the string the client sent."""
+
+    model: str
+    name: str  # the registry entry
+    params: dict[str, str]
+    context_window: int
+    backend: Any  # engine._interfaces.Backend
+
+
+@attrs.frozen(eq=False)
+class ResponseState:
+    """A response and the conversation it leaves behind (see the module docstring)."""
+
+    response: Response
+    lineage: Lineage
+    n_items: int
+    prefix: Prefix
+    classifier_state: Any
+    route: Route
+    open_calls: tuple[tuple[str, str], ...]  # (call_id, name) of calls with no output yet
+    stored: bool  # this response and all its ancestors are in the store
+    first_new_item: int  # index of this response's first own item (its parent's n_items)
+
+    @property
+    def id(self) -> str:
+        return self.response.id
+
+    @property
+    def items(self) -> ItemsView:
+        return ItemsView(self.lineage.items, self.n_items)
+
+    @property
+    def own_items(self) -> list[Item]:
+        """The items this response added: its new input, then its output."""
+        return self.lineage.items[self.first_new_item : self.n_items]
+
+    @property
+    def item_tokens(self) -> int:
+        return self.lineage.token_count(self.n_items)
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self.prefix.tokens) + self.item_tokens
+
+    @property
+    def calls_since_user(self) -> int:
+        return self.lineage.calls_since_user(self.n_items)
+
+    @property
+    def context_digest(self) -> bytes:
+        return _chain(self.prefix.digest, self.lineage.digest(self.n_items))
+
+    def context(self) -> array[int]:
+        """The whole rendered context (copies: for tests, storage and slow paths only)."""
+        out = array("I", self.prefix.tokens)
+        out.extend(self.lineage.tokens[: self.item_tokens])
+        return out
+
+    def writable_lineage(self) -> Lineage:
+        """The lineage a child of this state appends to: shared when this state is the tip,
+        a copy of this state's history when it is not (a fork)."""
+        if len(self.lineage) == self.n_items:
+            return self.lineage
+        return self.lineage.fork(self.n_items)
+
+    def equivalent(self, other: ResponseState) -> bool:
+        """Same conversation, tokens, classifier state, pending calls and route."""
+        return (
+            list(self.items) == list(other.items)
+            and self.context() == other.context()
+            and self.context_digest == other.context_digest
+            and self.classifier_state == other.classifier_state
+            and self.prefix.classifier_state == other.prefix.classifier_state
+            and self.open_calls == other.open_calls
+            and self.route.name == other.route.name
+            and self.route.params == other.route.params
+        )
+
+
+def answered_call_ids(items: Sequence[Item]) -> set[str]:
+    return {i.call_id for i in items if isinstance(i, FunctionCallOutput)}

@@ -1,0 +1,503 @@
+"""Response stores: `SQLiteResponseStore` (embedded, durable) and `MemoryResponseStore`.
+
+A store keeps the responses created with `store=true` so that a later request can name one as
+`previous_response_id` and the engine can rebuild (hydrate) its context by walking parents up to
+a root (`get_chain`). Stores are injected as the `ResponseStore` Protocol; the Protocol exists
+so that a shared PostgreSQL implementation can serve several rollout processes behind a load
+balancer, where a follow-up request may land on a process that never saw the parent.
+
+A PostgreSQL implementation should keep the same table shape (`RESPONSES_SCHEMA`, with `BYTEA`
+for the body) and must preserve what the tests check for both implementations here:
+
+- **Idempotent put, last write wins**: `put` is an upsert on the response id
+  (`INSERT ... ON CONFLICT (id) DO UPDATE ... WHERE` the owner is unchanged), so the
+  post-inference queue may retry a write and a response may be re-stored with a later status;
+  exactly one row per id remains.
+- **Owner isolation**: a response stored by owner A is invisible to owner B for `get`,
+  `get_chain` (a parent owned by someone else is a missing parent) and `delete`, and a `put`
+  never moves an id to another owner. Owner `None` means "auth off" and matches only rows
+  stored with owner `None`: compare with `IS NOT DISTINCT FROM` in PostgreSQL (`IS` here),
+  never with `=`, which is never true for NULLs.
+- **One round trip per chain**: `get_chain` is one recursive CTE (`WITH RECURSIVE` works
+  unchanged), bounded by `max_depth`, so a deep history is not N queries across a network.
+
+SQLite access: one dedicated connection in WAL mode, used from trio's worker threads
+(`trio.to_thread.run_sync`) one call at a time under a `trio.Lock`; encoding and decoding run in
+that worker thread too, so a large root response does not stall the event loop. Worker calls
+are not abandoned on cancellation: a write that started finishes (or rolls back) before the
+cancelled task unwinds, so the connection is never left mid-transaction.
+
+Errors: `sqlite3.Error` from the database propagates unchanged; a missing or too-deep chain
+raises `LookupError`; a `put` of an id stored under another owner, or a body that does not
+decode, raises `ValueError`; a file from a newer schema raises `RuntimeError`; use after
+`aclose()` raises `trio.ClosedResourceError`. (To be mapped onto the engine's exceptions module
+at its boundary.)
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Self, TypeAlias, TypeVar
+
+import msgpack
+import trio
+
+from protocol import Item, RemoteProtocolError, Response, Tool, from_wire, to_wire
+
+from ._interfaces import StoredResponse
+
+__all__ = [
+    "DEFAULT_BUSY_TIMEOUT",
+    "MAX_CHAIN_DEPTH",
+    "RESPONSES_SCHEMA",
+    "RESPONSES_SCHEMA_VERSION",
+    "MemoryResponseStore",
+    "SQLiteResponseStore",
+    "open_sqlite_store",
+]
+
+T = TypeVar("T")
+
+Synchronous: TypeAlias = Literal["NORMAL", "FULL"]
+
+# The longest chain `get_chain` follows, counting the response itself. A chain is one response
+# per turn between roots; agent rollouts run to a few hundred turns, so 10,000 is far beyond any
+# real conversation while still bounding the work (and the memory of the recursive query) that
+# one request can cause, including on a corrupted file whose parent pointers form a cycle.
+MAX_CHAIN_DEPTH = 10_000
+
+# How long (seconds) a connection waits for another connection's write lock before failing
+# with "database is locked". Writers here hold the lock for milliseconds (one upsert, or one
+# batch of usage rows); other processes sharing the file (or the ledger's `record_sync`) may
+# queue behind them. Five seconds rides out a burst without hanging a caller forever.
+DEFAULT_BUSY_TIMEOUT = 5.0
+
+# Bookkeeping shared by every component that keeps tables in a rollout SQLite file (the store
+# and the usage ledger may share one file): one row per component with its schema version.
+SCHEMA_VERSIONS_DDL = """
+CREATE TABLE IF NOT EXISTS schema_versions (
+    component TEXT PRIMARY KEY,
+    version   INTEGER NOT NULL
+)"""
+
+RESPONSES_SCHEMA_VERSION = 1
+
+# The response store's schema (version `RESPONSES_SCHEMA_VERSION`), one statement per entry.
+#   id          the response id (`resp_...`), the only lookup key.
+#   owner       who stored it (the authenticated principal); NULL when auth is off.
+#   parent_id   `previous_response_id` of the response, NULL for a conversation's first.
+#   is_root     1 when `body` holds the whole conversation (hydration stops here).
+#   created_at  `Response.created_at` (unix seconds), for retention sweeps.
+#   body        msgpack map {"response", "items", "instructions", "tools"}: the wire
+#               (`protocol.to_wire`) form of each; decoded leniently (unknown keys ignored) so
+#               that a file written by a newer rollout that added fields still reads.
+# Hydration follows parent pointers through the primary key, so no other index is needed.
+RESPONSES_SCHEMA: tuple[str, ...] = (
+    """
+    CREATE TABLE responses (
+        id         TEXT PRIMARY KEY,
+        owner      TEXT,
+        parent_id  TEXT,
+        is_root    INTEGER NOT NULL CHECK (is_root IN (0, 1)),
+        created_at INTEGER NOT NULL,
+        body       BLOB NOT NULL
+    )""",
+)
+
+# Upgrades from an older schema version: {from_version: statements to reach from_version + 1}.
+RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {}
+
+_PUT = """
+INSERT INTO responses (id, owner, parent_id, is_root, created_at, body)
+VALUES (?, ?, ?, ?, ?, ?)
+ON CONFLICT (id) DO UPDATE SET
+    parent_id = excluded.parent_id,
+    is_root = excluded.is_root,
+    created_at = excluded.created_at,
+    body = excluded.body
+WHERE responses.owner IS excluded.owner
+"""
+
+_GET = "SELECT id, owner, parent_id, is_root, body FROM responses WHERE id = ? AND owner IS ?"
+
+_DELETE = "DELETE FROM responses WHERE id = ? AND owner IS ?"
+
+# The response, then each parent, while the previous row is not a root, up to `max_depth` rows.
+# A parent owned by someone else is not joined, so it looks missing (owner isolation).
+_CHAIN = """
+WITH RECURSIVE chain (depth, id, owner, parent_id, is_root, body) AS (
+    SELECT 0, id, owner, parent_id, is_root, body
+    FROM responses WHERE id = :id AND owner IS :owner
+    UNION ALL
+    SELECT chain.depth + 1, r.id, r.owner, r.parent_id, r.is_root, r.body
+    FROM chain JOIN responses AS r ON r.id = chain.parent_id AND r.owner IS :owner
+    WHERE chain.is_root = 0 AND chain.depth + 1 < :max_depth
+)
+SELECT id, owner, parent_id, is_root, body FROM chain ORDER BY depth
+"""
+
+_Row: TypeAlias = tuple[str, str | None, str | None, int, bytes]
+
+
+# --- shared SQLite plumbing (also used by the usage ledger) ----------------------------------
+
+
+def connect(
+    path: Path, *, synchronous: Synchronous = "NORMAL", busy_timeout: float = DEFAULT_BUSY_TIMEOUT
+) -> sqlite3.Connection:
+    """A connection in WAL mode and autocommit (transactions are explicit `BEGIN`s), usable
+    from any thread (callers serialize access themselves)."""
+    conn = sqlite3.connect(
+        path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+    )
+    try:
+        (mode,) = conn.execute("PRAGMA journal_mode=WAL").fetchone()
+        if str(mode).lower() != "wal":
+            raise RuntimeError(f"{path}: could not switch SQLite to WAL mode (got {mode!r})")
+        conn.execute(f"PRAGMA synchronous={synchronous}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def ensure_schema(
+    conn: sqlite3.Connection,
+    *,
+    component: str,
+    version: int,
+    schema: Sequence[str],
+    migrations: dict[int, tuple[str, ...]],
+) -> None:
+    """Create `component`'s tables in an empty file, or upgrade them to `version`, atomically."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(SCHEMA_VERSIONS_DDL)
+        row = conn.execute(
+            "SELECT version FROM schema_versions WHERE component = ?", (component,)
+        ).fetchone()
+        if row is None:
+            for statement in schema:
+                conn.execute(statement)
+            conn.execute(
+                "INSERT INTO schema_versions (component, version) VALUES (?, ?)",
+                (component, version),
+            )
+        else:
+            found = int(row[0])
+            if found > version:
+                raise RuntimeError(
+                    f"the {component} tables have schema version {found}, newer than this "
+                    f"rollout's {version}: upgrade rollout to read this file"
+                )
+            for step in range(found, version):
+                if step not in migrations:
+                    raise RuntimeError(
+                        f"no migration of the {component} tables from schema version {step}"
+                    )
+                for statement in migrations[step]:
+                    conn.execute(statement)
+            conn.execute(
+                "UPDATE schema_versions SET version = ? WHERE component = ?", (version, component)
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+class _SQLiteResource:
+    """One connection, used from worker threads one call at a time."""
+
+    _what = "resource"
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self._conn: sqlite3.Connection | None = conn
+        self._closed = False
+        self._lock = trio.Lock()
+        self.path = path
+
+    def _check_open(self) -> sqlite3.Connection:
+        if self._closed or self._conn is None:
+            raise trio.ClosedResourceError(f"the {self._what} at {self.path} is closed")
+        return self._conn
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        self._check_open()
+        async with self._lock:
+            return await trio.to_thread.run_sync(fn, self._check_open())
+
+    async def aclose(self) -> None:
+        """Close the connection. Calls queued behind the lock fail with `ClosedResourceError`;
+        a call in flight finishes first (shielded: at most one statement or batch). Idempotent."""
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            async with self._lock:
+                conn, self._conn = self._conn, None
+                if conn is not None:
+                    await trio.to_thread.run_sync(conn.close)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+# --- encoding --------------------------------------------------------------------------------
+
+
+def _encode(stored: StoredResponse) -> bytes:
+    body = {
+        "response": to_wire(stored.response),
+        "items": to_wire(stored.items),
+        "instructions": stored.instructions,
+        "tools": to_wire(stored.tools),
+    }
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return packed
+
+
+def _decode(row: _Row) -> StoredResponse:
+    response_id, owner, parent_id, is_root, blob = row
+    try:
+        body: Any = msgpack.unpackb(blob, raw=False)
+        if not isinstance(body, dict):
+            raise TypeError(f"the body is {type(body).__name__}, not a map")
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise TypeError(f"instructions is {type(instructions).__name__}")
+        return StoredResponse(
+            response=from_wire(body["response"], Response, strict=False),
+            items=from_wire(body["items"], list[Item], strict=False),
+            instructions=instructions,
+            tools=from_wire(body["tools"], list[Tool], strict=False),
+            parent_id=parent_id,
+            is_root=bool(is_root),
+            owner=owner,
+        )
+    except (RemoteProtocolError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"stored response {response_id!r} could not be decoded: {exc}") from exc
+
+
+def _check_depth(max_depth: int) -> None:
+    if max_depth < 1:
+        raise ValueError(f"max_depth must be at least 1, not {max_depth}")
+
+
+def _broken_chain(
+    response_id: str, length: int, last_id: str, last_parent: str | None, max_depth: int
+) -> LookupError:
+    if length >= max_depth:
+        return LookupError(
+            f"the chain of response {response_id!r} has no root within {max_depth} responses"
+        )
+    return LookupError(
+        f"the chain of response {response_id!r} is broken: response "
+        f"{last_id!r} names parent {last_parent!r}, which is not stored"
+    )
+
+
+def _not_stored(response_id: str) -> LookupError:
+    return LookupError(f"response {response_id!r} is not stored")
+
+
+def _is_end(stored: StoredResponse) -> bool:
+    return stored.is_root or stored.parent_id is None
+
+
+# --- SQLite ----------------------------------------------------------------------------------
+
+
+class SQLiteResponseStore(_SQLiteResource):
+    """A `ResponseStore` in one SQLite file. Make one with `open_sqlite_store()`."""
+
+    _what = "response store"
+
+    async def put(self, stored: StoredResponse) -> None:
+        """Store (or replace: last write wins) a response. Raises `ValueError` if the id is
+        already stored under another owner."""
+        response_id = stored.response.id
+
+        def run(conn: sqlite3.Connection) -> int:
+            cursor = conn.execute(
+                _PUT,
+                (
+                    response_id,
+                    stored.owner,
+                    stored.parent_id,
+                    int(stored.is_root),
+                    stored.response.created_at,
+                    _encode(stored),
+                ),
+            )
+            return cursor.rowcount
+
+        if await self._run(run) == 0:
+            raise ValueError(f"response {response_id!r} is already stored under another owner")
+
+    async def get(self, response_id: str, *, owner: str | None) -> StoredResponse | None:
+        def run(conn: sqlite3.Connection) -> StoredResponse | None:
+            row: _Row | None = conn.execute(_GET, (response_id, owner)).fetchone()
+            return None if row is None else _decode(row)
+
+        return await self._run(run)
+
+    async def delete(self, response_id: str, *, owner: str | None) -> bool:
+        def run(conn: sqlite3.Connection) -> bool:
+            return conn.execute(_DELETE, (response_id, owner)).rowcount > 0
+
+        return await self._run(run)
+
+    async def get_chain(
+        self, response_id: str, *, owner: str | None, max_depth: int = MAX_CHAIN_DEPTH
+    ) -> list[StoredResponse]:
+        """The response and its ancestors, newest first, ending at the first root (`is_root`
+        or no parent): never empty, and its last element is always a root. Raises
+        `LookupError` if the response or a parent is missing (or owned by someone else), or
+        if no root is reached within `max_depth` responses. One query."""
+        _check_depth(max_depth)
+
+        def run(conn: sqlite3.Connection) -> list[StoredResponse]:
+            rows: list[_Row] = conn.execute(
+                _CHAIN, {"id": response_id, "owner": owner, "max_depth": max_depth}
+            ).fetchall()
+            if not rows:
+                raise _not_stored(response_id)
+            last_id, _, last_parent, last_is_root, _ = rows[-1]
+            if not last_is_root and last_parent is not None:
+                # Checked before decoding: a broken chain costs no decoding.
+                raise _broken_chain(response_id, len(rows), last_id, last_parent, max_depth)
+            return [_decode(row) for row in rows]
+
+        return await self._run(run)
+
+    async def count(self) -> int:
+        """How many responses are stored (all owners); for tests and metrics."""
+
+        def run(conn: sqlite3.Connection) -> int:
+            (n,) = conn.execute("SELECT count(*) FROM responses").fetchone()
+            return int(n)
+
+        return await self._run(run)
+
+
+async def open_sqlite_store(
+    path: str | Path,
+    *,
+    synchronous: Synchronous = "NORMAL",
+    busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
+) -> SQLiteResponseStore:
+    """Open (creating directories, file and tables as needed) a response store. Close it with
+    `aclose()`, or use it as `async with await open_sqlite_store(path) as store:`.
+
+    `synchronous="NORMAL"` (WAL) keeps every committed write across a crash of the process;
+    `"FULL"` also across a power loss, at the cost of an fsync per write."""
+    file = Path(path)
+
+    def run() -> sqlite3.Connection:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        conn = connect(file, synchronous=synchronous, busy_timeout=busy_timeout)
+        try:
+            ensure_schema(
+                conn,
+                component="responses",
+                version=RESPONSES_SCHEMA_VERSION,
+                schema=RESPONSES_SCHEMA,
+                migrations=RESPONSES_MIGRATIONS,
+            )
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    return SQLiteResponseStore(await trio.to_thread.run_sync(run), file)
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+class MemoryResponseStore:
+    """A `ResponseStore` in a dict, with the same semantics as `SQLiteResponseStore`. Values
+    are kept as given (not copied): treat stored responses as immutable."""
+
+    def __init__(self) -> None:
+        self._responses: dict[str, StoredResponse] = {}
+        self._closed = False
+
+    async def _checkpoint(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("the response store is closed")
+        await trio.lowlevel.checkpoint()
+
+    def _visible(self, response_id: str | None, owner: str | None) -> StoredResponse | None:
+        stored = self._responses.get(response_id) if response_id is not None else None
+        return stored if stored is not None and stored.owner == owner else None
+
+    async def put(self, stored: StoredResponse) -> None:
+        await self._checkpoint()
+        response_id = stored.response.id
+        old = self._responses.get(response_id)
+        if old is not None and old.owner != stored.owner:
+            raise ValueError(f"response {response_id!r} is already stored under another owner")
+        self._responses[response_id] = stored
+
+    async def get(self, response_id: str, *, owner: str | None) -> StoredResponse | None:
+        await self._checkpoint()
+        return self._visible(response_id, owner)
+
+    async def delete(self, response_id: str, *, owner: str | None) -> bool:
+        await self._checkpoint()
+        if self._visible(response_id, owner) is None:
+            return False
+        del self._responses[response_id]
+        return True
+
+    async def get_chain(
+        self, response_id: str, *, owner: str | None, max_depth: int = MAX_CHAIN_DEPTH
+    ) -> list[StoredResponse]:
+        """See `SQLiteResponseStore.get_chain`."""
+        _check_depth(max_depth)
+        await self._checkpoint()
+        chain: list[StoredResponse] = []
+        stored = self._visible(response_id, owner)
+        while stored is not None:
+            chain.append(stored)
+            if _is_end(stored) or len(chain) >= max_depth:
+                break
+            stored = self._visible(stored.parent_id, owner)
+        if not chain:
+            raise _not_stored(response_id)
+        if not _is_end(chain[-1]):
+            last = chain[-1]
+            raise _broken_chain(
+                response_id, len(chain), last.response.id, last.parent_id, max_depth
+            )
+        return chain
+
+    async def count(self) -> int:
+        await self._checkpoint()
+        return len(self._responses)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

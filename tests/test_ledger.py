@@ -1,0 +1,238 @@
+"""Usage ledgers: the idempotency rule, durability, and `record_sync` beside the async path."""
+
+from __future__ import annotations
+
+import operator
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from engine._interfaces import UsageLedger, UsageRecord
+from engine._ledger import MemoryUsageLedger, SQLiteUsageLedger, open_sqlite_ledger
+from engine._store import open_sqlite_store
+
+Ledger = MemoryUsageLedger | SQLiteUsageLedger
+
+DEADLINE = 10
+
+
+def _implements_the_protocol(a: MemoryUsageLedger, b: SQLiteUsageLedger) -> UsageLedger:
+    """Checked by mypy: both ledgers are `UsageLedger`s."""
+    return a if a else b
+
+
+def rec(
+    response_id: str = "resp_1",
+    step: int = 0,
+    *,
+    complete: bool = True,
+    owner: str | None = "alice",
+    output_tokens: int = 5,
+    created_at: float = 1_700_000_000.5,
+) -> UsageRecord:
+    return UsageRecord(
+        response_id=response_id,
+        step=step,
+        owner=owner,
+        model="test-model",
+        input_tokens=100,
+        cached_tokens=40,
+        output_tokens=output_tokens,
+        complete=complete,
+        created_at=created_at,
+    )
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Ledger]:
+    led: Ledger
+    if request.param == "memory":
+        led = MemoryUsageLedger()
+    else:
+        with trio.fail_after(DEADLINE):
+            led = await open_sqlite_ledger(tmp_path / "nested" / "usage.db")
+    yield led
+    with trio.fail_after(DEADLINE):
+        await led.aclose()
+
+
+# (first record, second record, which one the ledger keeps). Output tokens tell them apart.
+FIRST = rec(complete=False, output_tokens=1)
+SECOND_INCOMPLETE = rec(complete=False, output_tokens=2)
+FIRST_COMPLETE = rec(complete=True, output_tokens=3)
+SECOND_COMPLETE = rec(complete=True, output_tokens=4)
+IDEMPOTENCY_CASES = [
+    pytest.param(FIRST, FIRST, FIRST, id="incomplete-retried"),
+    pytest.param(FIRST_COMPLETE, FIRST_COMPLETE, FIRST_COMPLETE, id="complete-retried"),
+    pytest.param(FIRST, FIRST_COMPLETE, FIRST_COMPLETE, id="complete-replaces-incomplete"),
+    pytest.param(FIRST_COMPLETE, FIRST, FIRST_COMPLETE, id="incomplete-never-replaces-complete"),
+    pytest.param(FIRST, SECOND_INCOMPLETE, FIRST, id="incomplete-twice-first-wins"),
+    pytest.param(FIRST_COMPLETE, SECOND_COMPLETE, FIRST_COMPLETE, id="complete-twice-first-wins"),
+]
+
+
+@pytest.mark.parametrize(("first", "second", "kept"), IDEMPOTENCY_CASES)
+@pytest.mark.parametrize("how", ["two-calls", "one-batch", "sync-then-async"])
+async def test_idempotency(
+    ledger: Ledger, how: str, first: UsageRecord, second: UsageRecord, kept: UsageRecord
+) -> None:
+    with trio.fail_after(DEADLINE):
+        other = rec(step=1)
+        if how == "two-calls":
+            await ledger.record([first, other])
+            await ledger.record([second])
+        elif how == "one-batch":
+            await ledger.record([first, other, second])
+        else:
+            ledger.record_sync([first])
+            await ledger.record([second, other])
+        assert await ledger.count() == 2
+        assert await ledger.rows("resp_1") == [kept, other]
+
+
+async def test_totals_and_rows(ledger: Ledger) -> None:
+    with trio.fail_after(DEADLINE):
+        assert await ledger.totals() == {
+            "records": 0,
+            "incomplete": 0,
+            "input_tokens": 0,
+            "cached_tokens": 0,
+            "output_tokens": 0,
+        }
+        await ledger.record([])
+        records = [
+            rec("resp_b", 1, owner="bob", output_tokens=7),
+            rec("resp_a", 0, owner="alice"),
+            rec("resp_a", 1, owner="alice", complete=False, output_tokens=2),
+            rec("resp_b", 0, owner="bob"),
+            rec("resp_n", 0, owner=None),
+        ]
+        await ledger.record(records)
+        assert await ledger.totals() == {
+            "records": 5,
+            "incomplete": 1,
+            "input_tokens": 500,
+            "cached_tokens": 200,
+            "output_tokens": 5 + 2 + 7 + 5 + 5,
+        }
+        assert await ledger.totals("bob") == {
+            "records": 2,
+            "incomplete": 0,
+            "input_tokens": 200,
+            "cached_tokens": 80,
+            "output_tokens": 12,
+        }
+        assert (await ledger.totals("nobody"))["records"] == 0
+        by_key = operator.attrgetter("response_id", "step")
+        assert await ledger.rows() == sorted(records, key=by_key)
+        assert await ledger.rows("resp_b") == [records[3], records[0]]
+        assert await ledger.rows("resp_x") == []
+        assert await ledger.count() == 5
+
+
+async def test_record_sync_while_async_record_in_flight(ledger: Ledger) -> None:
+    with trio.fail_after(DEADLINE):
+        batch = [rec("resp_async", step) for step in range(2000)]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ledger.record, batch)
+            # The async record is now blocked in its worker thread (SQLite) or done (memory).
+            await trio.testing.wait_all_tasks_blocked()
+            ledger.record_sync([rec("resp_sync", 0, complete=False)])
+        assert await ledger.count() == 2001
+        assert (await ledger.rows("resp_sync"))[0].complete is False
+
+
+async def test_record_sync_does_not_need_the_async_lock(tmp_path: Path) -> None:
+    """`record_sync` runs from a shielded cleanup, possibly while another task holds the
+    ledger's lock (an async call queued or in flight); it must not wait for that lock."""
+    with trio.fail_after(DEADLINE):
+        async with await open_sqlite_ledger(tmp_path / "usage.db") as ledger:
+            async with ledger._lock:
+                ledger.record_sync([rec()])
+            assert await ledger.rows() == [rec()]
+
+
+async def test_record_sync_waits_for_sqlite_write_lock(tmp_path: Path) -> None:
+    """Another connection holding SQLite's write lock delays `record_sync` (busy timeout)
+    instead of failing it."""
+    with trio.fail_after(DEADLINE):
+        path = tmp_path / "usage.db"
+        async with await open_sqlite_ledger(path) as ledger:
+            other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            try:
+                other.execute("BEGIN IMMEDIATE")
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(trio.to_thread.run_sync, ledger.record_sync, [rec()])
+                    await trio.testing.wait_all_tasks_blocked()
+                    other.execute("COMMIT")
+            finally:
+                other.close()
+            assert await ledger.rows() == [rec()]
+
+
+async def test_record_sync_gives_up_after_busy_timeout(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE):
+        path = tmp_path / "usage.db"
+        async with await open_sqlite_ledger(path, busy_timeout=0.01) as ledger:
+            other = sqlite3.connect(path, isolation_level=None)
+            try:
+                other.execute("BEGIN IMMEDIATE")
+                with pytest.raises(sqlite3.OperationalError, match="locked"):
+                    ledger.record_sync([rec()])
+            finally:
+                other.execute("ROLLBACK")
+                other.close()
+            assert await ledger.count() == 0
+
+
+async def test_durable_after_record_returns(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE):
+        path = tmp_path / "usage.db"
+        ledger = await open_sqlite_ledger(path)
+        await ledger.record([rec(step=0), rec(step=1, complete=False)])
+        ledger.record_sync([rec(step=2)])
+        # Seen by a brand-new connection while the ledger is still open ...
+        conn = sqlite3.connect(path)
+        try:
+            assert conn.execute("SELECT step, complete FROM usage ORDER BY step").fetchall() == [
+                (0, 1),
+                (1, 0),
+                (2, 1),
+            ]
+        finally:
+            conn.close()
+        await ledger.aclose()
+        # ... and by a reopened ledger.
+        async with await open_sqlite_ledger(path) as reopened:
+            assert await reopened.rows() == [rec(step=0), rec(step=1, complete=False), rec(step=2)]
+            await reopened.record([rec(step=1)])
+            assert (await reopened.totals())["incomplete"] == 0
+
+
+async def test_shares_a_file_with_the_store(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE):
+        path = tmp_path / "rollout.db"
+        async with await open_sqlite_store(path) as store, await open_sqlite_ledger(path) as led:
+            await led.record([rec()])
+            assert await store.count() == 0
+        conn = sqlite3.connect(path)
+        try:
+            assert conn.execute(
+                "SELECT component, version FROM schema_versions ORDER BY component"
+            ).fetchall() == [("responses", 1), ("usage", 1)]
+        finally:
+            conn.close()
+
+
+async def test_closed(ledger: Ledger) -> None:
+    with trio.fail_after(DEADLINE):
+        await ledger.aclose()
+        await ledger.aclose()
+        with pytest.raises(trio.ClosedResourceError):
+            await ledger.record([rec()])
+        with pytest.raises(trio.ClosedResourceError):
+            ledger.record_sync([rec()])

@@ -1,0 +1,334 @@
+"""Response stores: both implementations pass the same tests; SQLite also survives a reopen."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from engine._interfaces import ResponseStore, StoredResponse
+from engine._store import (
+    MAX_CHAIN_DEPTH,
+    MemoryResponseStore,
+    SQLiteResponseStore,
+    open_sqlite_store,
+)
+from protocol import (
+    FunctionCall,
+    FunctionCallOutput,
+    FunctionTool,
+    InputImage,
+    InputText,
+    Item,
+    Message,
+    NamespaceTool,
+    OutputText,
+    Reasoning,
+    Response,
+    SummaryText,
+    Tool,
+    Usage,
+)
+
+Store = MemoryResponseStore | SQLiteResponseStore
+
+DEADLINE = 10
+
+
+def _implements_the_protocol(a: MemoryResponseStore, b: SQLiteResponseStore) -> ResponseStore:
+    """Checked by mypy: both stores are `ResponseStore`s."""
+    return a if a else b
+
+
+def make(
+    response_id: str,
+    *,
+    parent_id: str | None = None,
+    is_root: bool = False,
+    owner: str | None = None,
+    text: str = "done",
+) -> StoredResponse:
+    """A stored response with one item of every kind and both kinds of tool."""
+    output: list[Item] = [
+        Reasoning(id=f"rs_{response_id}", summary=[SummaryText(text="thinking")]),
+        FunctionCall(
+            id=f"fc_{response_id}",
+            call_id=f"call_{response_id}",
+            name="search",
+            arguments='{"q": "ünïcode ✓"}',
+            status="completed",
+            namespace="web",
+        ),
+        Message(
+            id=f"msg_{response_id}",
+            role="assistant",
+            content=[OutputText(text=text)],
+            status="completed",
+        ),
+    ]
+    items: list[Item] = [
+        Message(role="developer", content="be brief"),
+        Message(
+            role="user",
+            content=[
+                InputText(text="look"),
+                InputImage(image_url="https://example.com/a.png", detail="low"),
+            ],
+        ),
+        FunctionCallOutput(call_id="call_prev", output="42"),
+        *output,
+    ]
+    tools: list[Tool] = [
+        FunctionTool(name="f", parameters={"type": "object", "properties": {}}, strict=True),
+        NamespaceTool(name="web", description="the web", tools=[FunctionTool(name="search")]),
+    ]
+    response = Response(
+        id=response_id,
+        created_at=1_700_000_000,
+        completed_at=1_700_000_001,
+        status="completed",
+        model="test-model",
+        instructions="be brief",
+        output=output,
+        previous_response_id=parent_id,
+        tools=tools,
+        usage=Usage.of(input_tokens=10, output_tokens=5, cached_tokens=2),
+        metadata={"k": "v"},
+    )
+    return StoredResponse(
+        response=response,
+        items=items,
+        instructions="be brief",
+        tools=tools,
+        parent_id=parent_id,
+        is_root=is_root,
+        owner=owner,
+    )
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    s: Store
+    if request.param == "memory":
+        s = MemoryResponseStore()
+    else:
+        with trio.fail_after(DEADLINE):
+            s = await open_sqlite_store(tmp_path / "nested" / "dir" / "rollout.db")
+    yield s
+    with trio.fail_after(DEADLINE):
+        await s.aclose()
+
+
+async def test_round_trip(store: Store) -> None:
+    with trio.fail_after(DEADLINE):
+        stored = make("resp_1", owner="alice")
+        await store.put(stored)
+        assert await store.get("resp_1", owner="alice") == stored
+        assert await store.get("resp_missing", owner="alice") is None
+        assert await store.delete("resp_1", owner="alice") is True
+        assert await store.get("resp_1", owner="alice") is None
+        assert await store.delete("resp_1", owner="alice") is False
+
+
+async def test_owner_isolation(store: Store) -> None:
+    with trio.fail_after(DEADLINE):
+        alice, anon = make("resp_a", owner="alice"), make("resp_n", owner=None)
+        await store.put(alice)
+        await store.put(anon)
+        assert await store.get("resp_a", owner="bob") is None
+        assert await store.get("resp_a", owner=None) is None  # auth off sees only owner None
+        assert await store.get("resp_n", owner="alice") is None
+        assert await store.get("resp_n", owner=None) == anon
+        with pytest.raises(LookupError, match="'resp_a' is not stored"):
+            await store.get_chain("resp_a", owner="bob")
+        assert await store.get_chain("resp_a", owner="alice") == [alice]
+        assert await store.delete("resp_a", owner="bob") is False
+        assert await store.delete("resp_a", owner=None) is False
+        assert await store.get("resp_a", owner="alice") == alice
+        # A put never moves an id to another owner.
+        with pytest.raises(ValueError, match="another owner"):
+            await store.put(make("resp_a", owner="bob"))
+        with pytest.raises(ValueError, match="another owner"):
+            await store.put(make("resp_n", owner="alice"))
+        assert await store.get("resp_a", owner="alice") == alice
+        assert await store.count() == 2
+
+
+async def test_put_is_idempotent_last_write_wins(store: Store) -> None:
+    """Same id twice: one row, holding the last write (a retry is harmless and a response can
+    be re-stored with a later status)."""
+    with trio.fail_after(DEADLINE):
+        first = make("resp_1", owner="alice", text="first")
+        second = make("resp_1", owner="alice", text="second", parent_id="resp_0")
+        await store.put(first)
+        await store.put(first)
+        assert await store.count() == 1
+        await store.put(second)
+        assert await store.count() == 1
+        assert await store.get("resp_1", owner="alice") == second
+
+
+async def put_chain(store: Store, owner: str | None = "alice") -> list[StoredResponse]:
+    """r1 (first, no parent) <- r2 <- r3 (a root: compacted) <- r4 <- r5."""
+    chain = [
+        make("r1", owner=owner),
+        make("r2", parent_id="r1", owner=owner),
+        make("r3", parent_id="r2", is_root=True, owner=owner),
+        make("r4", parent_id="r3", owner=owner),
+        make("r5", parent_id="r4", owner=owner),
+    ]
+    for stored in chain:
+        await store.put(stored)
+    return chain
+
+
+async def test_get_chain_stops_at_root(store: Store) -> None:
+    with trio.fail_after(DEADLINE):
+        r1, r2, r3, r4, r5 = await put_chain(store)
+        assert await store.get_chain("r5", owner="alice") == [r5, r4, r3]
+        assert await store.get_chain("r3", owner="alice") == [r3]
+        assert await store.get_chain("r2", owner="alice") == [r2, r1]
+        assert await store.get_chain("r1", owner="alice") == [r1]
+        assert await store.get_chain("r5", owner="alice", max_depth=3) == [r5, r4, r3]
+        with pytest.raises(LookupError, match="response 'nope' is not stored"):
+            await store.get_chain("nope", owner="alice")
+
+
+async def test_get_chain_too_deep(store: Store) -> None:
+    with trio.fail_after(DEADLINE):
+        await put_chain(store)
+        with pytest.raises(LookupError, match="no root within 2 responses"):
+            await store.get_chain("r5", owner="alice", max_depth=2)
+        with pytest.raises(ValueError, match="at least 1"):
+            await store.get_chain("r5", owner="alice", max_depth=0)
+
+
+async def test_get_chain_cycle_is_bounded(store: Store) -> None:
+    with trio.fail_after(DEADLINE):
+        await store.put(make("a", parent_id="b"))
+        await store.put(make("b", parent_id="a"))
+        with pytest.raises(LookupError, match=f"no root within {MAX_CHAIN_DEPTH} responses"):
+            await store.get_chain("a", owner=None)
+
+
+async def test_get_chain_missing_parent(store: Store) -> None:
+    with trio.fail_after(DEADLINE):
+        await put_chain(store)
+        assert await store.delete("r4", owner="alice")
+        with pytest.raises(LookupError, match="response 'r5' names parent 'r4'"):
+            await store.get_chain("r5", owner="alice")
+        # A parent owned by someone else is a missing parent.
+        await store.put(make("r4", parent_id="r3", owner="mallory"))
+        with pytest.raises(LookupError, match="names parent 'r4'"):
+            await store.get_chain("r5", owner="alice")
+
+
+async def test_closed(store: Store) -> None:
+    with trio.fail_after(DEADLINE):
+        await store.aclose()
+        await store.aclose()  # idempotent
+        with pytest.raises(trio.ClosedResourceError):
+            await store.get("resp_1", owner=None)
+        with pytest.raises(trio.ClosedResourceError):
+            await store.put(make("resp_1"))
+
+
+# --- SQLite only -----------------------------------------------------------------------------
+
+
+async def test_sqlite_aclose_fails_queued_calls(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE):
+        store = await open_sqlite_store(tmp_path / "rollout.db")
+        outcome: list[str] = []
+
+        async def queued() -> None:
+            try:
+                await store.count()
+            except trio.ClosedResourceError:
+                outcome.append("closed")
+
+        async with trio.open_nursery() as nursery:
+            async with store._lock:  # stands for a call in flight
+                nursery.start_soon(queued)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(store.aclose)
+                await trio.testing.wait_all_tasks_blocked()
+        assert outcome == ["closed"]
+        assert store._conn is None
+
+
+async def test_sqlite_reopen(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE):
+        path = tmp_path / "rollout.db"
+        async with await open_sqlite_store(path) as store:
+            chain = await put_chain(store)
+            anon = make("resp_n")
+            await store.put(anon)
+        async with await open_sqlite_store(path) as store:
+            assert await store.get_chain("r5", owner="alice") == chain[:1:-1]
+            assert await store.get("resp_n", owner=None) == anon
+            assert await store.count() == 6
+        conn = sqlite3.connect(path)
+        try:
+            assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+            assert conn.execute(
+                "SELECT version FROM schema_versions WHERE component = 'responses'"
+            ).fetchone() == (1,)
+        finally:
+            conn.close()
+
+
+async def test_sqlite_refuses_newer_schema(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE):
+        path = tmp_path / "rollout.db"
+        await (await open_sqlite_store(path)).aclose()
+        conn = sqlite3.connect(path)
+        with conn:
+            conn.execute("UPDATE schema_versions SET version = 99 WHERE component = 'responses'")
+        conn.close()
+        with pytest.raises(RuntimeError, match="schema version 99, newer"):
+            await open_sqlite_store(path)
+
+
+async def test_sqlite_decodes_leniently(tmp_path: Path) -> None:
+    """A body written by a newer rollout, with fields this one does not know, still reads."""
+    import msgpack
+
+    from protocol import to_wire
+
+    with trio.fail_after(DEADLINE):
+        path = tmp_path / "rollout.db"
+        stored = make("resp_1")
+        body = {
+            "response": {**to_wire(stored.response), "new_field": 1},
+            "items": [{**item, "new_field": 2} for item in to_wire(stored.items)],
+            "instructions": stored.instructions,
+            "tools": to_wire(stored.tools),
+            "new_part": [],
+        }
+        async with await open_sqlite_store(path) as store:
+            await store.put(stored)
+        conn = sqlite3.connect(path)
+        with conn:
+            conn.execute("UPDATE responses SET body = ?", (msgpack.packb(body),))
+        conn.close()
+        async with await open_sqlite_store(path) as store:
+            assert await store.get("resp_1", owner=None) == stored
+
+
+async def test_sqlite_corrupt_body(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE):
+        path = tmp_path / "rollout.db"
+        async with await open_sqlite_store(path) as store:
+            await store.put(make("resp_1"))
+        conn = sqlite3.connect(path)
+        with conn:
+            conn.execute("UPDATE responses SET body = ?", (b"\x93\x01\x02\x03",))
+        conn.close()
+        async with await open_sqlite_store(path) as store:
+            with pytest.raises(ValueError, match="'resp_1' could not be decoded"):
+                await store.get("resp_1", owner=None)
