@@ -1,5 +1,99 @@
-"""rollout's engine: pipeline stages, caches, the rollout coroutine, backends, stores, server."""
+"""rollout's engine: pipeline stages, caches, the rollout coroutine, backends, stores, server.
+
+The embedded API: `open_engine()` gives an `Engine`; `engine.session()` gives a connection
+scope whose `create()` runs a response (stateless or continuing with previous_response_id) and
+whose `open_rollout()` runs the rollout extension.
+"""
+
+from ._classify import (
+    ClassifierSet,
+    PatternPolicy,
+    PolicyRule,
+    SecretDetector,
+    default_classifiers,
+)
+from ._counters import Counters
+from ._defaults import default_registry
+from ._engine import (
+    DEFAULT_CACHE_RESPONSES,
+    DEFAULT_CACHE_TOKENS,
+    DEFAULT_ROLLOUT_SUSPEND_LIMIT,
+    Emit,
+    Engine,
+    ResponseCache,
+    Rollout,
+    Session,
+    open_engine,
+)
+from ._errors import BackendError, EngineError
+from ._interfaces import (
+    Backend,
+    Classifier,
+    ClassifierVerdict,
+    Flag,
+    Renderer,
+    ResponseStore,
+    SampleEvent,
+    SampleRequest,
+    StoredResponse,
+    Tokenizer,
+    UsageLedger,
+    UsageRecord,
+)
+from ._ledger import MemoryUsageLedger, SQLiteUsageLedger, open_sqlite_ledger
+from ._models import ModelRegistry, ModelSpec
+from ._pipeline import ConversationValidator, Validator
+from ._render import ChatTemplateRenderer
+from ._sim import SimBackend
+from ._state import ResponseState
+from ._store import MemoryResponseStore, SQLiteResponseStore, open_sqlite_store
+from ._tokenizer import O200kTokenizer
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "DEFAULT_CACHE_RESPONSES",
+    "DEFAULT_CACHE_TOKENS",
+    "DEFAULT_ROLLOUT_SUSPEND_LIMIT",
+    "Backend",
+    "BackendError",
+    "ChatTemplateRenderer",
+    "Classifier",
+    "ClassifierSet",
+    "ClassifierVerdict",
+    "ConversationValidator",
+    "Counters",
+    "Emit",
+    "Engine",
+    "EngineError",
+    "Flag",
+    "MemoryResponseStore",
+    "MemoryUsageLedger",
+    "ModelRegistry",
+    "ModelSpec",
+    "O200kTokenizer",
+    "PatternPolicy",
+    "PolicyRule",
+    "Renderer",
+    "ResponseCache",
+    "ResponseState",
+    "ResponseStore",
+    "Rollout",
+    "SQLiteResponseStore",
+    "SQLiteUsageLedger",
+    "SampleEvent",
+    "SampleRequest",
+    "SecretDetector",
+    "Session",
+    "SimBackend",
+    "StoredResponse",
+    "Tokenizer",
+    "UsageLedger",
+    "UsageRecord",
+    "Validator",
+    "default_classifiers",
+    "default_registry",
+    "open_engine",
+    "open_sqlite_ledger",
+    "open_sqlite_store",
+]
