@@ -5,10 +5,75 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from . import __version__
 
 __all__ = ["main"]
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from protocol import DEFAULT_MAX_MESSAGE_SIZE
+
+    from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT
+    from ._ws import DEFAULT_CONNECTION_AGE_LIMIT, DEFAULT_MAX_QUEUED_CREATES
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the Responses API (HTTP, SSE and WebSocket mode) on one port",
+        description="Serve the Responses API over HTTP (with server-sent events) and WebSocket "
+        "mode on one port, with the built-in simulated models, a SQLite response store and a "
+        "SQLite usage ledger.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("rollout-data"),
+        help="folder of the SQLite store and usage ledger (default ./rollout-data)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require this API key (repeatable; also ROLLOUT_API_KEYS, comma-separated); "
+        "without keys auth is off",
+    )
+    p.add_argument("--no-websocket", action="store_true", help="refuse WebSocket upgrades (426)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--max-message-size",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_SIZE,
+        help="largest request body / WebSocket message in bytes "
+        f"(default {DEFAULT_MAX_MESSAGE_SIZE})",
+    )
+    p.add_argument(
+        "--connection-age-limit",
+        type=float,
+        default=DEFAULT_CONNECTION_AGE_LIMIT,
+        help="seconds before a WebSocket connection must reconnect (default 3600)",
+    )
+    p.add_argument(
+        "--max-queued-creates",
+        type=int,
+        default=DEFAULT_MAX_QUEUED_CREATES,
+        help=f"response.create events queued per connection (default {DEFAULT_MAX_QUEUED_CREATES})",
+    )
+    p.add_argument(
+        "--rollout-suspend-limit",
+        type=float,
+        default=DEFAULT_ROLLOUT_SUSPEND_LIMIT,
+        help="seconds a suspended rollout waits for tool outputs (default 600)",
+    )
+    p.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight responses get to finish at shutdown (default 10)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,8 +85,31 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"rollout {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve(sub)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from ._serve import ServerConfig, api_keys_from_env, configure_logging, serve
+
+    configure_logging(args.log_level)
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        api_keys=tuple(args.api_key) + api_keys_from_env(),
+        websocket=not args.no_websocket,
+        max_message_size=args.max_message_size,
+        connection_age_limit=args.connection_age_limit,
+        max_queued_creates=args.max_queued_creates,
+        rollout_suspend_limit=args.rollout_suspend_limit,
+        graceful_timeout=args.graceful_timeout,
+    )
+    trio.run(serve, config)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    handlers = {"serve": _serve}
+    return handlers[args.command](args)
 
 
 if __name__ == "__main__":  # pragma: no cover

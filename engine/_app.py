@@ -1,0 +1,537 @@
+"""The ASGI application: the HTTP Responses API and WebSocket mode on one port.
+
+Served by hypercorn's trio worker (see `_serve.py`). Routes:
+
+    POST   /v1/responses                 create (JSON, or server-sent events with stream=true)
+    GET    /v1/responses/{id}            a stored response
+    DELETE /v1/responses/{id}            delete a stored response
+    GET    /v1/responses   (upgrade)     WebSocket mode
+    GET    /v1/models, /v1/models/{id}   the models of the registry
+    GET    /healthz                      liveness
+    GET    /metrics                      Prometheus text: work counters, connections, statuses,
+                                         per-stage latency histograms, post-inference backlog
+
+Errors use the OpenAI body `{"error": {"message", "type", "param", "code"}}` and the matching
+status. With API keys configured, a request without a valid `Authorization: Bearer` key gets
+401 (a WebSocket upgrade is refused before 101) and stored responses are visible only to the
+key that created them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import attrs
+import trio
+
+from protocol import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    ErrorBody,
+    RemoteProtocolError,
+    Response,
+    ServerEvent,
+    decode_create_body,
+    encode_json,
+    to_wire,
+)
+
+from ._counters import LATENCY_BUCKETS
+from ._engine import Engine
+from ._ws import WebSocketConnection, WebSocketLimits
+
+__all__ = ["AppConfig", "RolloutApp", "owner_of"]
+
+access_log = logging.getLogger("rollout.access")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_RESPONSE_PATH = re.compile(r"^/v1/responses/([A-Za-z0-9_.\-]+)/?$")
+_MODEL_PATH = re.compile(r"^/v1/models/(.+)$")
+
+
+@attrs.frozen(kw_only=True)
+class AppConfig:
+    api_keys: tuple[str, ...] = ()
+    websocket: bool = True
+    # The largest HTTP request body and WebSocket message accepted, in bytes.
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    ws_limits: WebSocketLimits = attrs.field(factory=WebSocketLimits)
+    max_cached_responses: int = 8
+    max_cached_tokens: int = 8_000_000
+
+
+def owner_of(key: str | None) -> str | None:
+    """Stored responses belong to a hash of the API key that created them."""
+    if key is None:
+        return None
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+def _error_body(
+    message: str,
+    *,
+    code: str | None,
+    param: str | None = None,
+    type_: str = "invalid_request_error",
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class RolloutApp:
+    def __init__(self, engine: Engine, config: AppConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.shutting_down = trio.Event()
+        self.open_connections = 0
+        self.http_requests = 0
+        self._started = time.time()
+
+    # --- ASGI entry point ---
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "websocket":
+            await self._websocket(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.shutting_down.set()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- auth ---
+    def _authenticate(self, headers: dict[str, str]) -> tuple[bool, str | None]:
+        """(allowed, owner). Without configured keys auth is off and the owner is None."""
+        if not self.config.api_keys:
+            return True, None
+        auth = headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or key not in self.config.api_keys:
+            return False, None
+        return True, owner_of(key)
+
+    # --- WebSocket ---
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = await receive()
+        if message["type"] != "websocket.connect":
+            return
+        path = scope["path"].rstrip("/")
+        headers = _headers(scope)
+        status, body = 0, None
+        if path not in ("/v1/responses", "/responses"):
+            status, body = 404, _error_body(f"No WebSocket endpoint at {path}.", code="not_found")
+        elif not self.config.websocket:
+            status, body = (
+                426,
+                _error_body(
+                    "WebSocket mode is disabled on this server; use HTTP POST /v1/responses.",
+                    code="websocket_disabled",
+                ),
+            )
+        allowed, owner = self._authenticate(headers)
+        if not status and not allowed:
+            status, body = (
+                401,
+                _error_body(
+                    "Incorrect API key provided. You can find your API key in your settings.",
+                    code="invalid_api_key",
+                ),
+            )
+        if status:
+            await self._deny_upgrade(send, status, body or {})
+            access_log.info(json.dumps({"event": "ws_refused", "path": path, "status": status}))
+            return
+        await send({"type": "websocket.accept"})
+        self.open_connections += 1
+        started = time.perf_counter()
+        session = self.engine.session(
+            owner=owner,
+            max_cached_responses=self.config.max_cached_responses,
+            max_cached_tokens=self.config.max_cached_tokens,
+        )
+        timing = headers.get("x-rollout-timing", "").lower() in ("1", "true", "yes")
+        connection = WebSocketConnection(
+            session,
+            send,
+            receive,
+            limits=self.config.ws_limits,
+            timing=timing,
+            shutting_down=self.shutting_down,
+        )
+        try:
+            await connection.run()
+        finally:
+            self.open_connections -= 1
+            access_log.info(
+                json.dumps(
+                    {
+                        "event": "ws_closed",
+                        "frames_in": connection.frames_in,
+                        "frames_out": connection.frames_out,
+                        "seconds": round(time.perf_counter() - started, 6),
+                    }
+                )
+            )
+
+    @staticmethod
+    async def _deny_upgrade(send: Send, status: int, body: dict[str, Any]) -> None:
+        payload = json.dumps(body).encode()
+        await send(
+            {
+                "type": "websocket.http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "websocket.http.response.body", "body": payload})
+
+    # --- HTTP ---
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.http_requests += 1
+        started = time.perf_counter()
+        method = scope["method"]
+        path = scope["path"]
+        headers = _headers(scope)
+        status = 500
+        try:
+            status = await self._route(method, path, headers, receive, send)
+        finally:
+            access_log.info(
+                json.dumps(
+                    {
+                        "event": "http",
+                        "method": method,
+                        "path": path,
+                        "status": status,
+                        "seconds": round(time.perf_counter() - started, 6),
+                    }
+                )
+            )
+
+    async def _route(
+        self, method: str, path: str, headers: dict[str, str], receive: Receive, send: Send
+    ) -> int:
+        if path == "/healthz":
+            return await _json(send, 200, {"status": "ok"})
+        if path == "/metrics":
+            return await _text(send, 200, self.metrics(), "text/plain; version=0.0.4")
+        allowed, owner = self._authenticate(headers)
+        if not allowed:
+            return await _json(
+                send,
+                401,
+                _error_body(
+                    "Incorrect API key provided. You can find your API key in your settings.",
+                    code="invalid_api_key",
+                ),
+            )
+        if path.rstrip("/") in ("/v1/responses", "/responses"):
+            if method == "POST":
+                return await self._create(headers, receive, send, owner)
+            if method == "GET" and headers.get("upgrade", "").lower() == "websocket":
+                return await _json(
+                    send,
+                    426,
+                    _error_body(
+                        "WebSocket mode is disabled on this server.", code="websocket_disabled"
+                    ),
+                )
+            return await _method_not_allowed(send)
+        match = _RESPONSE_PATH.match(path)
+        if match:
+            response_id = match.group(1)
+            if method == "GET":
+                return await self._retrieve(send, response_id, owner)
+            if method == "DELETE":
+                return await self._delete(send, response_id, owner)
+            return await _method_not_allowed(send)
+        if path.rstrip("/") == "/v1/models" and method == "GET":
+            return await _json(send, 200, {"object": "list", "data": self._models()})
+        match = _MODEL_PATH.match(path)
+        if match and method == "GET":
+            found = [m for m in self._models() if m["id"] == match.group(1)]
+            if found:
+                return await _json(send, 200, found[0])
+            return await _json(
+                send,
+                404,
+                _error_body(
+                    f"The model `{match.group(1)}` does not exist.",
+                    code="model_not_found",
+                    param="model",
+                ),
+            )
+        return await _json(
+            send, 404, _error_body(f"No route for {method} {path}.", code="not_found")
+        )
+
+    def _models(self) -> list[dict[str, Any]]:
+        created = int(self._started)
+        return [
+            {"id": name, "object": "model", "created": created, "owned_by": "rollout"}
+            for name in self.engine.registry.names()
+        ]
+
+    async def _create(
+        self, headers: dict[str, str], receive: Receive, send: Send, owner: str | None
+    ) -> int:
+        body = await _read_body(receive, self.config.max_message_size)
+        if body is None:
+            return await _json(
+                send,
+                413,
+                _error_body(
+                    f"The request body is larger than the limit of "
+                    f"{self.config.max_message_size} bytes.",
+                    code="message_too_large",
+                ),
+            )
+        try:
+            request = decode_create_body(body, max_size=self.config.max_message_size)
+            if request.rollout:
+                raise RemoteProtocolError.invalid(
+                    "The rollout extension needs a WebSocket connection.",
+                    code="unsupported_parameter",
+                    param="rollout",
+                )
+            if request.background:
+                raise RemoteProtocolError.invalid(
+                    "Background responses are not supported by this server.",
+                    code="unsupported_parameter",
+                    param="background",
+                )
+            if request.generate is not None or request.stream_id is not None:
+                param = "generate" if request.generate is not None else "stream_id"
+                raise RemoteProtocolError.invalid(
+                    f"'{param}' is only valid in WebSocket mode.",
+                    code="unsupported_parameter",
+                    param=param,
+                )
+        except RemoteProtocolError as exc:
+            self.engine.counters.request_errors += 1
+            return await _json(send, exc.status, {"error": to_wire(exc.body)})
+        session = self.engine.session(owner=owner, max_cached_responses=1)
+        if request.stream:
+            return await self._create_sse(session, request, receive, send)
+        return await self._create_json(session, request, receive, send)
+
+    async def _create_json(self, session: Any, request: Any, receive: Receive, send: Send) -> int:
+        final: list[Response] = []
+
+        async def keep(event: ServerEvent) -> None:
+            response = getattr(event, "response", None)
+            if response is not None:
+                final[:] = [response]
+
+        error: RemoteProtocolError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            try:
+                await session.create(request, keep)
+            except RemoteProtocolError as exc:
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            self.engine.counters.request_errors += 1
+            return await _json(send, error.status, {"error": to_wire(error.body)})
+        if not final:  # the client went away
+            return 499
+        extra = [(b"server-timing", _server_timing(session.last_timings).encode())]
+        return await _json(send, 200, to_wire(final[-1]), extra)
+
+    async def _create_sse(self, session: Any, request: Any, receive: Receive, send: Send) -> int:
+        started = False
+        error: RemoteProtocolError | None = None
+
+        async def emit(event: ServerEvent) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"),
+                            (b"server-timing", _server_timing(session.last_timings).encode()),
+                        ],
+                    }
+                )
+            frame = f"event: {event.type}\ndata: {encode_json(event)}\n\n"
+            await send({"type": "http.response.body", "body": frame.encode(), "more_body": True})
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            try:
+                await session.create(request, emit)
+            except RemoteProtocolError as exc:
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            self.engine.counters.request_errors += 1
+            return await _json(send, error.status, {"error": to_wire(error.body)})
+        if started:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return 200
+        return 499
+
+    async def _retrieve(self, send: Send, response_id: str, owner: str | None) -> int:
+        stored = await self.engine.get_stored(response_id, owner=owner)
+        if stored is None:
+            return await _json(send, 404, _not_found(response_id))
+        return await _json(send, 200, to_wire(stored.response))
+
+    async def _delete(self, send: Send, response_id: str, owner: str | None) -> int:
+        if not await self.engine.delete_stored(response_id, owner=owner):
+            return await _json(send, 404, _not_found(response_id))
+        return await _json(send, 200, {"id": response_id, "object": "response", "deleted": True})
+
+    # --- metrics ---
+    def metrics(self) -> str:
+        engine = self.engine
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: Iterable[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lines.append(
+                    f"{name}{labels} {value:g}"
+                    if isinstance(value, float)
+                    else f"{name}{labels} {value}"
+                )
+
+        metric(
+            "rollout_work_total",
+            "counter",
+            "Deterministic work counters of the engine.",
+            ((f'{{counter="{k}"}}', v) for k, v in engine.counters.as_dict().items()),
+        )
+        metric(
+            "rollout_open_connections",
+            "gauge",
+            "Open WebSocket connections.",
+            [('{transport="websocket"}', self.open_connections)],
+        )
+        metric(
+            "rollout_http_requests_total",
+            "counter",
+            "HTTP requests served.",
+            [("", self.http_requests)],
+        )
+        metric(
+            "rollout_responses_total",
+            "counter",
+            "Responses by final status.",
+            ((f'{{status="{k}"}}', v) for k, v in sorted(engine.responses_by_status.items())),
+        )
+        metric(
+            "rollout_post_inference_backlog",
+            "gauge",
+            "Post-inference jobs (usage records, store writes) not yet written.",
+            [("", engine.post.backlog)],
+        )
+        lines.append("# HELP rollout_stage_seconds Pre-inference latency by pipeline stage.")
+        lines.append("# TYPE rollout_stage_seconds histogram")
+        for stage, hist in engine.timer.histograms.items():
+            cumulative = 0
+            for bound, count in zip(LATENCY_BUCKETS, hist.buckets, strict=True):
+                cumulative += count
+                lines.append(
+                    f'rollout_stage_seconds_bucket{{stage="{stage}",le="{bound:g}"}} {cumulative}'
+                )
+            lines.append(f'rollout_stage_seconds_bucket{{stage="{stage}",le="+Inf"}} {hist.count}')
+            lines.append(f'rollout_stage_seconds_sum{{stage="{stage}"}} {hist.total:.9f}')
+            lines.append(f'rollout_stage_seconds_count{{stage="{stage}"}} {hist.count}')
+        return "\n".join(lines) + "\n"
+
+
+def _server_timing(timings: dict[str, float]) -> str:
+    return ", ".join(f"{stage};dur={seconds * 1000:.3f}" for stage, seconds in timings.items())
+
+
+def _not_found(response_id: str) -> dict[str, Any]:
+    return _error_body(
+        f"Response with id '{response_id}' not found.",
+        code="response_not_found",
+        param="response_id",
+    )
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None when it is larger than `limit` (not read further)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"".join(chunks)
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _json(
+    send: Send, status: int, body: Any, extra: list[tuple[bytes, bytes]] | None = None
+) -> int:
+    payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return await _raw(send, status, payload, b"application/json", extra)
+
+
+async def _text(send: Send, status: int, text: str, content_type: str) -> int:
+    return await _raw(send, status, text.encode(), content_type.encode())
+
+
+async def _raw(
+    send: Send,
+    status: int,
+    payload: bytes,
+    content_type: bytes,
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> int:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": payload})
+    return status
+
+
+async def _method_not_allowed(send: Send) -> int:
+    return await _json(send, 405, _error_body("Method not allowed.", code="method_not_allowed"))
+
+
+_ = ErrorBody  # re-exported type used in annotations of error bodies

@@ -1,0 +1,167 @@
+"""`rollout serve`: the engine on hypercorn's trio worker, HTTP and WebSocket on one port.
+
+`serve(config)` opens the SQLite store and usage ledger in `data_dir`, the engine, and the ASGI
+app, and serves until SIGINT/SIGTERM (or `shutdown_trigger`). Shutdown is graceful: stop
+accepting, let in-flight responses finish within `graceful_timeout` (then cancel them; their
+usage is still recorded), close idle WebSocket connections with 1001, and flush the ledger.
+`open_server(config)` does the same in the background for tests and embedding, and yields the
+base URL (`http://host:port/v1`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from protocol import DEFAULT_MAX_MESSAGE_SIZE
+
+from ._app import AppConfig, RolloutApp
+from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
+from ._interfaces import ResponseStore, UsageLedger
+from ._ledger import open_sqlite_ledger
+from ._models import ModelRegistry
+from ._store import open_sqlite_store
+from ._ws import DEFAULT_CONNECTION_AGE_LIMIT, DEFAULT_MAX_QUEUED_CREATES, WebSocketLimits
+
+__all__ = ["API_KEYS_ENV", "ServerConfig", "open_server", "serve"]
+
+log = logging.getLogger("rollout.server")
+
+# Environment variable holding API keys (comma-separated), added to --api-key.
+API_KEYS_ENV = "ROLLOUT_API_KEYS"
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path | None = Path("rollout-data")  # None: in-memory store and ledger
+    api_keys: tuple[str, ...] = ()
+    websocket: bool = True
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
+    max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
+    rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT
+    graceful_timeout: float = 10.0
+    max_cached_responses: int = 8
+    registry: ModelRegistry | None = None
+
+    def app_config(self) -> AppConfig:
+        return AppConfig(
+            api_keys=self.api_keys,
+            websocket=self.websocket,
+            max_message_size=self.max_message_size,
+            ws_limits=WebSocketLimits(
+                max_message_size=self.max_message_size,
+                connection_age_limit=self.connection_age_limit,
+                max_queued_creates=self.max_queued_creates,
+            ),
+            max_cached_responses=self.max_cached_responses,
+        )
+
+
+async def _signals() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        async for signum in received:
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            return
+
+
+async def serve(
+    config: ServerConfig,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until the trigger returns (default: SIGINT or SIGTERM)."""
+    store: ResponseStore
+    ledger: UsageLedger
+    if config.data_dir is not None:
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        store = await open_sqlite_store(config.data_dir / "responses.sqlite3")
+        ledger = await open_sqlite_ledger(config.data_dir / "usage.sqlite3")
+    else:
+        from ._ledger import MemoryUsageLedger
+        from ._store import MemoryResponseStore
+
+        store, ledger = MemoryResponseStore(), MemoryUsageLedger()
+    try:
+        async with open_engine(
+            registry=config.registry,
+            store=store,
+            ledger=ledger,
+            rollout_suspend_limit=config.rollout_suspend_limit,
+        ) as engine:
+            app = RolloutApp(engine, config.app_config())
+            hconfig = HypercornConfig()
+            hconfig.bind = [f"{config.host}:{config.port}"]
+            # hypercorn closes the socket (1009) above its own limit; ours answers with a
+            # `message_too_large` error event below it, so hypercorn's is set above ours.
+            hconfig.websocket_max_message_size = config.max_message_size * 2 + (1 << 20)
+            hconfig.h11_max_incomplete_size = 64 * 1024
+            hconfig.graceful_timeout = config.graceful_timeout
+            hconfig.accesslog = None
+            hconfig.errorlog = logging.getLogger("hypercorn.error")
+            trigger = shutdown_trigger or _signals
+
+            async def shutdown() -> None:
+                await trigger()
+                app.shutting_down.set()
+
+            class _Status:
+                def started(self, urls: list[str] | None = None) -> None:
+                    bound = (urls or [f"http://{config.host}:{config.port}"])[0]
+                    log.info(
+                        "serving on %s (WebSocket %s)", bound, "on" if config.websocket else "off"
+                    )
+                    task_status.started(bound + "/v1")
+
+            await hypercorn_serve(
+                app,  # type: ignore[arg-type]
+                hconfig,
+                shutdown_trigger=shutdown,
+                task_status=_Status(),
+            )
+            log.info("server stopped; flushing post-inference work")
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+            await ledger.aclose()
+
+
+@asynccontextmanager
+async def open_server(config: ServerConfig) -> AsyncIterator[str]:
+    """Run a server in the background; yields its base URL (`http://127.0.0.1:PORT/v1`).
+    Leaving the block shuts it down gracefully."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(
+            lambda task_status: serve(config, shutdown_trigger=stop.wait, task_status=task_status)
+        )
+        try:
+            yield url
+        finally:
+            stop.set()
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+
+
+def api_keys_from_env() -> tuple[str, ...]:
+    raw = os.environ.get(API_KEYS_ENV, "")
+    return tuple(k.strip() for k in raw.split(",") if k.strip())
