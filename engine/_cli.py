@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rollout {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(sub)
+    from bench._cli import add_parser as add_bench
+    from spec._cli import add_parser as add_conform
+
+    add_conform(sub)
+    add_bench(sub)
     return parser
 
 
@@ -118,7 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    handlers = {"serve": _serve}
+    from bench._cli import run as run_bench
+    from spec._cli import run as run_conform
+
+    handlers = {"serve": _serve, "conform": run_conform, "bench": run_bench}
     return handlers[args.command](args)
 
 
