@@ -375,7 +375,9 @@ class Session:
                     try:
                         await self._run(request, send.send, rollout=rollout)
                     except RemoteProtocolError as exc:
-                        rollout.error = exc
+                        # Kept without its traceback: the traceback's frames hold `rollout`,
+                        # which would hold the error back (a reference cycle per failed rollout).
+                        rollout.error = exc.with_traceback(None)
                         await send.send(exc.error_event())
 
             nursery.start_soon(body)
@@ -402,8 +404,10 @@ class Session:
         new_items = normalize_input(request.input)
         parent: ResponseState | None = None
         generate = request.generate is not False
+        hydrated = False
         try:
             if request.previous_response_id is not None:
+                hydrated = request.previous_response_id not in self.cache
                 parent = await self.resolve(request.previous_response_id, timings)
             prepared = pipeline.prepare(
                 request,
@@ -443,10 +447,13 @@ class Session:
             reasoning=request.reasoning or ReasoningConfig(),
         )
         stream = ResponseStream(response)
+        if rollout is not None:
+            # Named before `response.created` goes out: a client may answer that event at once
+            # (an early append must get `rollout_not_suspended`, not `rollout_not_found`).
+            rollout.response_id = response.id
         for event in stream.start():
             await emit(event)
         if rollout is not None:
-            rollout.response_id = response.id
             self.rollouts[response.id] = rollout
 
         records: list[UsageRecord] = []
@@ -478,7 +485,9 @@ class Session:
                 submitted = True
                 return warmed
 
-            cached = prepared.cached_tokens
+            # Cached tokens are context tokens reused without rendering them for this request:
+            # none when the parent was just hydrated (re-rendered from the store).
+            cached = 0 if hydrated else prepared.cached_tokens
             step = 0
             while True:
                 progress = _Progress()
@@ -519,6 +528,9 @@ class Session:
                     await emit(stream.suspend([cid for cid, _ in state.open_calls]))
                     resumed = await rollout._wait_resume(engine.rollout_suspend_limit)
                     if resumed is None:
+                        # The builder ends a response incomplete only from an active state,
+                        # so the timed-out rollout resumes (response.in_progress) to end.
+                        await emit(stream.resume())
                         events = stream.incomplete(
                             reason="rollout_timeout", usage=total, completed_at=engine.now()
                         )
@@ -649,6 +661,7 @@ class Session:
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             calls_since_user=state.calls_since_user,
+            text_format=request.text.format if request.text is not None else None,
         )
         first_output = len(stream.output)
         finish = "stop"

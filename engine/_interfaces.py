@@ -136,6 +136,7 @@ class SampleRequest:
     temperature: float
     top_p: float
     calls_since_user: int
+    text_format: dict[str, Any] | None = None  # `text.format` of the request ({"type": ...})
 
 
 @attrs.frozen

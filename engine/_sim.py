@@ -17,6 +17,8 @@ unmodified client can drive it:
 | ttft_ms     | 0         | delay before the first token                                          |
 | interval_ms | 5         | after the first token, deltas are coalesced to one per interval       |
 
+With `text.format` of type `json_schema` (or `json_object`), a text answer is a JSON document
+valid for the schema (structured outputs), whatever `tokens` says.
 It honours `tool_choice` like a real model (`none`: text; `required`: always call a tool;
 a named function: always call that function; `auto`: the `steps` rule), `parallel_tool_calls:
 false`, and `max_output_tokens` (the turn stops there and the response ends `incomplete`).
@@ -155,19 +157,29 @@ class SimBackend:
 
         calls = self._plan_calls(request, p, rng)
         if not calls:
-            n = min(p.tokens, budget)
+            fmt = request.text_format or {}
+            if fmt.get("type") in ("json_schema", "json_object"):
+                # Structured output: a JSON instance of the schema, streamed in 4-char pieces.
+                document = json.dumps(
+                    schema_instance(fmt.get("schema") or {"type": "object"}, rng),
+                    ensure_ascii=False,
+                )
+                pieces = [document[i : i + 4] for i in range(0, len(document), 4)] or [""]
+            else:
+                pieces = [rng.choice(_VOCAB) for _ in range(p.tokens)]
+                if pieces:
+                    pieces[0] = pieces[0].lstrip()
+            n = min(len(pieces), budget)
             yield TextStart()
             emitted = 0
             while emitted < n:
                 size = 1 if emitted == 0 else max(1, min(n - emitted, clock.per_interval(p)))
-                words = "".join(rng.choice(_VOCAB) for _ in range(size))
-                if emitted == 0:
-                    words = words.lstrip()
+                text = "".join(pieces[emitted : emitted + size])
                 emitted += size
                 await clock.wait(emitted)
-                yield TextDelta(words, size)
+                yield TextDelta(text, size)
             yield TextEnd()
-            yield Finish("max_output_tokens" if n < p.tokens else "stop")
+            yield Finish("max_output_tokens" if n < len(pieces) else "stop")
             return
 
         used = 0

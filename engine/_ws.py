@@ -140,6 +140,16 @@ class WebSocketConnection:
             except RemoteProtocolError as exc:
                 await self._answer_error(exc)
                 continue
+            if isinstance(event, ResponseCreate) and event.stream_id is not None:
+                await self._answer_error(
+                    RemoteProtocolError.invalid(
+                        "Lanes (stream_id) are not supported by this server: omit stream_id to "
+                        "use the connection's single FIFO lane.",
+                        code="unsupported_parameter",
+                        param="stream_id",
+                    )
+                )
+                continue
             if isinstance(event, ResponseCreate):
                 try:
                     self._queue_send.send_nowait(event)
