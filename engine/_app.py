@@ -6,6 +6,7 @@ Served by hypercorn's trio worker (see `_serve.py`). Routes:
     GET    /v1/responses/{id}            a stored response
     DELETE /v1/responses/{id}            delete a stored response
     GET    /v1/responses   (upgrade)     WebSocket mode
+    POST   /v1/chat/completions          the registry as a chat-completions model server
     GET    /v1/models, /v1/models/{id}   the models of the registry
     GET    /healthz                      liveness
     GET    /metrics                      Prometheus text: work counters, connections, statuses,
@@ -41,6 +42,7 @@ from protocol import (
     to_wire,
 )
 
+from ._chat import ChatCompletionEmitter, request_from_chat
 from ._counters import LATENCY_BUCKETS
 from ._engine import Engine
 from ._ws import WebSocketConnection, WebSocketLimits
@@ -249,6 +251,18 @@ class RolloutApp:
             if method == "POST":
                 return await self._create(headers, receive, send, owner)
             if method == "GET" and headers.get("upgrade", "").lower() == "websocket":
+                # A handshake the server did not take as one (hypercorn routes a valid one to
+                # `_websocket`): refused as malformed when WebSocket mode is on (RFC 6455 4.2.1).
+                if self.config.websocket:
+                    return await _json(
+                        send,
+                        400,
+                        _error_body(
+                            "Invalid WebSocket upgrade request (RFC 6455 handshake headers "
+                            "missing or wrong).",
+                            code="invalid_request",
+                        ),
+                    )
                 return await _json(
                     send,
                     426,
@@ -265,10 +279,18 @@ class RolloutApp:
             if method == "DELETE":
                 return await self._delete(send, response_id, owner)
             return await _method_not_allowed(send)
-        if path.rstrip("/") == "/v1/models" and method == "GET":
+        if path.rstrip("/") in ("/v1/chat/completions", "/chat/completions"):
+            if method != "POST":
+                return await _method_not_allowed(send)
+            return await self._chat_completions(receive, send, owner)
+        if path.rstrip("/") == "/v1/models":
+            if method != "GET":
+                return await _method_not_allowed(send)
             return await _json(send, 200, {"object": "list", "data": self._models()})
         match = _MODEL_PATH.match(path)
-        if match and method == "GET":
+        if match and method != "GET":
+            return await _method_not_allowed(send)
+        if match:
             found = [m for m in self._models() if m["id"] == match.group(1)]
             if found:
                 return await _json(send, 200, found[0])
@@ -392,6 +414,73 @@ class RolloutApp:
             self.engine.counters.request_errors += 1
             return await _json(send, error.status, {"error": to_wire(error.body)})
         if started:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return 200
+        return 499
+
+    async def _chat_completions(self, receive: Receive, send: Send, owner: str | None) -> int:
+        """Serve the model registry as a chat-completions model server (stateless)."""
+        raw = await _read_body(receive, self.config.max_message_size)
+        if raw is None:
+            return await _json(
+                send, 413, _error_body("The request body is too large.", code="message_too_large")
+            )
+        try:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                raise RemoteProtocolError.invalid(
+                    "We could not parse the JSON body of your request.", code="invalid_json"
+                ) from None
+            request = request_from_chat(body)
+        except RemoteProtocolError as exc:
+            self.engine.counters.request_errors += 1
+            return await _json(send, exc.status, {"error": to_wire(exc.body)})
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        started = False
+
+        async def send_chunk(chunk: bytes) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"),
+                        ],
+                    }
+                )
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        emitter = ChatCompletionEmitter(
+            request.model or "", stream=stream, include_usage=include_usage, send_chunk=send_chunk
+        )
+        session = self.engine.session(owner=owner, max_cached_responses=1)
+        error: RemoteProtocolError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            try:
+                await session.create(request, emitter)
+            except RemoteProtocolError as exc:
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None and not started:
+            self.engine.counters.request_errors += 1
+            return await _json(send, error.status, {"error": to_wire(error.body)})
+        if emitter.error is not None:
+            if not started:
+                return await _json(send, 500, {"error": emitter.error})
+            await send_chunk(b"data: " + json.dumps({"error": emitter.error}).encode() + b"\n\n")
+        if not stream:
+            if emitter.finish_reason is None:
+                return 499
+            return await _json(send, 200, emitter.completion())
+        if started:
+            await send_chunk(b"data: [DONE]\n\n")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return 200
         return 499

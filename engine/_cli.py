@@ -42,6 +42,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "without keys auth is off",
     )
     p.add_argument("--no-websocket", action="store_true", help="refuse WebSocket upgrades (426)")
+    p.add_argument(
+        "--models",
+        type=Path,
+        metavar="FILE",
+        help="a TOML model registry (upstream OpenAI-compatible servers); the built-in sim "
+        "models stay available",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--max-message-size",
@@ -101,7 +108,17 @@ def _serve(args: argparse.Namespace) -> int:
     from ._serve import ServerConfig, api_keys_from_env, configure_logging, serve
 
     configure_logging(args.log_level)
+    registry = None
+    if args.models is not None:
+        from ._config import ConfigError, load_registry
+
+        try:
+            registry = load_registry(args.models)
+        except ConfigError as exc:
+            print(f"rollout serve: {exc}", file=sys.stderr)
+            return 2
     config = ServerConfig(
+        registry=registry,
         host=args.host,
         port=args.port,
         data_dir=args.data_dir,

@@ -86,6 +86,13 @@ class ModelRegistry:
     def specs(self) -> list[ModelSpec]:
         return list(self._specs.values())
 
+    async def aclose(self) -> None:
+        """Close the backends that hold resources (connection pools)."""
+        for spec in self._specs.values():
+            close = getattr(spec.backend, "aclose", None)
+            if close is not None:
+                await close()
+
     def resolve(self, model: str) -> Route:
         if len(model) > MAX_MODEL_STRING:
             raise model_not_found(model[:64] + "...")

@@ -137,6 +137,8 @@ async def serve(
         with trio.CancelScope(shield=True):
             await store.aclose()
             await ledger.aclose()
+            if config.registry is not None:
+                await config.registry.aclose()
 
 
 @asynccontextmanager

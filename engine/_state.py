@@ -45,9 +45,12 @@ class _Call:
 class Lineage:
     """Append-only storage shared along a chain of states (copy-on-fork)."""
 
-    __slots__ = ("_calls", "_csu", "_digests", "_ends", "items", "tokens")
+    __slots__ = ("_calls", "_csu", "_digests", "_ends", "derived", "items", "tokens")
 
     def __init__(self) -> None:
+        # Per-lineage caches that backends derive from the items (e.g. encoded chat messages),
+        # keyed by backend; a fork starts without them (they are rebuilt on first use).
+        self.derived: dict[str, Any] = {}
         self.items: list[Item] = []
         self.tokens: array[int] = array("I")
         self._ends: array[int] = array("Q")  # cumulative token count after each item
@@ -105,13 +108,16 @@ class Lineage:
 
 
 class ItemsView(Sequence[Item]):
-    """A read-only view of a state's items, without copying the history."""
+    """A read-only view of a state's items, without copying the history. `derived` is the
+    lineage's cache of values backends derive from items (valid for the first `len(self)`
+    items at least: later entries belong to newer states of the same chain)."""
 
-    __slots__ = ("_items", "_n")
+    __slots__ = ("_items", "_n", "derived")
 
-    def __init__(self, items: list[Item], n: int) -> None:
+    def __init__(self, items: list[Item], n: int, derived: dict[str, Any] | None = None) -> None:
         self._items = items
         self._n = n
+        self.derived: dict[str, Any] = derived if derived is not None else {}
 
     def __len__(self) -> int:
         return self._n
@@ -182,7 +188,7 @@ class ResponseState:
 
     @property
     def items(self) -> ItemsView:
-        return ItemsView(self.lineage.items, self.n_items)
+        return ItemsView(self.lineage.items, self.n_items, self.lineage.derived)
 
     @property
     def own_items(self) -> list[Item]:

@@ -1,0 +1,453 @@
+"""Chat Completions <-> Responses: the two conversions rollout needs to sit in front of, or
+behind, an OpenAI-compatible `POST /v1/chat/completions` endpoint.
+
+- `ChatEncoder` turns a conversation's items into chat messages, incrementally: it is kept in
+  the conversation's lineage (`ItemsView.derived`), so a follow-up turn encodes only its new
+  items; earlier messages stay encoded as JSON bytes and are only joined into the body.
+- `request_from_chat` / `ChatCompletionEmitter` serve chat completions from the engine: a chat
+  request becomes a `ResponseCreate` (a leading system message becomes `instructions`, exactly
+  the inverse of what the encoder does), and the response's events become a chat completion or
+  its stream of chunks. The same conversation therefore renders the same context, and gives the
+  same output, through both endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import attrs
+
+from protocol import (
+    ContentPart,
+    FunctionCall,
+    FunctionCallOutput,
+    FunctionTool,
+    InputFile,
+    InputImage,
+    InputText,
+    Item,
+    Message,
+    NamespaceTool,
+    OutputText,
+    Refusal,
+    RemoteProtocolError,
+    ResponseCreate,
+    ServerEvent,
+    Tool,
+    ToolChoice,
+    ToolChoiceFunction,
+    from_wire,
+)
+
+__all__ = [
+    "ChatCompletionEmitter",
+    "ChatEncoder",
+    "chat_tool_choice",
+    "chat_tools",
+    "request_from_chat",
+    "split_tool_name",
+]
+
+# Namespaced tools are flattened for chat servers, which know no namespaces.
+NAMESPACE_SEPARATOR = "__"
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def tool_name(name: str, namespace: str | None) -> str:
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
+def split_tool_name(name: str, namespaces: set[str]) -> tuple[str, str | None]:
+    """Inverse of `tool_name` for the namespaces a request declared."""
+    head, sep, tail = name.partition(NAMESPACE_SEPARATOR)
+    if sep and head in namespaces:
+        return tail, head
+    return name, None
+
+
+def _text_of(parts: Sequence[ContentPart]) -> str:
+    out = []
+    for part in parts:
+        if isinstance(part, InputText | OutputText):
+            out.append(part.text)
+        elif isinstance(part, Refusal):
+            out.append(part.refusal)
+    return "".join(out)
+
+
+def _chat_content(content: str | Sequence[ContentPart]) -> Any:
+    """A string when all parts are text (the widest compatibility), else an array of parts."""
+    if isinstance(content, str):
+        return content
+    if all(isinstance(p, InputText | OutputText | Refusal) for p in content):
+        return _text_of(content)
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, InputText | OutputText):
+            parts.append({"type": "text", "text": part.text})
+        elif isinstance(part, InputImage):
+            url = part.image_url or f"file:{part.file_id}"
+            parts.append({"type": "image_url", "image_url": {"url": url, "detail": part.detail}})
+        elif isinstance(part, InputFile):
+            file: dict[str, Any] = {}
+            if part.file_data is not None:
+                file["file_data"] = part.file_data
+            if part.file_id is not None:
+                file["file_id"] = part.file_id
+            if part.filename is not None:
+                file["filename"] = part.filename
+            parts.append({"type": "file", "file": file})
+    return parts
+
+
+class ChatEncoder:
+    """Chat messages of a conversation, encoded once per item.
+
+    Consecutive function calls form one assistant message with `tool_calls`; that message stays
+    open (its calls kept as dicts) until the next item that is not a function call closes it.
+    """
+
+    __slots__ = ("_open_calls", "consumed", "messages")
+
+    def __init__(self) -> None:
+        self.messages: list[bytes] = []
+        self.consumed = 0  # items encoded
+        self._open_calls: list[dict[str, Any]] = []
+
+    def extend(self, items: Sequence[Item], stop: int) -> int:
+        """Encode items[self.consumed:stop]; returns how many messages were encoded."""
+        before = len(self.messages) + len(self._open_calls)
+        for index in range(self.consumed, stop):
+            self._add(items[index])
+        self.consumed = stop
+        return len(self.messages) + len(self._open_calls) - before
+
+    def _close_calls(self) -> None:
+        if self._open_calls:
+            self.messages.append(
+                _dumps({"role": "assistant", "content": None, "tool_calls": self._open_calls})
+            )
+            self._open_calls = []
+
+    def _add(self, item: Item) -> None:
+        if isinstance(item, FunctionCall):
+            self._open_calls.append(
+                {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {
+                        "name": tool_name(item.name, item.namespace),
+                        "arguments": item.arguments,
+                    },
+                }
+            )
+            return
+        self._close_calls()
+        if isinstance(item, Message):
+            role = "system" if item.role == "developer" else item.role
+            if role == "assistant":
+                text = item.content if isinstance(item.content, str) else _text_of(item.content)
+                self.messages.append(_dumps({"role": "assistant", "content": text}))
+            else:
+                self.messages.append(_dumps({"role": role, "content": _chat_content(item.content)}))
+        elif isinstance(item, FunctionCallOutput):
+            output = item.output
+            text = output if isinstance(output, str) else _chat_content(output)
+            self.messages.append(
+                _dumps({"role": "tool", "tool_call_id": item.call_id, "content": text})
+            )
+        # Reasoning items have no chat form and are left out.
+
+    def body_messages(self) -> list[bytes]:
+        """The encoded messages so far, the open tool-call group included (not mutated)."""
+        if not self._open_calls:
+            return self.messages
+        return [
+            *self.messages,
+            _dumps({"role": "assistant", "content": None, "tool_calls": self._open_calls}),
+        ]
+
+
+def chat_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for tool in tools:
+        members = tool.tools if isinstance(tool, NamespaceTool) else [tool]
+        namespace = tool.name if isinstance(tool, NamespaceTool) else None
+        for member in members:
+            function: dict[str, Any] = {"name": tool_name(member.name, namespace)}
+            if member.description is not None:
+                function["description"] = member.description
+            if member.parameters is not None:
+                function["parameters"] = member.parameters
+            if member.strict is not None:
+                function["strict"] = member.strict
+            out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: ToolChoice, namespaces: dict[str, str]) -> Any:
+    if isinstance(choice, ToolChoiceFunction):
+        return {"type": "function", "function": {"name": namespaces.get(choice.name, choice.name)}}
+    return choice
+
+
+# --- serving chat completions from the engine --------------------------------------------------
+
+
+def _bad(message: str, param: str, code: str = "invalid_value") -> RemoteProtocolError:
+    return RemoteProtocolError.invalid(message, code=code, param=param)
+
+
+def _message_to_items(index: int, message: Any) -> list[Item]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise _bad(f"Invalid type for '{where}': expected an object.", where, "invalid_type")
+    role = message.get("role")
+    content = message.get("content")
+    if role in ("user", "system", "developer"):
+        if isinstance(content, list):
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    parts.append({"type": "input_text", "text": part.get("text")})
+                elif kind == "image_url":
+                    image = part.get("image_url") or {}
+                    parts.append(
+                        {
+                            "type": "input_image",
+                            "image_url": image.get("url"),
+                            "detail": image.get("detail") or "auto",
+                        }
+                    )
+                elif kind == "file":
+                    parts.append({"type": "input_file", **(part.get("file") or {})})
+                else:
+                    raise _bad(f"Unsupported content part type {kind!r}.", f"{where}.content[{j}]")
+            content = parts
+        return [from_wire({"type": "message", "role": role, "content": content}, Item)]
+    if role == "assistant":
+        items: list[Item] = []
+        calls = message.get("tool_calls") or []
+        if content is not None and (content != "" or not calls):
+            text = (
+                content
+                if isinstance(content, str)
+                else "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            )
+            items.append(Message(role="assistant", content=[OutputText(text=text)]))
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(call.get("id"), str):
+                raise _bad("A tool call needs an id and a function.", f"{where}.tool_calls[{j}]")
+            items.append(
+                FunctionCall(
+                    call_id=call["id"],
+                    name=str(function.get("name", "")),
+                    arguments=str(function.get("arguments", "")),
+                )
+            )
+        return items
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise _bad(
+                "Missing required parameter: 'tool_call_id'.",
+                f"{where}.tool_call_id",
+                "missing_required_parameter",
+            )
+        output = (
+            content
+            if isinstance(content, str)
+            else "".join(p.get("text", "") for p in (content or []) if isinstance(p, dict))
+        )
+        return [FunctionCallOutput(call_id=call_id, output=output)]
+    raise _bad(
+        f"Invalid value: {role!r}. Supported values are: 'system', 'developer', 'user', "
+        "'assistant' and 'tool'.",
+        f"{where}.role",
+    )
+
+
+def request_from_chat(body: Any) -> ResponseCreate:
+    """A chat-completions request as the equivalent Responses request."""
+    if not isinstance(body, dict):
+        raise _bad("The body must be a JSON object.", "body", "invalid_type")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array.", "messages", "invalid_type")
+    instructions = None
+    start = 0
+    first = messages[0]
+    if isinstance(first, dict) and first.get("role") in ("system", "developer"):
+        if isinstance(first.get("content"), str):
+            instructions = first["content"]
+            start = 1
+    items: list[Item] = []
+    for index in range(start, len(messages)):
+        items.extend(_message_to_items(index, messages[index]))
+    tools: list[Tool] = []
+    for j, tool in enumerate(body.get("tools") or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict):
+            raise _bad("A tool needs a function.", f"tools[{j}]")
+        tools.append(
+            from_wire(
+                {
+                    "type": "function",
+                    **{
+                        k: v
+                        for k, v in function.items()
+                        if k in ("name", "description", "parameters", "strict")
+                    },
+                },
+                FunctionTool,
+            )
+        )
+    choice = body.get("tool_choice")
+    tool_choice: Any = None
+    if isinstance(choice, str):
+        tool_choice = choice
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        tool_choice = {"type": "function", "name": choice["function"].get("name")}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    fields = {
+        "model": model,
+        "instructions": instructions,
+        "input": [],
+        "tools": tools or None,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": body.get("parallel_tool_calls"),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "max_output_tokens": max_tokens,
+        "store": False,
+    }
+    wire = {k: v for k, v in fields.items() if v is not None and k not in ("input", "tools")}
+    request: ResponseCreate = from_wire({"type": "response.create", **wire}, ResponseCreate)
+    return attrs.evolve(request, input=items, tools=tools or None)
+
+
+class ChatCompletionEmitter:
+    """Turns a response's events into a chat completion (or its chunks, when streaming)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        stream: bool,
+        include_usage: bool,
+        send_chunk: Callable[[bytes], Awaitable[None]] | None = None,
+    ) -> None:
+        self.model = model
+        self.stream = stream
+        self.include_usage = include_usage
+        self._send = send_chunk
+        self.id = "chatcmpl-" + str(time.time_ns())
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, int] | None = None
+        self.error: dict[str, Any] | None = None
+        self._sent_role = False
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
+        return b"data: " + _dumps(body) + b"\n\n"
+
+    async def _out(self, delta: dict[str, Any], finish: str | None = None) -> None:
+        if self.stream and self._send is not None:
+            if not self._sent_role:
+                self._sent_role = True
+                await self._send(self._chunk({"role": "assistant", "content": ""}))
+            await self._send(self._chunk(delta, finish))
+
+    async def __call__(self, event: ServerEvent) -> None:
+        kind = event.type
+        if kind == "response.output_text.delta":
+            self.text.append(event.delta)  # type: ignore[union-attr]
+            await self._out({"content": event.delta})  # type: ignore[union-attr]
+        elif kind == "response.output_item.added":
+            item = event.item  # type: ignore[union-attr]
+            if isinstance(item, FunctionCall):
+                call: dict[str, Any] = {
+                    "index": len(self.calls),
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": tool_name(item.name, item.namespace), "arguments": ""},
+                }
+                self.calls.append(call)
+                await self._out({"tool_calls": [call]})
+        elif kind == "response.function_call_arguments.delta":
+            delta: str = event.delta  # type: ignore[union-attr]
+            last = self.calls[-1]
+            function: dict[str, Any] = last["function"]
+            function["arguments"] += delta
+            await self._out(
+                {"tool_calls": [{"index": last["index"], "function": {"arguments": delta}}]}
+            )
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            response = event.response  # type: ignore[union-attr]
+            if response.usage is not None:
+                self.usage = {
+                    "prompt_tokens": response.usage.input_tokens,
+                    "completion_tokens": response.usage.output_tokens,
+                    "total_tokens": response.usage.total_tokens,
+                }
+            if kind == "response.failed":
+                error = response.error
+                self.error = {
+                    "message": error.message if error else "The response failed.",
+                    "type": "server_error",
+                    "param": None,
+                    "code": error.code if error else "server_error",
+                }
+                return
+            if kind == "response.incomplete":
+                self.finish_reason = "length"
+            else:
+                self.finish_reason = "tool_calls" if self.calls else "stop"
+            await self._out({}, self.finish_reason)
+            if self.stream and self._send is not None and self.include_usage:
+                body = {
+                    "id": self.id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self.usage,
+                }
+                await self._send(b"data: " + _dumps(body) + b"\n\n")
+
+    def completion(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
+        if self.calls:
+            message["tool_calls"] = [
+                {k: v for k, v in call.items() if k != "index"} for call in self.calls
+            ]
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": self.finish_reason or "stop"}
+            ],
+            "usage": self.usage,
+        }

@@ -1,0 +1,109 @@
+"""The model registry file (`rollout serve --models FILE`), TOML.
+
+    [models.NAME]                 # the model name clients send
+    upstream = "http://127.0.0.1:8080/v1"   # an OpenAI-compatible base URL (chat completions)
+    model = "upstream-model-name"           # default: NAME
+    api_key_env = "UPSTREAM_API_KEY"        # optional: environment variable with the key
+    context_window = 131072                 # tokens; default 400000
+    connect_timeout = 5.0                   # seconds
+    read_timeout = 300.0                    # seconds of upstream silence before failing
+    retries = 2                             # on connect errors and 5xx before the first token
+    max_connections = 64                    # the connection pool's bound
+    aliases = ["other-name"]
+    description = "..."
+
+    [aliases]
+    "gpt-5" = "NAME"                        # any model string, `sim:...` included
+
+The built-in `sim` models stay available alongside.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from ._defaults import default_registry
+from ._models import DEFAULT_CONTEXT_WINDOW, ModelRegistry, ModelSpec
+from ._upstream import UpstreamBackend, UpstreamConfig
+
+__all__ = ["ConfigError", "load_registry", "registry_from_mapping"]
+
+_UPSTREAM_KEYS = {
+    "api_key_env": str,
+    "connect_timeout": float,
+    "read_timeout": float,
+    "retries": int,
+    "max_connections": int,
+}
+
+
+class ConfigError(ValueError):
+    """The model registry file is invalid; the message names the file and the key."""
+
+
+def load_registry(path: Path) -> ModelRegistry:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return registry_from_mapping(data, source=str(path))
+
+
+def _get(table: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    value = table[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ConfigError(f"{where}.{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> ModelRegistry:
+    registry = default_registry()
+    known = {"models", "aliases"}
+    for key in data:
+        if key not in known:
+            raise ConfigError(
+                f"{source}: unknown table [{key}] (expected [models.NAME], [aliases])"
+            )
+    for name, table in (data.get("models") or {}).items():
+        where = f"{source}: models.{name}"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: expected a table")
+        allowed = {"upstream", "model", "context_window", "aliases", "description", *_UPSTREAM_KEYS}
+        unknown = sorted(set(table) - allowed)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown key")
+        if "upstream" not in table:
+            raise ConfigError(f"{where}: `upstream` (the base URL) is required")
+        options = {
+            k: _get(table, k, kind, where) for k, kind in _UPSTREAM_KEYS.items() if k in table
+        }
+        backend = UpstreamBackend(
+            UpstreamConfig(
+                base_url=_get(table, "upstream", str, where),
+                model=_get(table, "model", str, where) if "model" in table else name,
+                **options,
+            )
+        )
+        registry.add(
+            ModelSpec(
+                name=name,
+                backend=backend,
+                context_window=_get(table, "context_window", int, where)
+                if "context_window" in table
+                else DEFAULT_CONTEXT_WINDOW,
+                description=_get(table, "description", str, where)
+                if "description" in table
+                else "",
+            )
+        )
+        for alias in table.get("aliases") or []:
+            registry.alias(str(alias), name)
+    for alias, target in (data.get("aliases") or {}).items():
+        if not isinstance(target, str):
+            raise ConfigError(f"{source}: aliases.{alias}: expected a model string")
+        registry.alias(alias, target)
+    return registry

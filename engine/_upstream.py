@@ -1,0 +1,307 @@
+"""A model backend that samples from an OpenAI-compatible `POST /v1/chat/completions` server
+(vLLM, SGLang, llama.cpp's server, Ollama, a hosted endpoint, or another rollout).
+
+- The conversation's chat messages are encoded once: a `ChatEncoder` lives in the lineage
+  (`SampleRequest.items.derived`), so a follow-up encodes only its new items; earlier messages
+  are joined into the body as bytes (the chat protocol itself forces re-sending them).
+- Streaming (server-sent events) maps back to our sample events: text deltas, tool-call
+  argument deltas, finish reasons (`length` -> incomplete), and the upstream's usage.
+- Connect errors and 5xx answers are retried before the first token; afterwards, or when the
+  retries are spent, the response fails (`response.failed`) with the upstream's code and
+  message, never a hang (connect, read and pool timeouts). Cancelling the response (our client
+  went away) closes the upstream request.
+- One bounded connection pool per backend, keep-alive, TCP_NODELAY (httpx on trio).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from ._chat import ChatEncoder, chat_tool_choice, chat_tools, split_tool_name, tool_name
+from ._errors import BackendError
+from ._interfaces import (
+    ArgsDelta,
+    CallEnd,
+    CallStart,
+    Finish,
+    SampleEvent,
+    SampleRequest,
+    TextDelta,
+    TextEnd,
+    TextStart,
+)
+
+__all__ = ["UpstreamBackend", "UpstreamConfig", "UpstreamCounters"]
+
+# The largest single SSE line accepted from an upstream (a chunk is a few hundred bytes).
+MAX_UPSTREAM_LINE = 1 << 20
+
+
+@attrs.frozen(kw_only=True)
+class UpstreamConfig:
+    base_url: str  # e.g. http://127.0.0.1:8001/v1
+    model: str  # the model name the upstream knows
+    api_key_env: str | None = None  # environment variable holding the upstream's API key
+    connect_timeout: float = 5.0
+    read_timeout: float = 300.0  # the longest silence between two chunks
+    retries: int = 2  # on connect errors and 5xx before the first token
+    retry_backoff: float = 0.2  # seconds, doubled per retry
+    max_connections: int = 64  # the pool's bound
+    include_usage: bool = True  # ask for `stream_options.include_usage`
+
+
+@attrs.define
+class UpstreamCounters:
+    requests: int = 0
+    retries: int = 0
+    failures: int = 0
+    messages_encoded: int = 0
+    bytes_sent: int = 0
+
+
+class UpstreamBackend:
+    def __init__(
+        self, config: UpstreamConfig, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self.config = config
+        self.counters = UpstreamCounters()
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._key = f"chat:{id(self)}"
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            cfg = self.config
+            transport = self._transport or httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(
+                    max_connections=cfg.max_connections,
+                    max_keepalive_connections=cfg.max_connections,
+                ),
+                socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+            )
+            headers = {"content-type": "application/json"}
+            key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+            if key:
+                headers["authorization"] = f"Bearer {key}"
+            self._client = httpx.AsyncClient(
+                base_url=cfg.base_url.rstrip("/"),
+                transport=transport,
+                headers=headers,
+                timeout=httpx.Timeout(
+                    connect=cfg.connect_timeout,
+                    read=cfg.read_timeout,
+                    write=cfg.read_timeout,
+                    pool=cfg.connect_timeout,
+                ),
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # --- request body ---
+    def _encoder(self, request: SampleRequest) -> ChatEncoder:
+        items = request.items
+        derived = getattr(items, "derived", None)
+        n = len(items)
+        encoder = derived.get(self._key) if derived is not None else None
+        if encoder is None or encoder.consumed > n:
+            # No cache yet, or this state is older than the cache (a retry from an earlier
+            # response): encode from scratch; keep it only when it can serve later turns.
+            encoder = ChatEncoder()
+            if derived is not None and self._key not in derived:
+                derived[self._key] = encoder
+        self.counters.messages_encoded += encoder.extend(items, n)
+        return encoder
+
+    def body(self, request: SampleRequest) -> bytes:
+        cfg = self.config
+        messages = self._encoder(request).body_messages()
+        if request.instructions:
+            system = json.dumps(
+                {"role": "system", "content": request.instructions}, ensure_ascii=False
+            ).encode()
+            messages = [system, *messages]
+        head: dict[str, Any] = {"model": cfg.model, "stream": True}
+        if cfg.include_usage:
+            head["stream_options"] = {"include_usage": True}
+        if request.tools:
+            qualified = {}
+            for tool in request.tools:
+                for member in getattr(tool, "tools", [tool]):
+                    ns = tool.name if member is not tool else None
+                    qualified[member.name] = tool_name(member.name, ns)
+            head["tools"] = chat_tools(request.tools)
+            head["tool_choice"] = chat_tool_choice(request.tool_choice, qualified)
+            head["parallel_tool_calls"] = request.parallel_tool_calls
+        if request.temperature != 1.0:
+            head["temperature"] = request.temperature
+        if request.top_p != 1.0:
+            head["top_p"] = request.top_p
+        if request.max_output_tokens is not None:
+            head["max_tokens"] = request.max_output_tokens
+        fmt = request.text_format
+        if fmt and fmt.get("type") == "json_schema":
+            head["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {k: v for k, v in fmt.items() if k != "type"},
+            }
+        prefix = json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode()
+        return prefix[:-1] + b',"messages":[' + b",".join(messages) + b"]}"
+
+    # --- sampling ---
+    async def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]:
+        body = self.body(request)
+        self.counters.bytes_sent += len(body)
+        namespaces = {t.name for t in request.tools if hasattr(t, "tools")}
+        cfg = self.config
+        attempt = 0
+        while True:
+            self.counters.requests += 1
+            started = False
+            try:
+                async with self._http().stream("POST", "/chat/completions", content=body) as resp:
+                    if resp.status_code >= 400:
+                        message, code = await _error_of(resp)
+                        if resp.status_code >= 500 and attempt < cfg.retries:
+                            raise _Retry(message)
+                        self.counters.failures += 1
+                        raise BackendError(
+                            f"The upstream model server answered {resp.status_code}: {message}",
+                            code=code
+                            or ("server_error" if resp.status_code >= 500 else "invalid_prompt"),
+                        )
+                    async for event in _parse_stream(resp, namespaces):
+                        started = True
+                        yield event
+                    return
+            except _Retry as exc:
+                await self._backoff(attempt, str(exc))
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                if started or attempt >= cfg.retries:
+                    self.counters.failures += 1
+                    raise BackendError(
+                        f"Could not connect to the upstream model server at {cfg.base_url}: "
+                        f"{exc.__class__.__name__}",
+                    ) from None
+                await self._backoff(attempt, str(exc))
+            except httpx.TimeoutException as exc:
+                self.counters.failures += 1
+                raise BackendError(
+                    f"The upstream model server timed out ({exc.__class__.__name__})."
+                ) from None
+            except (httpx.HTTPError, httpx.StreamError) as exc:
+                self.counters.failures += 1
+                raise BackendError(
+                    f"The upstream stream broke: {exc.__class__.__name__}: {exc}"
+                ) from None
+            attempt += 1
+
+    async def _backoff(self, attempt: int, why: str) -> None:
+        del why
+        self.counters.retries += 1
+        await trio.sleep(self.config.retry_backoff * (2**attempt))
+
+
+class _Retry(Exception):
+    pass
+
+
+async def _error_of(resp: httpx.Response) -> tuple[str, str | None]:
+    raw = await resp.aread()
+    try:
+        error = json.loads(raw).get("error", {})
+        if isinstance(error, dict):
+            return str(error.get("message") or raw[:200]), error.get("code")
+        return str(error), None
+    except (ValueError, AttributeError):
+        return raw[:200].decode(errors="replace"), None
+
+
+async def _parse_stream(resp: httpx.Response, namespaces: set[str]) -> AsyncIterator[SampleEvent]:
+    """Chat-completion chunks -> sample events. Raises BackendError on malformed chunks or a
+    stream that ends before a finish reason."""
+    open_kind: str | None = None  # "text" | "call"
+    call_index: int | None = None
+    finish: str | None = None
+    usage: dict[str, Any] | None = None
+    done = False
+    async for line in resp.aiter_lines():
+        if len(line) > MAX_UPSTREAM_LINE:
+            raise BackendError("The upstream sent an oversized chunk.")
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            break
+        try:
+            chunk = json.loads(data)
+            if chunk.get("error"):
+                error = chunk["error"]
+                raise BackendError(
+                    f"The upstream failed mid-stream: {error.get('message', error)}",
+                    code=error.get("code") or "server_error",
+                )
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            choices = chunk.get("choices") or []
+            if not choices:
+                continue
+            choice = choices[0]
+            delta = choice.get("delta") or {}
+            content = delta.get("content")
+            if content:
+                if open_kind == "call":
+                    yield CallEnd()
+                    open_kind = None
+                if open_kind is None:
+                    yield TextStart()
+                    open_kind = "text"
+                yield TextDelta(content, 1)
+            for call in delta.get("tool_calls") or []:
+                index = call.get("index", 0)
+                function = call.get("function") or {}
+                if index != call_index:
+                    if open_kind == "text":
+                        yield TextEnd()
+                    elif open_kind == "call":
+                        yield CallEnd()
+                    name, namespace = split_tool_name(str(function.get("name", "")), namespaces)
+                    yield CallStart(name, namespace)
+                    open_kind, call_index = "call", index
+                arguments = function.get("arguments")
+                if arguments:
+                    yield ArgsDelta(arguments, 1)
+            if choice.get("finish_reason"):
+                finish = choice["finish_reason"]
+        except BackendError:
+            raise
+        except (ValueError, AttributeError, TypeError, KeyError) as exc:
+            raise BackendError(f"The upstream sent a malformed chunk: {exc}") from None
+    if finish is None:
+        raise BackendError(
+            "The upstream stream ended before the answer finished"
+            + ("" if done else " (connection closed)")
+            + "."
+        )
+    if open_kind == "text":
+        yield TextEnd()
+    elif open_kind == "call":
+        yield CallEnd()
+    reason = {"length": "max_output_tokens", "tool_calls": "tool_calls"}.get(finish, "stop")
+    yield Finish(
+        reason,  # type: ignore[arg-type]
+        input_tokens=usage.get("prompt_tokens") if usage else None,
+        output_tokens=usage.get("completion_tokens") if usage else None,
+    )
