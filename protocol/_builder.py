@@ -70,8 +70,9 @@ _TRANSITIONS: dict[str, dict[BuilderState, BuilderState]] = {
     "suspend": {_S.ACTIVE: _S.SUSPENDED},
     "resume": {_S.SUSPENDED: _S.ACTIVE},
     "complete": {_S.ACTIVE: _S.DONE},
-    "incomplete": {_S.ACTIVE: _S.DONE, _S.IN_MESSAGE: _S.DONE, _S.IN_CALL: _S.DONE},
-    "fail": {s: _S.DONE for s in (_S.NEW, _S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED)},
+    "incomplete": {s: _S.DONE for s in (_S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED)},
+    # Not from NEW: a response that never started has no `response.failed` (send an error).
+    "fail": {s: _S.DONE for s in (_S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED)},
 }
 
 
@@ -287,6 +288,7 @@ class ResponseStream:
     def fail(self, *, error: ResponseError, usage: Usage | None) -> ResponseFailed:
         """End with `response.failed`; an item still open is dropped from the output."""
         if self._state is BuilderState.NEW:
+            self._state = BuilderState.ERROR
             raise LocalProtocolError("can't fail before start(): send an error event instead")
         self._go("fail")
         self._open = None

@@ -3,7 +3,9 @@
 Decoding is strict where a peer feeds us (client events, request bodies): unknown keys,
 wrong JSON types, bad enum values and out-of-range numbers are refused with the exact OpenAI
 error `code` and a `param` path such as `input[2].content[0].type`. Everything a peer can send
-ends as a decoded value or a `RemoteProtocolError`, never another exception.
+ends as a decoded value or a `RemoteProtocolError`, never another exception, and whatever is
+decoded can be encoded again as UTF-8 JSON and as msgpack (no lone surrogates, non-finite
+numbers, integers beyond 64 bits, bytes or extension types, even in opaque fields).
 
 Decoding server events (what a client of some other server receives) is lenient about unknown
 keys, so the conformance harness and the benchmark can talk to servers that add fields.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -30,10 +33,11 @@ from cattrs.errors import (
     AttributeValidationNote,
     ForbiddenExtraKeysError,
     IterableValidationNote,
+    StructureHandlerNotFoundError,
 )
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
-from ._errors import ErrorBody, RemoteProtocolError
+from ._errors import ErrorBody, LocalProtocolError, RemoteProtocolError
 from ._events import (
     CLIENT_EVENT_TYPES,
     SERVER_EVENT_TYPES,
@@ -62,7 +66,7 @@ from ._response import (
     TextConfig,
     Usage,
 )
-from ._validate import InvalidField, describe
+from ._validate import MAX_QUOTED_CHARS, InvalidField, clip, describe
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE",
@@ -117,9 +121,15 @@ def _strict_bool(value: Any, _: Any) -> bool:
     return value
 
 
+# Integers on the wire are 64-bit (what msgpack and most JSON peers carry); a float is taken
+# as an integer only while it is exact.
+_MIN_INT, _MAX_INT = -(2**63), 2**64 - 1
+_MAX_EXACT_FLOAT = 2**53
+
+
 def _strict_int(value: Any, _: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and abs(value) <= _MAX_EXACT_FLOAT:
             return int(value)
         raise InvalidField.wrong_type("an integer", value)
     return value
@@ -203,7 +213,13 @@ def _make_converter(strict: bool) -> cattrs.Converter:
             for key, val in value.items():
                 if not isinstance(key, str):
                     raise InvalidField.wrong_type("string keys", key)
-                out[key] = val if plain else conv.structure(val, val_t)
+                if plain:
+                    out[key] = val
+                    continue
+                try:
+                    out[key] = conv.structure(val, val_t)
+                except InvalidField as exc:  # name the entry: `metadata.key`
+                    raise InvalidField(exc.code, exc.template, _join(key, exc.subpath)) from None
             return out
 
         return hook
@@ -349,7 +365,7 @@ def _to_remote(exc: BaseException) -> RemoteProtocolError:
             leaf.template.replace("{param}", param), code=leaf.code, param=param or None
         )
     if isinstance(leaf, ForbiddenExtraKeysError):
-        param = _join(path, sorted(leaf.extra_fields)[0])
+        param = _join(path, min(map(str, leaf.extra_fields)))[:MAX_QUOTED_CHARS]
         return RemoteProtocolError.invalid(
             f"Unknown parameter: '{param}'.", code="unknown_parameter", param=param
         )
@@ -359,8 +375,10 @@ def _to_remote(exc: BaseException) -> RemoteProtocolError:
             code="missing_required_parameter",
             param=path or None,
         )
+    if isinstance(leaf, StructureHandlerNotFoundError):
+        raise LocalProtocolError(f"no codec rule for the field at {path!r}: {leaf}") from exc
     return RemoteProtocolError.invalid(
-        f"Invalid value for '{path}': {leaf}.", code="invalid_value", param=path or None
+        f"Invalid value for '{path}': {clip(str(leaf))}.", code="invalid_value", param=path or None
     )
 
 
@@ -382,26 +400,99 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _int64(text: str) -> int:
+    """`parse_int` for peer JSON: integers we could not send on as msgpack are refused."""
+    value = int(text)
+    if not _MIN_INT <= value <= _MAX_INT:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ValueError(f"the integer {shown} is out of range")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    """`parse_float` for peer JSON: a literal too large for a double (`1e400`) would become
+    `inf`, which we could not encode as JSON again."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+# A JSON escape of a UTF-16 surrogate (`"\ud800"`). Python decodes a lone one to a `str` that
+# cannot be encoded as UTF-8, which would crash whoever sends or tokenizes it later, so a
+# message containing such an escape is walked and refused if one is unpaired.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _check_plain(value: Any, *, surrogates: bool) -> None:
+    """Refuse anything but plain JSON data: msgpack can also carry bytes, extension types,
+    non-string map keys and non-finite floats, which would pass opaque (`Any`) fields and then
+    fail to encode. With `surrogates`, also refuse strings holding a lone surrogate."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if surrogates and _SURROGATE.search(node):
+                raise ValueError("a string contains an unpaired UTF-16 surrogate")
+        elif isinstance(node, dict):
+            for key in node:
+                if not isinstance(key, str):
+                    raise ValueError(f"map keys must be strings, not {describe(key)}")
+            stack.extend(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                raise ValueError(f"{node} is not a valid JSON number")
+        elif node is not None and not isinstance(node, int):
+            raise ValueError(f"{describe(node)} value has no JSON equivalent")
+
+
+def _size(data: str | bytes, max_size: int) -> int:
+    """The size of a message in bytes (UTF-8 for text), computed only when it could matter."""
+    if isinstance(data, str) and len(data) * 4 > max_size:
+        return len(data.encode("utf-8", "surrogatepass"))
+    return len(data)
+
+
 def _load(data: str | bytes, *, max_size: int, fmt: Literal["json", "msgpack"]) -> Any:
-    if len(data) > max_size:
+    size = _size(data, max_size)
+    if size > max_size:
         raise RemoteProtocolError.invalid(
-            f"The message is {len(data)} bytes, larger than the limit of {max_size} bytes.",
+            f"The message is {size} bytes, larger than the limit of {max_size} bytes.",
             code="message_too_large",
         )
     try:
         if fmt == "json":
-            return json.loads(data, parse_constant=_reject_constant)
+            # UTF-8 only (RFC 8259), strictly: `json.loads(bytes)` would let encoded
+            # surrogates through ("surrogatepass").
+            text = data.decode("utf-8") if isinstance(data, bytes) else data
+            value = json.loads(
+                text,
+                parse_constant=_reject_constant,
+                parse_float=_finite_float,
+                parse_int=_int64,
+            )
+            if _SURROGATE_ESCAPE.search(text):
+                _check_plain(value, surrogates=True)
+            return value
         if isinstance(data, str):
             data = data.encode()
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        _check_plain(value, surrogates=False)
+        return value
     except RecursionError:
         raise RemoteProtocolError.invalid(
             "The message is nested too deeply.", code=f"invalid_{fmt}"
         ) from None
     except Exception as exc:
         what = "JSON" if fmt == "json" else "msgpack"
+        reason = str(exc) or type(exc).__name__
         raise RemoteProtocolError.invalid(
-            f"We could not parse the {what} body of your message: {exc}", code=f"invalid_{fmt}"
+            f"We could not parse the {what} body of your message: {reason}",
+            code=f"invalid_{fmt}",
         ) from None
 
 
@@ -416,11 +507,17 @@ def _as_event(value: Any, table: dict[str, type[Any]], conv: cattrs.Converter) -
         raise RemoteProtocolError.invalid(
             "Missing required parameter: 'type'.", code="missing_required_parameter", param="type"
         )
-    cls = table.get(tag) if isinstance(tag, str) else None
+    if not isinstance(tag, str):
+        raise RemoteProtocolError.invalid(
+            f"Invalid type for 'type': expected a string, but got {describe(tag)} instead.",
+            code="invalid_type",
+            param="type",
+        )
+    cls = table.get(tag)
     if cls is None:
         supported = ", ".join(repr(t) for t in table)
         raise RemoteProtocolError.invalid(
-            f"Invalid value: {tag!r}. Supported values are: {supported}.",
+            f"Invalid value: {clip(tag)}. Supported values are: {supported}.",
             code="invalid_value",
             param="type",
         )
@@ -445,8 +542,18 @@ def decode_create_body(
     *,
     max_size: int = DEFAULT_MAX_MESSAGE_SIZE,
 ) -> ResponseCreate:
-    """Decode the JSON body of `POST /v1/responses` (a `response.create` without `type`)."""
-    value = data if isinstance(data, dict) else _load(data, max_size=max_size, fmt="json")
+    """Decode the JSON body of `POST /v1/responses` (a `response.create` without `type`).
+    An already-parsed body gets the same checks as text, except the size limit."""
+    if isinstance(data, dict):
+        try:
+            _check_plain(data, surrogates=True)
+        except ValueError as exc:
+            raise RemoteProtocolError.invalid(
+                f"We could not parse the JSON body of your message: {exc}", code="invalid_json"
+            ) from None
+        value: Any = data
+    else:
+        value = _load(data, max_size=max_size, fmt="json")
     if not isinstance(value, dict):
         raise RemoteProtocolError.invalid(
             f"Invalid type for body: expected a JSON object, but got {describe(value)}.",

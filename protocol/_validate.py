@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["InvalidField", "describe"]
+__all__ = ["MAX_QUOTED_CHARS", "InvalidField", "clip", "describe"]
 
 
 class InvalidField(ValueError):
@@ -32,13 +32,25 @@ class InvalidField(ValueError):
         choices = ", ".join(repr(s) for s in supported)
         return cls(
             "invalid_value",
-            f"Invalid value: {got!r}. Supported values are: {choices}.",
+            f"Invalid value: {clip(got)}. Supported values are: {choices}.",
             subpath,
         )
 
     @classmethod
     def missing(cls, subpath: str = "") -> InvalidField:
         return cls("missing_required_parameter", "Missing required parameter: '{param}'.", subpath)
+
+
+# Error messages quote peer input; never more than this many characters of it.
+MAX_QUOTED_CHARS = 120
+
+
+def clip(value: Any) -> str:
+    """`repr(value)`, cut to MAX_QUOTED_CHARS (peers can send megabytes)."""
+    text = repr(value)
+    if len(text) > MAX_QUOTED_CHARS:
+        text = text[: MAX_QUOTED_CHARS - 3] + "..."
+    return text
 
 
 def describe(value: Any) -> str:

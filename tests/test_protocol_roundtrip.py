@@ -1,0 +1,231 @@
+"""Round-trip properties for every wire type, through JSON and msgpack:
+`decode(encode(x)) == x` (cattrs `tests/test_preconf.py` style)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import protocol as p
+from protocol._items import CONTENT_PART_TYPES, ITEM_TYPES, TOOL_TYPES
+from tests.strategies import (
+    CLIENT_EVENT_STRATEGIES,
+    CONTENT_PART_STRATEGIES,
+    ITEM_STRATEGIES,
+    SERVER_EVENT_STRATEGIES,
+    TOOL_STRATEGIES,
+    function_call_outputs,
+    ids,
+    input_parts,
+    opt,
+    output_parts,
+    responses,
+    sse_error_events,
+    statuses,
+    summary_texts,
+    tool_choices,
+    usages,
+)
+
+FORMATS = ["json", "msgpack"]
+SETTINGS = settings(max_examples=40, deadline=None)
+
+
+def encode(obj: Any, fmt: str) -> str | bytes:
+    return p.encode_json(obj) if fmt == "json" else p.encode_msgpack(obj)
+
+
+def load(data: str | bytes, fmt: str) -> Any:
+    return json.loads(data) if fmt == "json" else msgpack.unpackb(data)
+
+
+def test_strategies_cover_every_wire_type() -> None:
+    assert set(CLIENT_EVENT_STRATEGIES) == set(p.CLIENT_EVENT_TYPES)
+    assert set(SERVER_EVENT_STRATEGIES) == set(p.SERVER_EVENT_TYPES)
+    assert set(ITEM_STRATEGIES) == set(ITEM_TYPES)
+    assert set(CONTENT_PART_STRATEGIES) == set(CONTENT_PART_TYPES)
+    assert set(TOOL_STRATEGIES) == set(TOOL_TYPES)
+
+
+# --- events ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tag", sorted(CLIENT_EVENT_STRATEGIES))
+@SETTINGS
+@given(data=st.data())
+def test_client_event_roundtrip(tag: str, fmt: str, data: st.DataObject) -> None:
+    event = data.draw(CLIENT_EVENT_STRATEGIES[tag])
+    assert event.type == tag
+    wire = encode(event, fmt)
+    assert p.decode_client_event(wire, fmt=fmt) == event  # type: ignore[arg-type]
+    assert p.from_wire(p.to_wire(event), p.ClientEvent) == event  # type: ignore[arg-type]
+
+
+@SETTINGS
+@given(event=CLIENT_EVENT_STRATEGIES["response.create"])
+def test_create_body_roundtrip(event: p.ResponseCreate) -> None:
+    """The HTTP body is `response.create` without `type`."""
+    body = p.to_wire(event)
+    del body["type"]
+    assert p.decode_create_body(json.dumps(body, ensure_ascii=False)) == event
+    assert p.decode_create_body(body) == event
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tag", sorted(SERVER_EVENT_STRATEGIES))
+@SETTINGS
+@given(data=st.data())
+def test_server_event_roundtrip(tag: str, fmt: str, data: st.DataObject) -> None:
+    event = data.draw(SERVER_EVENT_STRATEGIES[tag])
+    assert event.type == tag
+    wire = encode(event, fmt)
+    assert p.decode_server_event(wire, fmt=fmt) == event  # type: ignore[arg-type]
+    if tag != "error":
+        assert p.decode_server_event(wire, fmt=fmt, sse=True) == event  # type: ignore[arg-type]
+    # Server events keep explicit nulls: every field is on the wire.
+    assert set(load(wire, fmt)) == {a.name for a in attrs.fields(type(event))}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@SETTINGS
+@given(event=sse_error_events)
+def test_sse_error_roundtrip(fmt: str, event: p.SseErrorEvent) -> None:
+    wire = encode(event, fmt)
+    assert p.decode_server_event(wire, fmt=fmt, sse=True) == event  # type: ignore[arg-type]
+    assert set(load(wire, fmt)) == {"type", "sequence_number", "code", "message", "param"}
+
+
+def test_sse_and_ws_errors_decode_by_transport() -> None:
+    """The nested WebSocket error and the flat SSE error share the tag `error`."""
+    ws = p.ErrorEvent(status=400, error=p.ErrorBody(code="c", message="m", param="x"))
+    sse = p.SseErrorEvent(sequence_number=3, code="c", message="m", param="x")
+    assert p.decode_server_event(p.encode_json(ws)) == ws
+    assert p.decode_server_event(p.encode_json(sse), sse=True) == sse
+    with pytest.raises(p.RemoteProtocolError):
+        p.decode_server_event(p.encode_json(sse))
+    with pytest.raises(p.RemoteProtocolError):
+        p.decode_server_event(p.encode_json(ws), sse=True)
+
+
+# --- items, parts, tools, responses ----------------------------------------------------------
+
+
+def roundtrip(value: Any, cls: Any) -> None:
+    wire = p.to_wire(value)
+    assert p.from_wire(wire, cls) == value
+    assert p.from_wire(json.loads(p.encode_json(value)), cls) == value
+    assert p.from_wire(msgpack.unpackb(p.encode_msgpack(value)), cls) == value
+
+
+def assert_no_nulls(wire: Any) -> None:
+    """Items, parts and tools leave absent optionals off the wire."""
+    if isinstance(wire, dict):
+        for key, value in wire.items():
+            assert value is not None, key
+            if key not in ("parameters", "annotations", "logprobs"):  # opaque JSON
+                assert_no_nulls(value)
+    elif isinstance(wire, list):
+        for value in wire:
+            assert_no_nulls(value)
+
+
+@pytest.mark.parametrize("tag", sorted(ITEM_STRATEGIES))
+@SETTINGS
+@given(data=st.data())
+def test_item_roundtrip(tag: str, data: st.DataObject) -> None:
+    item = data.draw(ITEM_STRATEGIES[tag])
+    assert item.type == tag
+    roundtrip(item, p.Item)
+    roundtrip(item, type(item))
+    assert_no_nulls(p.to_wire(item))
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "assistant"])
+@pytest.mark.parametrize("form", ["string", "list"])
+@SETTINGS
+@given(data=st.data())
+def test_message_roundtrip_each_role(role: str, form: str, data: st.DataObject) -> None:
+    parts = output_parts if role == "assistant" else input_parts
+    content = st.text(max_size=10) if form == "string" else st.lists(parts, max_size=3)
+    message = p.Message(
+        role=role,  # type: ignore[arg-type]
+        content=data.draw(content),
+        id=data.draw(opt(ids)),
+        status=data.draw(opt(statuses)),
+    )
+    roundtrip(message, p.Item)
+    roundtrip(message, p.Message)
+
+
+@pytest.mark.parametrize("form", ["string", "list"])
+@SETTINGS
+@given(data=st.data())
+def test_function_call_output_roundtrip(form: str, data: st.DataObject) -> None:
+    kind = str if form == "string" else list
+    item = data.draw(function_call_outputs.filter(lambda i: isinstance(i.output, kind)))
+    roundtrip(item, p.Item)
+
+
+def test_message_short_form() -> None:
+    """`{"role", "content"}` without `type` is a message on input."""
+    item = p.from_wire({"role": "user", "content": "hi"}, p.Item)
+    assert item == p.Message(role="user", content="hi")
+    assert p.to_wire(item) == {"type": "message", "role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("tag", sorted(CONTENT_PART_STRATEGIES))
+@SETTINGS
+@given(data=st.data())
+def test_content_part_roundtrip(tag: str, data: st.DataObject) -> None:
+    part = data.draw(CONTENT_PART_STRATEGIES[tag])
+    roundtrip(part, p.ContentPart)
+    assert_no_nulls(p.to_wire(part))
+
+
+@SETTINGS
+@given(part=summary_texts)
+def test_summary_text_roundtrip(part: p.SummaryText) -> None:
+    roundtrip(part, p.SummaryText)
+
+
+@pytest.mark.parametrize("tag", sorted(TOOL_STRATEGIES))
+@SETTINGS
+@given(data=st.data())
+def test_tool_roundtrip(tag: str, data: st.DataObject) -> None:
+    tool = data.draw(TOOL_STRATEGIES[tag])
+    roundtrip(tool, p.Tool)
+    assert_no_nulls(p.to_wire(tool))
+
+
+@SETTINGS
+@given(choice=tool_choices)
+def test_tool_choice_roundtrip(choice: p.ToolChoice) -> None:
+    roundtrip(choice, p.ToolChoice)
+
+
+@SETTINGS
+@given(response=responses)
+def test_response_roundtrip(response: p.Response) -> None:
+    roundtrip(response, p.Response)
+    # The Response object keeps explicit nulls: every field is present.
+    assert set(p.to_wire(response)) == {a.name for a in attrs.fields(p.Response)}
+
+
+@SETTINGS
+@given(usage=usages, other=usages)
+def test_usage_roundtrip_and_sum(usage: p.Usage, other: p.Usage) -> None:
+    roundtrip(usage, p.Usage)
+    total = usage + other
+    assert total.input_tokens == usage.input_tokens + other.input_tokens
+    assert total.total_tokens == usage.total_tokens + other.total_tokens
+    assert (
+        total.input_tokens_details.cached_tokens
+        == usage.input_tokens_details.cached_tokens + other.input_tokens_details.cached_tokens
+    )
