@@ -527,10 +527,8 @@ class Session:
                     rollout._suspend(state)  # appends are accepted from response.done on
                     await emit(stream.suspend([cid for cid, _ in state.open_calls]))
                     resumed = await rollout._wait_resume(engine.rollout_suspend_limit)
+                    self.last_timings = rollout.timings
                     if resumed is None:
-                        # The builder ends a response incomplete only from an active state,
-                        # so the timed-out rollout resumes (response.in_progress) to end.
-                        await emit(stream.resume())
                         events = stream.incomplete(
                             reason="rollout_timeout", usage=total, completed_at=engine.now()
                         )
@@ -754,6 +752,9 @@ class Rollout:
         self._events = events
         self._state: ResponseState | None = None  # set while suspended
         self._flags: tuple[Any, ...] = ()
+        # Pre-inference stage timings of the appends since the last suspension (the resumed
+        # turn's `Session.last_timings`, reported like a create's).
+        self.timings: dict[str, float] = {}
         self._wake = trio.Event()
         self._done = False
         self.ended = False  # a terminal event was emitted
@@ -808,7 +809,7 @@ class Rollout:
             classifier_state=state.classifier_state,
             open_calls=dict(state.open_calls),
             param="input",
-            timings={},
+            timings=self.timings,
         )
         new_calls = {i.call_id for i in items if isinstance(i, FunctionCall)}
         if new_calls:
@@ -824,6 +825,7 @@ class Rollout:
     def _suspend(self, state: ResponseState) -> None:
         self._state = state
         self._flags = ()
+        self.timings = {}
         self._wake = trio.Event()
 
     async def _wait_resume(self, limit: float) -> tuple[ResponseState, tuple[Any, ...]] | None:
