@@ -6,6 +6,9 @@ Served by hypercorn's trio worker (see `_serve.py`). Routes:
     GET    /v1/responses/{id}            a stored response
     DELETE /v1/responses/{id}            delete a stored response
     GET    /v1/responses   (upgrade)     WebSocket mode
+    POST   /v1/responses/compact         a compacted window ending with a compaction item
+    POST   /v1/responses/input_tokens    count the tokens a request would render
+    GET    /v1/responses/{id}/input_items  a stored response's input items, paginated
     POST   /v1/chat/completions          the registry as a chat-completions model server
     GET    /v1/models, /v1/models/{id}   the models of the registry
     GET    /healthz                      liveness
@@ -25,6 +28,7 @@ import json
 import logging
 import re
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -43,6 +47,7 @@ from protocol import (
 )
 
 from ._chat import ChatCompletionEmitter, request_from_chat
+from ._compact import DEFAULT_COMPACT_BUDGET
 from ._counters import LATENCY_BUCKETS
 from ._engine import Engine
 from ._ws import WebSocketConnection, WebSocketLimits
@@ -56,6 +61,10 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _RESPONSE_PATH = re.compile(r"^/v1/responses/([A-Za-z0-9_.\-]+)/?$")
+_INPUT_ITEMS_PATH = re.compile(r"^/v1/responses/([A-Za-z0-9_.\-]+)/input_items/?$")
+# Pagination of input_items, as the OpenAI API: 1..100 items a page, 20 by default.
+MAX_PAGE_LIMIT = 100
+DEFAULT_PAGE_LIMIT = 20
 _MODEL_PATH = re.compile(r"^/v1/models/(.+)$")
 
 
@@ -216,7 +225,8 @@ class RolloutApp:
         headers = _headers(scope)
         status = 500
         try:
-            status = await self._route(method, path, headers, receive, send)
+            query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+            status = await self._route(method, path, headers, query, receive, send)
         finally:
             access_log.info(
                 json.dumps(
@@ -231,7 +241,13 @@ class RolloutApp:
             )
 
     async def _route(
-        self, method: str, path: str, headers: dict[str, str], receive: Receive, send: Send
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        query: dict[str, str],
+        receive: Receive,
+        send: Send,
     ) -> int:
         if path == "/healthz":
             return await _json(send, 200, {"status": "ok"})
@@ -271,6 +287,17 @@ class RolloutApp:
                     ),
                 )
             return await _method_not_allowed(send)
+        if path.rstrip("/") in ("/v1/responses/compact", "/v1/responses/input_tokens"):
+            if method != "POST":
+                return await _method_not_allowed(send)
+            if path.rstrip("/").endswith("compact"):
+                return await self._compact(receive, send, owner)
+            return await self._input_tokens(receive, send, owner)
+        match = _INPUT_ITEMS_PATH.match(path)
+        if match:
+            if method != "GET":
+                return await _method_not_allowed(send)
+            return await self._input_items(send, match.group(1), query, owner)
         match = _RESPONSE_PATH.match(path)
         if match:
             response_id = match.group(1)
@@ -418,6 +445,124 @@ class RolloutApp:
             return 200
         return 499
 
+    async def _decode_body(
+        self, receive: Receive, send: Send, *, drop: tuple[str, ...] = ()
+    ) -> tuple[Any, int | None]:
+        """(request, None) or (None, the status of the error already sent)."""
+        raw = await _read_body(receive, self.config.max_message_size)
+        if raw is None:
+            return None, await _json(
+                send, 413, _error_body("The request body is too large.", code="message_too_large")
+            )
+        try:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                raise RemoteProtocolError.invalid(
+                    "We could not parse the JSON body of your request.", code="invalid_json"
+                ) from None
+            extras = {}
+            if isinstance(body, dict):
+                extras = {k: body.pop(k) for k in drop if k in body}
+            request = decode_create_body(body, max_size=self.config.max_message_size)
+        except RemoteProtocolError as exc:
+            self.engine.counters.request_errors += 1
+            return None, await _json(send, exc.status, {"error": to_wire(exc.body)})
+        return (request, extras), None
+
+    async def _compact(self, receive: Receive, send: Send, owner: str | None) -> int:
+        decoded, status = await self._decode_body(receive, send, drop=("budget_tokens",))
+        if decoded is None:
+            assert status is not None
+            return status
+        request, extras = decoded
+        budget = extras.get("budget_tokens", DEFAULT_COMPACT_BUDGET)
+        try:
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise RemoteProtocolError.invalid(
+                    "budget_tokens must be a non-negative integer.",
+                    code="invalid_type",
+                    param="budget_tokens",
+                )
+            session = self.engine.session(owner=owner, max_cached_responses=1)
+            result = await session.compact(request, budget_tokens=budget)
+        except RemoteProtocolError as exc:
+            self.engine.counters.request_errors += 1
+            return await _json(send, exc.status, {"error": to_wire(exc.body)})
+        return await _json(send, 200, result)
+
+    async def _input_tokens(self, receive: Receive, send: Send, owner: str | None) -> int:
+        # `personality` and `conversation` are sent by SDK helpers; neither changes the count
+        # of tokens rollout renders (conversations are refused by create).
+        decoded, status = await self._decode_body(receive, send, drop=("personality",))
+        if decoded is None:
+            assert status is not None
+            return status
+        request, _extras = decoded
+        if request.model is None:
+            request = attrs.evolve(request, model="sim")
+        try:
+            session = self.engine.session(owner=owner, max_cached_responses=1)
+            state = await session.prepare_only(request)
+        except RemoteProtocolError as exc:
+            self.engine.counters.request_errors += 1
+            return await _json(send, exc.status, {"error": to_wire(exc.body)})
+        return await _json(
+            send, 200, {"object": "response.input_tokens", "input_tokens": state.context_tokens}
+        )
+
+    async def _input_items(
+        self, send: Send, response_id: str, query: dict[str, str], owner: str | None
+    ) -> int:
+        """The items the model saw as input for a stored response (its conversation up to
+        its own output), paginated like the OpenAI API (`after`, `limit`, `order`)."""
+        try:
+            limit = int(query.get("limit", DEFAULT_PAGE_LIMIT))
+        except ValueError:
+            limit = -1
+        order = query.get("order", "desc")
+        if not 1 <= limit <= MAX_PAGE_LIMIT or order not in ("asc", "desc"):
+            param = "order" if order not in ("asc", "desc") else "limit"
+            return await _json(
+                send,
+                400,
+                _error_body(
+                    f"Invalid '{param}': limit is 1..{MAX_PAGE_LIMIT}, order is asc or desc.",
+                    code="invalid_value",
+                    param=param,
+                ),
+            )
+        try:
+            chain = await self.engine.stored_chain(response_id, owner=owner)
+        except LookupError:
+            return await _json(send, 404, _not_found(response_id))
+        outputs = {getattr(o, "id", None) for o in chain[0].response.output}
+        items = [
+            item
+            for stored in reversed(chain)
+            for item in stored.items
+            if not (stored is chain[0] and getattr(item, "id", None) in outputs)
+        ]
+        if order == "desc":
+            items.reverse()
+        after = query.get("after")
+        if after is not None:
+            ids = [getattr(i, "id", None) for i in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = items[:limit]
+        data = [to_wire(i) for i in page]
+        return await _json(
+            send,
+            200,
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0].get("id") if data else None,
+                "last_id": data[-1].get("id") if data else None,
+                "has_more": len(items) > limit,
+            },
+        )
+
     async def _chat_completions(self, receive: Receive, send: Send, owner: str | None) -> int:
         """Serve the model registry as a chat-completions model server (stateless)."""
         raw = await _read_body(receive, self.config.max_message_size)
@@ -433,6 +578,16 @@ class RolloutApp:
                     "We could not parse the JSON body of your request.", code="invalid_json"
                 ) from None
             request = request_from_chat(body)
+            for name, kind, kind_name in (
+                ("stream", bool, "a boolean"),
+                ("stream_options", dict, "an object"),
+            ):
+                if body.get(name) is not None and not isinstance(body[name], kind):
+                    raise RemoteProtocolError.invalid(
+                        f"Invalid type for '{name}': expected {kind_name}.",
+                        code="invalid_type",
+                        param=name,
+                    )
         except RemoteProtocolError as exc:
             self.engine.counters.request_errors += 1
             return await _json(send, exc.status, {"error": to_wire(exc.body)})

@@ -204,6 +204,52 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> RemoteProtoco
     return RemoteProtocolError.invalid(message, code=code, param=param)
 
 
+def _from_wire(value: Any, cls: Any, where: str) -> Any:
+    """`from_wire`, its error's param (and the name in its message) placed under `where`."""
+    try:
+        return from_wire(value, cls)
+    except RemoteProtocolError as exc:
+        param = exc.param
+        if param is None:
+            raise
+        full = f"{where}.{param}"
+        raise _bad(
+            exc.body.message.replace(f"'{param}'", f"'{full}'"), full, exc.code or "invalid_value"
+        ) from None
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    """An optional array field (None -> empty)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _bad(f"Invalid type for '{where}': expected an array.", where, "invalid_type")
+    return value
+
+
+def _text_content(content: Any, where: str) -> str:
+    """The text of an assistant or tool message's content: a string or an array of parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise _bad(
+            f"Invalid type for '{where}': expected a string or an array of content parts.",
+            where,
+            "invalid_type",
+        )
+    out: list[str] = []
+    for j, part in enumerate(content):
+        text = part.get("text", "") if isinstance(part, dict) else None
+        if not isinstance(text, str):
+            raise _bad(
+                f"Invalid type for '{where}[{j}]': expected a text part.",
+                f"{where}[{j}]",
+                "invalid_type",
+            )
+        out.append(text)
+    return "".join(out)
+
+
 def _message_to_items(index: int, message: Any) -> list[Item]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
@@ -219,6 +265,11 @@ def _message_to_items(index: int, message: Any) -> list[Item]:
                     parts.append({"type": "input_text", "text": part.get("text")})
                 elif kind == "image_url":
                     image = part.get("image_url") or {}
+                    if not isinstance(image, dict):
+                        at = f"{where}.content[{j}].image_url"
+                        raise _bad(
+                            f"Invalid type for '{at}': expected an object.", at, "invalid_type"
+                        )
                     parts.append(
                         {
                             "type": "input_image",
@@ -227,20 +278,22 @@ def _message_to_items(index: int, message: Any) -> list[Item]:
                         }
                     )
                 elif kind == "file":
-                    parts.append({"type": "input_file", **(part.get("file") or {})})
+                    file = part.get("file") or {}
+                    if not isinstance(file, dict):
+                        at = f"{where}.content[{j}].file"
+                        raise _bad(
+                            f"Invalid type for '{at}': expected an object.", at, "invalid_type"
+                        )
+                    parts.append({"type": "input_file", **file})
                 else:
                     raise _bad(f"Unsupported content part type {kind!r}.", f"{where}.content[{j}]")
             content = parts
-        return [from_wire({"type": "message", "role": role, "content": content}, Item)]
+        return [_from_wire({"type": "message", "role": role, "content": content}, Item, where)]
     if role == "assistant":
         items: list[Item] = []
-        calls = message.get("tool_calls") or []
+        calls = _list(message.get("tool_calls"), f"{where}.tool_calls")
         if content is not None and (content != "" or not calls):
-            text = (
-                content
-                if isinstance(content, str)
-                else "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            )
+            text = _text_content(content, f"{where}.content")
             items.append(Message(role="assistant", content=[OutputText(text=text)]))
         for j, call in enumerate(calls):
             function = call.get("function") if isinstance(call, dict) else None
@@ -262,11 +315,7 @@ def _message_to_items(index: int, message: Any) -> list[Item]:
                 f"{where}.tool_call_id",
                 "missing_required_parameter",
             )
-        output = (
-            content
-            if isinstance(content, str)
-            else "".join(p.get("text", "") for p in (content or []) if isinstance(p, dict))
-        )
+        output = _text_content(content, f"{where}.content")
         return [FunctionCallOutput(call_id=call_id, output=output)]
     raise _bad(
         f"Invalid value: {role!r}. Supported values are: 'system', 'developer', 'user', "
@@ -296,12 +345,12 @@ def request_from_chat(body: Any) -> ResponseCreate:
     for index in range(start, len(messages)):
         items.extend(_message_to_items(index, messages[index]))
     tools: list[Tool] = []
-    for j, tool in enumerate(body.get("tools") or []):
+    for j, tool in enumerate(_list(body.get("tools"), "tools")):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict):
             raise _bad("A tool needs a function.", f"tools[{j}]")
         tools.append(
-            from_wire(
+            _from_wire(
                 {
                     "type": "function",
                     **{
@@ -311,6 +360,7 @@ def request_from_chat(body: Any) -> ResponseCreate:
                     },
                 },
                 FunctionTool,
+                f"tools[{j}].function",
             )
         )
     choice = body.get("tool_choice")

@@ -212,6 +212,16 @@ class SecretDetector:
 
     name = "secret_detector"
 
+    def encode_state(self, state: CountsState) -> list[Any]:
+        """The state as plain data (for compaction snapshots)."""
+        return [state.texts, state.tokens, list(state.counts)]
+
+    def decode_state(self, data: Any) -> CountsState:
+        texts, tokens, counts = data
+        return CountsState(
+            texts=int(texts), tokens=int(tokens), counts=tuple(int(c) for c in counts)
+        )
+
     def initial(self) -> CountsState:
         return CountsState(0, 0, (0,) * len(_SECRET_RULES))
 
@@ -302,6 +312,16 @@ class PatternPolicy:
             compiled.append(pattern)
         self._patterns = tuple(compiled)
 
+    def encode_state(self, state: CountsState) -> list[Any]:
+        """The state as plain data (for compaction snapshots)."""
+        return [state.texts, state.tokens, list(state.counts)]
+
+    def decode_state(self, data: Any) -> CountsState:
+        texts, tokens, counts = data
+        return CountsState(
+            texts=int(texts), tokens=int(tokens), counts=tuple(int(c) for c in counts)
+        )
+
     def initial(self) -> CountsState:
         return CountsState(0, 0, (0,) * len(self.rules))
 
@@ -336,6 +356,22 @@ class ClassifierSet:
 
     def __init__(self, classifiers: Iterable[Classifier]) -> None:
         self.classifiers = tuple(classifiers)
+
+    def encode_state(self, state: tuple[Any, ...]) -> list[Any]:
+        """The state as plain data; raises NotImplementedError if a member can't do it."""
+        out = []
+        for classifier, sub in zip(self.classifiers, state, strict=True):
+            encode = getattr(classifier, "encode_state", None)
+            if encode is None:
+                raise NotImplementedError(f"{classifier.name} can't encode its state")
+            out.append(encode(sub))
+        return out
+
+    def decode_state(self, data: Any) -> tuple[Any, ...]:
+        return tuple(
+            classifier.decode_state(sub)  # type: ignore[attr-defined]
+            for classifier, sub in zip(self.classifiers, data, strict=True)
+        )
 
     def initial(self) -> tuple[Any, ...]:
         return tuple(c.initial() for c in self.classifiers)

@@ -24,6 +24,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from protocol import RemoteProtocolError
+
 from ._defaults import default_registry
 from ._models import DEFAULT_CONTEXT_WINDOW, ModelRegistry, ModelSpec
 from ._upstream import UpstreamBackend, UpstreamConfig
@@ -51,12 +53,26 @@ def load_registry(path: Path) -> ModelRegistry:
     return registry_from_mapping(data, source=str(path))
 
 
+# Numbers that must be positive (retries may be 0).
+_POSITIVE = {"connect_timeout", "read_timeout", "max_connections", "context_window"}
+
+
 def _get(table: dict[str, Any], key: str, kind: type, where: str) -> Any:
     value = table[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ConfigError(f"{where}.{key}: expected {kind.__name__}, got {value!r}")
+    if isinstance(value, int | float) and (value <= 0 if key in _POSITIVE else value < 0):
+        bound = "> 0" if key in _POSITIVE else ">= 0"
+        raise ConfigError(f"{where}.{key}: expected a number {bound}, got {value!r}")
+    return value
+
+
+def _table(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = data.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: [{key}] must be a table, got {value!r}")
     return value
 
 
@@ -68,22 +84,36 @@ def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> Mo
             raise ConfigError(
                 f"{source}: unknown table [{key}] (expected [models.NAME], [aliases])"
             )
-    for name, table in (data.get("models") or {}).items():
+    for name, table in _table(data, "models", source).items():
         where = f"{source}: models.{name}"
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: expected a table")
+        if ":" in name:  # `name:k=v` is how clients pass model parameters
+            raise ConfigError(f"{where}: a model name can't contain ':'")
         allowed = {"upstream", "model", "context_window", "aliases", "description", *_UPSTREAM_KEYS}
         unknown = sorted(set(table) - allowed)
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]}: unknown key")
         if "upstream" not in table:
             raise ConfigError(f"{where}: `upstream` (the base URL) is required")
+        base_url = _get(table, "upstream", str, where)
+        if not base_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"{where}.upstream: expected an http:// or https:// URL, got {base_url!r}"
+            )
+        aliases = table.get("aliases", [])
+        if not isinstance(aliases, list) or not all(
+            isinstance(a, str) and ":" not in a for a in aliases
+        ):
+            raise ConfigError(
+                f"{where}.aliases: expected an array of names (without ':'), got {aliases!r}"
+            )
         options = {
             k: _get(table, k, kind, where) for k, kind in _UPSTREAM_KEYS.items() if k in table
         }
         backend = UpstreamBackend(
             UpstreamConfig(
-                base_url=_get(table, "upstream", str, where),
+                base_url=base_url,
                 model=_get(table, "model", str, where) if "model" in table else name,
                 **options,
             )
@@ -100,10 +130,18 @@ def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> Mo
                 else "",
             )
         )
-        for alias in table.get("aliases") or []:
-            registry.alias(str(alias), name)
-    for alias, target in (data.get("aliases") or {}).items():
+        for alias in aliases:
+            registry.alias(alias, name)
+    alias_table = _table(data, "aliases", source)
+    for alias, target in alias_table.items():
         if not isinstance(target, str):
             raise ConfigError(f"{source}: aliases.{alias}: expected a model string")
         registry.alias(alias, target)
+    for alias, target in alias_table.items():  # after all: aliases may chain
+        try:
+            registry.resolve(alias)
+        except RemoteProtocolError:
+            raise ConfigError(
+                f"{source}: aliases.{alias}: {target!r} is not a model of the registry"
+            ) from None
     return registry

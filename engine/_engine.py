@@ -16,6 +16,7 @@ The three modes differ only in where the parent state comes from and whether the
 from __future__ import annotations
 
 import math
+import os
 import time
 from array import array
 from collections import OrderedDict
@@ -27,8 +28,10 @@ import attrs
 import trio
 
 from protocol import (
+    Compaction,
     FunctionCall,
     Item,
+    ItemReference,
     ReasoningConfig,
     RemoteProtocolError,
     Response,
@@ -39,8 +42,16 @@ from protocol import (
     ServerEvent,
     TextConfig,
     Usage,
+    to_wire,
 )
 
+from ._compact import (
+    DEFAULT_COMPACT_BUDGET,
+    CompactionPolicy,
+    SnapshotSeal,
+    compact_state,
+    restore_state,
+)
 from ._counters import Counters, StageTimer
 from ._errors import BackendError
 from ._ids import new_id
@@ -186,8 +197,12 @@ class Engine:
         ledger: UsageLedger | None,
         wall_clock: Callable[[], float] = time.time,
         rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT,
+        compaction_key: bytes | None = None,
     ) -> None:
         self.counters = Counters()
+        # Seals compaction snapshots. Without a configured key it is per process: compaction
+        # items then work only with this process (`rollout serve` keeps one in its data dir).
+        self.seal = SnapshotSeal(compaction_key or os.urandom(32))
         self.timer = StageTimer()
         self.registry = registry
         self.store = store
@@ -241,6 +256,20 @@ class Engine:
             return None
         self.counters.store_reads += 1
         return await self.store.get(response_id, owner=owner)
+
+    async def find_stored_item(self, item_id: str, *, owner: str | None) -> Item | None:
+        """An item of a stored response, by item id (queued writes first, then the store)."""
+        for stored in self.post.pending_items():
+            if stored.owner == owner:
+                for item in stored.items:
+                    if getattr(item, "id", None) == item_id:
+                        return item
+        get_item = getattr(self.store, "get_item", None)
+        if get_item is None:
+            return None
+        self.counters.store_reads += 1
+        found: Item | None = await get_item(item_id, owner=owner)
+        return found
 
     async def delete_stored(self, response_id: str, *, owner: str | None) -> bool:
         pending = self.post.pending_get(response_id)
@@ -371,14 +400,18 @@ class Session:
         async with trio.open_nursery() as nursery:
 
             async def body() -> None:
-                async with send:
-                    try:
-                        await self._run(request, send.send, rollout=rollout)
-                    except RemoteProtocolError as exc:
-                        # Kept without its traceback: the traceback's frames hold `rollout`,
-                        # which would hold the error back (a reference cycle per failed rollout).
-                        rollout.error = exc.with_traceback(None)
-                        await send.send(exc.error_event())
+                # Closed with the synchronous close(), not `async with send`: aclose()'s
+                # checkpoint would let the reader leave the block and cancel this task while
+                # an exception is on its way out, and Cancelled would replace (lose) it.
+                try:
+                    await self._run(request, send.send, rollout=rollout)
+                except RemoteProtocolError as exc:
+                    # Kept without its traceback: the traceback's frames hold `rollout`,
+                    # which would hold the error back (a reference cycle per failed rollout).
+                    rollout.error = exc.with_traceback(None)
+                    await send.send(exc.error_event())
+                finally:
+                    send.close()
 
             nursery.start_soon(body)
             try:
@@ -388,6 +421,43 @@ class Session:
                 # one that ended is left to finish its post-inference hand-off.
                 if not rollout.ended:
                     nursery.cancel_scope.cancel()
+
+    async def prepare_only(self, request: ResponseCreate) -> ResponseState:
+        """The state a request would sample from (validated, rendered, classified), without
+        sampling: for counting input tokens and for compaction."""
+        timings: dict[str, float] = {}
+        parent = None
+        if request.previous_response_id is not None:
+            parent = await self.resolve(request.previous_response_id, timings)
+        new_items, root = await self._resolve_inputs(normalize_input(request.input), parent)
+        prepared = self.engine.pipeline.prepare(
+            request,
+            parent,
+            root=root,
+            new_items=new_items,
+            timings=timings,
+            require_outputs=False,
+        )
+        return prepared.state
+
+    async def compact(
+        self, request: ResponseCreate, *, budget_tokens: int = DEFAULT_COMPACT_BUDGET
+    ) -> dict[str, Any]:
+        """`POST /v1/responses/compact`: the compacted window of a conversation (given as
+        input items or previous_response_id), ending with its compaction item."""
+        engine = self.engine
+        source = await self.prepare_only(request)
+        window, item = compact_state(
+            engine.pipeline, source, CompactionPolicy(budget_tokens=budget_tokens), engine.seal
+        )
+        usage = Usage.of(input_tokens=source.context_tokens, output_tokens=window.item_tokens)
+        return {
+            "id": new_id("resp"),
+            "object": "response.compaction",
+            "created_at": engine.now(),
+            "output": [to_wire(i) for i in [*window.items, item]],
+            "usage": to_wire(usage),
+        }
 
     async def run_rollout(self, request: ResponseCreate, emit: Emit, rollout: Rollout) -> None:
         """Server-side form: run the rollout in the caller's task, emitting to `emit`."""
@@ -409,10 +479,11 @@ class Session:
             if request.previous_response_id is not None:
                 hydrated = request.previous_response_id not in self.cache
                 parent = await self.resolve(request.previous_response_id, timings)
+            new_items, root = await self._resolve_inputs(new_items, parent)
             prepared = pipeline.prepare(
                 request,
                 parent,
-                root=parent or engine.empty_state(),
+                root=root,
                 new_items=new_items,
                 timings=timings,
                 require_outputs=generate,
@@ -485,6 +556,16 @@ class Session:
                 submitted = True
                 return warmed
 
+            threshold = _compact_threshold(request)
+            if threshold is not None and state.context_tokens > threshold:
+                # Automatic compaction: the conversation continues from the compacted window,
+                # whose compaction item goes out as the response's first output item.
+                state, item = compact_state(
+                    pipeline, state, CompactionPolicy(budget_tokens=threshold // 2), engine.seal
+                )
+                for event in stream.add_item(item):
+                    await emit(event)
+                prepared = attrs.evolve(prepared, cached_tokens=0)
             # Cached tokens are context tokens reused without rendering them for this request:
             # none when the parent was just hydrated (re-rendered from the store).
             cached = 0 if hydrated else prepared.cached_tokens
@@ -573,6 +654,49 @@ class Session:
                 if progress.started:
                     records.append(self._record(response, len(records), progress, complete=False))
                 engine.post.submit_sync_records(records)
+
+    async def _resolve_inputs(
+        self, items: list[Item], parent: ResponseState | None
+    ) -> tuple[list[Item], ResponseState]:
+        """Resolve item references and compaction items of the new input. Returns the items
+        to stage and the state to stage them onto (the parent, a restored compacted state, or
+        an empty state)."""
+        engine = self.engine
+        root = parent or engine.empty_state()
+        last = max(
+            (i for i, item in enumerate(items) if isinstance(item, Compaction)), default=None
+        )
+        if last is not None:
+            where = f"input[{last}]"
+            if parent is not None:
+                raise invalid(
+                    "A compaction item starts a new chain: omit previous_response_id.",
+                    param=where,
+                )
+            compaction = items[last]
+            assert isinstance(compaction, Compaction)
+            payload = engine.seal.open(
+                compaction.encrypted_content, param=f"{where}.encrypted_content"
+            )
+            root = restore_state(engine.pipeline, root, payload, param=where)
+            items = items[last + 1 :]
+        if any(isinstance(item, ItemReference) for item in items):
+            items = [await self._dereference(item, parent, i) for i, item in enumerate(items)]
+        return items, root
+
+    async def _dereference(self, item: Item, parent: ResponseState | None, index: int) -> Item:
+        if not isinstance(item, ItemReference):
+            return item
+        found = parent.lineage.find(item.id, parent.n_items) if parent is not None else None
+        if found is None:
+            found = await self.engine.find_stored_item(item.id, owner=self.owner)
+        if found is None or isinstance(found, ItemReference | Compaction):
+            raise invalid(
+                f"Item with id '{item.id}' not found.",
+                code="item_not_found",
+                param=f"input[{index}].id",
+            )
+        return found
 
     async def _finish(
         self,
@@ -705,6 +829,7 @@ class Session:
         """The state with the model's output items rendered and classified into it. Completed
         function calls become the calls waiting for output."""
         pipeline = self.engine.pipeline
+        outputs = [o for o in outputs if not isinstance(o, Compaction)]
         staged = pipeline.stage(
             outputs,
             lineage=state.lineage,
@@ -719,6 +844,20 @@ class Session:
             if isinstance(item, FunctionCall) and item.status == "completed":
                 staged.open_calls[item.call_id] = item.name
         return pipeline.commit(state, staged)
+
+
+def _compact_threshold(request: ResponseCreate) -> int | None:
+    """`context_management: [{"type": "compaction", "compact_threshold": N}]` -> N."""
+    for entry in request.context_management or ():
+        if entry.get("type") == "compaction":
+            value = entry.get("compact_threshold")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+            raise invalid(
+                "context_management compaction needs a positive integer compact_threshold.",
+                param="context_management",
+            )
+    return None
 
 
 def _usage_of(progress: _Progress) -> Usage:
@@ -854,6 +993,7 @@ async def open_engine(
     ledger: UsageLedger | None = None,
     wall_clock: Callable[[], float] = time.time,
     rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT,
+    compaction_key: bytes | None = None,
 ) -> AsyncIterator[Engine]:
     """Open an engine. Defaults: the built-in `sim` models, the o200k chat-template
     renderer, the default classifiers, no store and no ledger (pass SQLite ones, see
@@ -872,6 +1012,7 @@ async def open_engine(
         ledger=ledger,
         wall_clock=wall_clock,
         rollout_suspend_limit=rollout_suspend_limit,
+        compaction_key=compaction_key,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.post.run)

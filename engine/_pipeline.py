@@ -9,6 +9,9 @@ leaves its parent untouched (and still the tip of its chain).
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
 from array import array
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -20,6 +23,8 @@ from protocol import (
     FunctionCall,
     FunctionCallOutput,
     FunctionTool,
+    InputFile,
+    InputImage,
     Item,
     ItemReference,
     Message,
@@ -31,6 +36,7 @@ from protocol import (
 )
 
 from ._counters import Counters, StageTimer
+from ._ids import new_id
 from ._interfaces import Classifier, Flag, Renderer
 from ._models import ModelRegistry
 from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens
@@ -159,6 +165,15 @@ class ConversationValidator:
         new_calls: set[str] = set()
         for k, item in enumerate(items):
             where = f"{param}[{offset + k}]"
+            parts = getattr(item, "content", None)
+            if parts is None:
+                parts = getattr(item, "output", None)
+                field = "output"
+            else:
+                field = "content"
+            if isinstance(parts, list):
+                for j, part in enumerate(parts):
+                    check_part(part, f"{where}.{field}[{j}]")
             if isinstance(item, FunctionCall):
                 if item.call_id in new_calls or conversation.call(item.call_id) is not None:
                     raise invalid(
@@ -166,7 +181,11 @@ class ConversationValidator:
                         param=f"{where}.call_id",
                     )
                 new_calls.add(item.call_id)
-                open_calls[item.call_id] = item.name
+                if item.status != "incomplete":
+                    # A call cut off by max_output_tokens was never made and waits for no
+                    # output: the same rule as for the model's own output (Session._extend),
+                    # so stateless input and hydration agree with the cached state.
+                    open_calls[item.call_id] = item.name
             elif isinstance(item, FunctionCallOutput):
                 if item.call_id not in open_calls:
                     known = item.call_id in new_calls or conversation.call(item.call_id)
@@ -183,6 +202,107 @@ class ConversationValidator:
                     code="item_not_found",
                     param=f"{where}.id",
                 )
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def _with_id(item: Item) -> Item:
+    prefix = _ID_PREFIX.get(item.type)
+    if prefix is None or getattr(item, "id", None) is not None:
+        return item
+    return attrs.evolve(item, id=new_id(prefix))
+
+
+# Limits on inline content (decoded bytes). OpenAI accepts images up to 20 MB and files up to
+# 32 MB per part; the whole message is also bounded by the server's maximum message size.
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+MAX_FILE_BYTES = 32 * 1024 * 1024
+IMAGE_MIME_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
+URL_SCHEMES = ("https://", "http://")
+_DATA_URL = re.compile(r"^data:([a-z0-9.+-]+/[a-z0-9.+-]+)(;[^,;]*)*;base64,", re.IGNORECASE)
+
+
+def _data_url(
+    value: str, where: str, *, what: str, limit: int, mimes: frozenset[str] | None
+) -> None:
+    match = _DATA_URL.match(value)
+    if match is None:
+        raise invalid(
+            f"Invalid {what} data URL: expected 'data:<mime type>;base64,<data>'.",
+            code=f"invalid_{what}_url" if what == "image" else "invalid_file_data",
+            param=where,
+        )
+    mime = match.group(1).lower()
+    if mimes is not None and mime not in mimes:
+        allowed = ", ".join(sorted(mimes))
+        raise invalid(
+            f"Invalid image format '{mime}'. Supported formats are: {allowed}.",
+            code="invalid_image_format",
+            param=where,
+        )
+    payload = value[match.end() :]
+    size = len(payload) * 3 // 4
+    if size > limit:
+        raise invalid(
+            f"The {what} is about {size} bytes, larger than the limit of {limit} bytes.",
+            code=f"{what}_too_large",
+            param=where,
+        )
+    try:
+        base64.b64decode(payload, validate=True)
+    except (ValueError, binascii.Error):
+        raise invalid(
+            f"The {what} data is not valid base64.",
+            code="invalid_base64_image" if what == "image" else "invalid_file_data",
+            param=where,
+        ) from None
+
+
+def check_part(part: Any, where: str) -> None:
+    """Images and files in content: one source each, known URL schemes, bounded inline data."""
+    if isinstance(part, InputImage):
+        sources = [k for k in ("image_url", "file_id") if getattr(part, k) is not None]
+        if len(sources) != 1:
+            raise invalid(
+                "An input_image needs exactly one of image_url or file_id.",
+                code="invalid_value" if sources else "missing_required_parameter",
+                param=f"{where}.image_url",
+            )
+        url = part.image_url
+        if url is not None:
+            if url.startswith("data:"):
+                _data_url(
+                    url,
+                    f"{where}.image_url",
+                    what="image",
+                    limit=MAX_IMAGE_BYTES,
+                    mimes=IMAGE_MIME_TYPES,
+                )
+            elif not url.startswith(URL_SCHEMES):
+                raise invalid(
+                    "Unsupported image URL: use an https URL or a base64 data URL.",
+                    code="invalid_image_url",
+                    param=f"{where}.image_url",
+                )
+    elif isinstance(part, InputFile):
+        sources = [k for k in ("file_data", "file_id", "file_url") if getattr(part, k) is not None]
+        if len(sources) != 1:
+            raise invalid(
+                "An input_file needs exactly one of file_data, file_id or file_url.",
+                code="invalid_value" if sources else "missing_required_parameter",
+                param=f"{where}.file_data",
+            )
+        if part.file_data is not None:
+            _data_url(
+                part.file_data, f"{where}.file_data", what="file", limit=MAX_FILE_BYTES, mimes=None
+            )
+        if part.file_url is not None and not part.file_url.startswith(URL_SCHEMES):
+            raise invalid(
+                "Unsupported file URL: use an https URL, or file_data with a data URL.",
+                code="invalid_file_url",
+                param=f"{where}.file_url",
+            )
 
 
 def _qualified(tool: Tool, member: FunctionTool) -> str:
@@ -304,6 +424,8 @@ class Pipeline:
                     items, _LineageView(lineage, n_items), open_calls, param=param, offset=offset
                 )
                 self.counters.items_validated += len(items)
+                # Input items get ids (for item_reference and input_items); ids never render.
+                items = [_with_id(item) for item in items]
         with self.timer.measure("render", timings):
             rendered = [self.renderer.render_item(item) for item in items]
             self.counters.tokens_rendered += sum(len(t) for t in rendered)
@@ -382,4 +504,4 @@ class Pipeline:
         reused = root.item_tokens + (len(prefix.tokens) if prefix_reused else 0)
         state = self.commit(root, staged, prefix=prefix, route=route, first_new_item=root.n_items)
         flags = (() if prefix_reused else prefix.flags) + staged.flags
-        return Prepared(state=state, flags=flags, cached_tokens=reused if parent else 0)
+        return Prepared(state=state, flags=flags, cached_tokens=reused)

@@ -58,6 +58,9 @@ class PostInference:
     def pending_get(self, response_id: str) -> StoredResponse | None:
         return self._pending.get(response_id)
 
+    def pending_items(self) -> list[StoredResponse]:
+        return list(self._pending.values())
+
     def forget(self, response_id: str) -> bool:
         """Drop a queued store write (the response was deleted before it landed)."""
         return self._pending.pop(response_id, None) is not None
@@ -65,6 +68,9 @@ class PostInference:
     async def submit(self, job: PostJob) -> None:
         """Queue a job (waits for room when the queue is full). If this is cancelled, the job
         was not queued and the caller still owns it."""
+        if job.stored is not None and self.store is None:
+            # Nothing will write it, so nothing would ever take it out of `_pending` either.
+            job = attrs.evolve(job, stored=None)
         if job.stored is not None:
             self._pending[job.stored.response.id] = job.stored
         self._outstanding += 1

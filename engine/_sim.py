@@ -17,6 +17,8 @@ unmodified client can drive it:
 | ttft_ms     | 0         | delay before the first token                                          |
 | interval_ms | 5         | after the first token, deltas are coalesced to one per interval       |
 
+A text answer to a user turn with images or files starts by acknowledging them
+("I see 1 image and 2 files.").
 With `text.format` of type `json_schema` (or `json_object`), a text answer is a JSON document
 valid for the schema (structured outputs), whatever `tokens` says.
 It honours `tool_choice` like a real model (`none`: text; `required`: always call a tool;
@@ -37,7 +39,15 @@ from typing import Any
 
 import trio
 
-from protocol import FunctionTool, NamespaceTool, RemoteProtocolError, ToolChoiceFunction
+from protocol import (
+    FunctionTool,
+    InputFile,
+    InputImage,
+    Message,
+    NamespaceTool,
+    RemoteProtocolError,
+    ToolChoiceFunction,
+)
 
 from ._interfaces import (
     ArgsDelta,
@@ -166,7 +176,9 @@ class SimBackend:
                 )
                 pieces = [document[i : i + 4] for i in range(0, len(document), 4)] or [""]
             else:
-                pieces = [rng.choice(_VOCAB) for _ in range(p.tokens)]
+                pieces = _acknowledgement(request.items) + [
+                    rng.choice(_VOCAB) for _ in range(p.tokens)
+                ]
                 if pieces:
                     pieces[0] = pieces[0].lstrip()
             n = min(len(pieces), budget)
@@ -178,8 +190,13 @@ class SimBackend:
                 emitted += size
                 await clock.wait(emitted)
                 yield TextDelta(text, size)
+            if n < len(pieces):
+                # Cut off by max_output_tokens: the message is left open (like a function call
+                # cut off below) and the engine closes it `incomplete`.
+                yield Finish("max_output_tokens")
+                return
             yield TextEnd()
-            yield Finish("max_output_tokens" if n < len(pieces) else "stop")
+            yield Finish("stop")
             return
 
         used = 0
@@ -226,6 +243,25 @@ class SimBackend:
                 return []
             per_turn = min(per_turn, remaining)
         return [rng.choice(declared) for _ in range(per_turn)]
+
+
+def _acknowledgement(items: Any) -> list[str]:
+    """Words acknowledging the images and files of the current user turn (the items since
+    the last user message), so a client can see they reached the model."""
+    images = files = 0
+    for index in range(len(items) - 1, -1, -1):
+        item = items[index]
+        parts = getattr(item, "content", None)
+        if not isinstance(parts, list):
+            parts = getattr(item, "output", None)
+        if isinstance(parts, list):
+            images += sum(1 for part in parts if isinstance(part, InputImage))
+            files += sum(1 for part in parts if isinstance(part, InputFile))
+        if isinstance(item, Message) and item.role == "user":
+            break
+    if not images and not files:
+        return []
+    return [f" I see {images} image{'s' * (images != 1)} and {files} file{'s' * (files != 1)}."]
 
 
 class _Pacer:
@@ -290,7 +326,8 @@ def schema_instance(schema: Any, rng: random.Random, depth: int = 0) -> Any:
         return rng.randint(int(ilo), int(ihi))
     if kind == "number":
         flo, fhi = _bounds(schema, integer=False)
-        return round(rng.uniform(flo, fhi), 3) if flo < fhi else flo
+        value = round(rng.uniform(flo, fhi), 3) if flo < fhi else flo
+        return value if flo <= value <= fhi else (flo + fhi) / 2  # rounded out of a tiny range
     if kind == "boolean":
         return rng.random() < 0.5
     if kind == "null":
@@ -304,12 +341,22 @@ def schema_instance(schema: Any, rng: random.Random, depth: int = 0) -> Any:
 
 
 def _bounds(schema: dict[str, Any], *, integer: bool) -> tuple[float, float]:
-    lo = float(schema.get("minimum", 0))
-    hi = float(schema.get("maximum", lo + 100))
+    step = 1 if integer else 1e-3
+    lo, hi = -math.inf, math.inf
+    if "minimum" in schema:
+        lo = float(schema["minimum"])
     if "exclusiveMinimum" in schema:
-        lo = float(schema["exclusiveMinimum"]) + (1 if integer else 1e-3)
+        lo = max(lo, float(schema["exclusiveMinimum"]) + step)
+    if "maximum" in schema:
+        hi = float(schema["maximum"])
     if "exclusiveMaximum" in schema:
-        hi = float(schema["exclusiveMaximum"]) - (1 if integer else 1e-3)
+        hi = min(hi, float(schema["exclusiveMaximum"]) - step)
+    # A side left open spans 100 from the other (0..100 when both are): an upper bound below
+    # zero alone must not give the default lower bound 0.
+    if math.isinf(lo):
+        lo = 0.0 if hi >= 0 else hi - 100
+    if math.isinf(hi):
+        hi = lo + 100
     if integer:
         lo, hi = float(math.ceil(lo)), float(math.floor(hi))
     return lo, max(lo, hi)

@@ -45,7 +45,7 @@ class _Call:
 class Lineage:
     """Append-only storage shared along a chain of states (copy-on-fork)."""
 
-    __slots__ = ("_calls", "_csu", "_digests", "_ends", "derived", "items", "tokens")
+    __slots__ = ("_calls", "_csu", "_digests", "_ends", "_ids", "derived", "items", "tokens")
 
     def __init__(self) -> None:
         # Per-lineage caches that backends derive from the items (e.g. encoded chat messages),
@@ -57,6 +57,7 @@ class Lineage:
         self._digests: list[bytes] = []  # chained context digest after each item
         self._csu: array[int] = array("I")  # function calls since the last user message
         self._calls: dict[str, _Call] = {}
+        self._ids: dict[str, int] = {}  # item id -> index (for item_reference)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -81,9 +82,17 @@ class Lineage:
             return None
         return found
 
+    def find(self, item_id: str, n_items: int) -> Item | None:
+        """The item with this id among the first `n_items`, if any."""
+        index = self._ids.get(item_id)
+        return self.items[index] if index is not None and index < n_items else None
+
     def append(self, item: Item, item_tokens: array[int]) -> None:
         index = len(self.items)
         self.items.append(item)
+        item_id = getattr(item, "id", None)
+        if item_id is not None:
+            self._ids.setdefault(item_id, index)
         self.tokens.extend(item_tokens)
         self._ends.append(len(self.tokens))
         self._digests.append(_chain(self.digest(index), digest_tokens(item_tokens)))
@@ -95,6 +104,46 @@ class Lineage:
             self._calls[item.call_id] = _Call(item.name, index)
         self._csu.append(csu)
 
+    @classmethod
+    def restore(
+        cls,
+        items: list[Item],
+        tokens: array[int],
+        ends: array[int],
+        digests: list[bytes],
+        csu: array[int],
+    ) -> Lineage:
+        """A lineage rebuilt from a snapshot (see `snapshot`), without rendering."""
+        if not (len(items) == len(ends) == len(digests) == len(csu)) or (
+            ends and ends[-1] != len(tokens)
+        ):
+            raise ValueError("inconsistent lineage snapshot")
+        new = cls()
+        new.items = items
+        new.tokens = tokens
+        new._ends = ends
+        new._digests = digests
+        new._csu = csu
+        new._calls = {
+            item.call_id: _Call(item.name, i)
+            for i, item in enumerate(items)
+            if isinstance(item, FunctionCall)
+        }
+        for i, item in enumerate(items):
+            item_id = getattr(item, "id", None)
+            if item_id is not None:
+                new._ids.setdefault(item_id, i)
+        return new
+
+    def snapshot(self, n_items: int) -> dict[str, Any]:
+        """What `restore` needs for the first `n_items` items, as plain data."""
+        return {
+            "tokens": self.tokens[: self.token_count(n_items)].tobytes(),
+            "ends": self._ends[:n_items].tobytes(),
+            "digests": self._digests[:n_items],
+            "csu": self._csu[:n_items].tobytes(),
+        }
+
     def fork(self, n_items: int) -> Lineage:
         """A new lineage holding a copy of the first `n_items` items (O(history))."""
         new = Lineage()
@@ -104,6 +153,7 @@ class Lineage:
         new._digests = self._digests[:n_items]
         new._csu = self._csu[:n_items]
         new._calls = {k: v for k, v in self._calls.items() if v.added_at < n_items}
+        new._ids = {k: v for k, v in self._ids.items() if v < n_items}
         return new
 
 

@@ -83,7 +83,7 @@ CREATE TABLE IF NOT EXISTS schema_versions (
     version   INTEGER NOT NULL
 )"""
 
-RESPONSES_SCHEMA_VERSION = 1
+RESPONSES_SCHEMA_VERSION = 2
 
 # The response store's schema (version `RESPONSES_SCHEMA_VERSION`), one statement per entry.
 #   id          the response id (`resp_...`), the only lookup key.
@@ -105,10 +105,20 @@ RESPONSES_SCHEMA: tuple[str, ...] = (
         created_at INTEGER NOT NULL,
         body       BLOB NOT NULL
     )""",
+    _ITEMS_TABLE := """
+    CREATE TABLE items (
+        id          TEXT PRIMARY KEY,
+        response_id TEXT NOT NULL,
+        owner       TEXT,
+        body        BLOB NOT NULL
+    )""",
+    _ITEMS_INDEX := "CREATE INDEX items_by_response ON items (response_id)",
 )
+# items: every item with an id that a stored response added (its input and output), for
+# `item_reference` (version 2). The first response to store an id keeps it.
 
 # Upgrades from an older schema version: {from_version: statements to reach from_version + 1}.
-RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {}
+RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {1: (_ITEMS_TABLE, _ITEMS_INDEX)}
 
 _PUT = """
 INSERT INTO responses (id, owner, parent_id, is_root, created_at, body)
@@ -124,6 +134,9 @@ WHERE responses.owner IS excluded.owner
 _GET = "SELECT id, owner, parent_id, is_root, body FROM responses WHERE id = ? AND owner IS ?"
 
 _DELETE = "DELETE FROM responses WHERE id = ? AND owner IS ?"
+_PUT_ITEM = "INSERT OR IGNORE INTO items (id, response_id, owner, body) VALUES (?, ?, ?, ?)"
+_GET_ITEM = "SELECT body FROM items WHERE id = ? AND owner IS ?"
+_DELETE_ITEMS = "DELETE FROM items WHERE response_id = ?"
 
 # The response, then each parent, while the previous row is not a root, up to `max_depth` rows.
 # A parent owned by someone else is not joined, so it looks missing (owner isolation).
@@ -266,6 +279,16 @@ def _encode(stored: StoredResponse) -> bytes:
     return packed
 
 
+def _encode_item(item: Item) -> bytes:
+    packed: bytes = msgpack.packb(to_wire(item), use_bin_type=True)
+    return packed
+
+
+def _decode_item(blob: bytes) -> Item:
+    item: Item = from_wire(msgpack.unpackb(blob, raw=False), Item, strict=False)
+    return item
+
+
 def _decode(row: _Row) -> StoredResponse:
     response_id, owner, parent_id, is_root, blob = row
     try:
@@ -339,6 +362,15 @@ class SQLiteResponseStore(_SQLiteResource):
                     _encode(stored),
                 ),
             )
+            if cursor.rowcount:
+                conn.executemany(
+                    _PUT_ITEM,
+                    [
+                        (item.id, response_id, stored.owner, _encode_item(item))
+                        for item in stored.items
+                        if getattr(item, "id", None) is not None
+                    ],
+                )
             return cursor.rowcount
 
         if await self._run(run) == 0:
@@ -353,7 +385,19 @@ class SQLiteResponseStore(_SQLiteResource):
 
     async def delete(self, response_id: str, *, owner: str | None) -> bool:
         def run(conn: sqlite3.Connection) -> bool:
-            return conn.execute(_DELETE, (response_id, owner)).rowcount > 0
+            deleted = conn.execute(_DELETE, (response_id, owner)).rowcount > 0
+            if deleted:
+                conn.execute(_DELETE_ITEMS, (response_id,))
+            return deleted
+
+        return await self._run(run)
+
+    async def get_item(self, item_id: str, *, owner: str | None) -> Item | None:
+        """An item a stored response added, by its id (owner isolation as for responses)."""
+
+        def run(conn: sqlite3.Connection) -> Item | None:
+            row = conn.execute(_GET_ITEM, (item_id, owner)).fetchone()
+            return None if row is None else _decode_item(row[0])
 
         return await self._run(run)
 
@@ -460,6 +504,16 @@ class MemoryResponseStore:
             return False
         del self._responses[response_id]
         return True
+
+    async def get_item(self, item_id: str, *, owner: str | None) -> Item | None:
+        """See `SQLiteResponseStore.get_item` (a scan: the memory store is for tests)."""
+        await self._checkpoint()
+        for stored in self._responses.values():
+            if stored.owner == owner:
+                for item in stored.items:
+                    if getattr(item, "id", None) == item_id:
+                        return item
+        return None
 
     async def get_chain(
         self, response_id: str, *, owner: str | None, max_depth: int = MAX_CHAIN_DEPTH

@@ -218,14 +218,20 @@ class _Retry(Exception):
 
 
 async def _error_of(resp: httpx.Response) -> tuple[str, str | None]:
+    """(message, code) of an error answer: OpenAI's `{"error": {...}}`, vLLM's top-level
+    `{"object": "error", "message", "code": 400}`, Ollama's `{"error": "..."}`, or raw text.
+    Only a string code is kept (an integer one is the HTTP status again)."""
     raw = await resp.aread()
+    text = raw[:200].decode(errors="replace")
     try:
-        error = json.loads(raw).get("error", {})
+        body = json.loads(raw)
+        error = body.get("error", body)
         if isinstance(error, dict):
-            return str(error.get("message") or raw[:200]), error.get("code")
+            code = error.get("code")
+            return str(error.get("message") or text), code if isinstance(code, str) else None
         return str(error), None
     except (ValueError, AttributeError):
-        return raw[:200].decode(errors="replace"), None
+        return text, None
 
 
 async def _parse_stream(resp: httpx.Response, namespaces: set[str]) -> AsyncIterator[SampleEvent]:

@@ -234,7 +234,8 @@ class WebSocketConnection:
 
         async def emit(event: ServerEvent) -> None:
             await self.send_event(event)
-            if event.type == "response.in_progress" and event.sequence_number == 1:
+            # After each response.in_progress: a create's, and each resumed rollout turn's.
+            if event.type == "response.in_progress":
                 await self.send_event(
                     {
                         "type": "rollout.timing",

@@ -41,6 +41,7 @@ from ._events import (
     check_tool,
 )
 from ._items import (
+    Compaction,
     ContentPart,
     FunctionCall,
     FunctionCallOutput,
@@ -81,6 +82,7 @@ __all__ = [
     "TERMINAL_EVENT_TYPES",
     "BuilderState",
     "ClientEvent",
+    "Compaction",
     "ContentPart",
     "ContentPartAdded",
     "ContentPartDone",

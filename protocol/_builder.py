@@ -67,6 +67,7 @@ _TRANSITIONS: dict[str, dict[BuilderState, BuilderState]] = {
     "begin_call": {_S.ACTIVE: _S.IN_CALL},
     "arguments_delta": {_S.IN_CALL: _S.IN_CALL},
     "end_call": {_S.IN_CALL: _S.ACTIVE},
+    "add_item": {_S.ACTIVE: _S.ACTIVE},
     "suspend": {_S.ACTIVE: _S.SUSPENDED},
     "resume": {_S.SUSPENDED: _S.ACTIVE},
     "complete": {_S.ACTIVE: _S.DONE},
@@ -247,6 +248,16 @@ class ResponseStream:
                 arguments=arguments,
             ),
             OutputItemDone(sequence_number=self._n(), output_index=o.output_index, item=item),
+        ]
+
+    def add_item(self, item: Item) -> list[ServerEvent]:
+        """A finished item that is not streamed (e.g. a `compaction` item): added, then done."""
+        self._go("add_item")
+        index = len(self._output)
+        self._output.append(item)
+        return [
+            OutputItemAdded(sequence_number=self._n(), output_index=index, item=item),
+            OutputItemDone(sequence_number=self._n(), output_index=index, item=item),
         ]
 
     def suspend(self, pending_call_ids: list[str]) -> ResponseDone:

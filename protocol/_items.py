@@ -15,6 +15,7 @@ from ._validate import InvalidField
 
 __all__ = [
     "CONTENT_PART_TYPES",
+    "Compaction",
     "INPUT_PART_TYPES",
     "ITEM_TYPES",
     "OUTPUT_PART_TYPES",
@@ -178,13 +179,28 @@ class ItemReference:
     id: str
 
 
-Item: TypeAlias = Message | FunctionCall | FunctionCallOutput | Reasoning | ItemReference
+@attrs.frozen(kw_only=True)
+class Compaction:
+    """A compacted context: `encrypted_content` is an opaque, integrity-protected snapshot made
+    by the server (`/v1/responses/compact` or automatic compaction). In input it replaces every
+    item before it."""
+
+    type: Literal["compaction"] = "compaction"
+    encrypted_content: str
+    id: str | None = None
+    created_by: str | None = None
+
+
+Item: TypeAlias = (
+    Message | FunctionCall | FunctionCallOutput | Reasoning | ItemReference | Compaction
+)
 ITEM_TYPES: dict[str, type[Any]] = {
     "message": Message,
     "function_call": FunctionCall,
     "function_call_output": FunctionCallOutput,
     "reasoning": Reasoning,
     "item_reference": ItemReference,
+    "compaction": Compaction,
 }
 
 

@@ -167,6 +167,9 @@ reasonings = st.builds(
     status=opt(statuses),
 )
 item_references = st.builds(p.ItemReference, id=ids)
+compactions = st.builds(
+    p.Compaction, encrypted_content=texts, id=opt(ids), created_by=opt(texts)
+)
 
 ITEM_STRATEGIES: dict[str, Strategy[Any]] = {
     "message": messages,
@@ -174,6 +177,7 @@ ITEM_STRATEGIES: dict[str, Strategy[Any]] = {
     "function_call_output": function_call_outputs,
     "reasoning": reasonings,
     "item_reference": item_references,
+    "compaction": compactions,
 }
 items: Strategy[p.Item] = st.one_of(*ITEM_STRATEGIES.values())
 

@@ -13,7 +13,7 @@ import trio.testing
 
 from engine._interfaces import UsageLedger, UsageRecord
 from engine._ledger import MemoryUsageLedger, SQLiteUsageLedger, open_sqlite_ledger
-from engine._store import open_sqlite_store
+from engine._store import RESPONSES_SCHEMA_VERSION, open_sqlite_store
 
 Ledger = MemoryUsageLedger | SQLiteUsageLedger
 
@@ -223,7 +223,7 @@ async def test_shares_a_file_with_the_store(tmp_path: Path) -> None:
         try:
             assert conn.execute(
                 "SELECT component, version FROM schema_versions ORDER BY component"
-            ).fetchall() == [("responses", 1), ("usage", 1)]
+            ).fetchall() == [("responses", RESPONSES_SCHEMA_VERSION), ("usage", 1)]
         finally:
             conn.close()
 

@@ -89,6 +89,7 @@ EXPECTED_PROTOCOL_NAMES = {
     "InputText",
     "Item",
     "ItemReference",
+    "Compaction",
     "Message",
     "NamespaceTool",
     "OutputText",

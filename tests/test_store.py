@@ -12,6 +12,7 @@ import trio.testing
 
 from engine._interfaces import ResponseStore, StoredResponse
 from engine._store import (
+    RESPONSES_SCHEMA_VERSION,
     MAX_CHAIN_DEPTH,
     MemoryResponseStore,
     SQLiteResponseStore,
@@ -277,7 +278,7 @@ async def test_sqlite_reopen(tmp_path: Path) -> None:
             assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
             assert conn.execute(
                 "SELECT version FROM schema_versions WHERE component = 'responses'"
-            ).fetchone() == (1,)
+            ).fetchone() == (RESPONSES_SCHEMA_VERSION,)
         finally:
             conn.close()
 
