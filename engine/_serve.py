@@ -86,8 +86,10 @@ async def serve(
     """Serve until the trigger returns (default: SIGINT or SIGTERM)."""
     store: ResponseStore
     ledger: UsageLedger
+    compaction_key = None
     if config.data_dir is not None:
         config.data_dir.mkdir(parents=True, exist_ok=True)
+        compaction_key = _compaction_key(config.data_dir / "compaction.key")
         store = await open_sqlite_store(config.data_dir / "responses.sqlite3")
         ledger = await open_sqlite_ledger(config.data_dir / "usage.sqlite3")
     else:
@@ -101,6 +103,7 @@ async def serve(
             store=store,
             ledger=ledger,
             rollout_suspend_limit=config.rollout_suspend_limit,
+            compaction_key=compaction_key,
         ) as engine:
             app = RolloutApp(engine, config.app_config())
             hconfig = HypercornConfig()
@@ -154,6 +157,15 @@ async def open_server(config: ServerConfig) -> AsyncIterator[str]:
             yield url
         finally:
             stop.set()
+
+
+def _compaction_key(path: Path) -> bytes:
+    """The key sealing compaction items, made once per data dir (owner-only permissions)."""
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
+    return path.read_bytes()
 
 
 def configure_logging(level: str) -> None:
