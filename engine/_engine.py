@@ -593,7 +593,7 @@ class Session:
                 state = result.state
                 step += 1
                 if result.finish == "max_output_tokens":
-                    first = len(stream.output)
+                    first = stream.output_count
                     events = stream.incomplete(
                         reason="max_output_tokens", usage=total, completed_at=engine.now()
                     )
@@ -601,7 +601,7 @@ class Session:
                         await emit(event)
                     engine.record_status("incomplete")
                     final_response = events[-1].response  # type: ignore[union-attr]
-                    state = self._extend(state, result.pending_outputs + stream.output[first:])
+                    state = self._extend(state, result.pending_outputs + stream.output_since(first))
                     break
                 if rollout is not None and state.open_calls:
                     before = state.context_tokens
@@ -783,9 +783,10 @@ class Session:
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             calls_since_user=state.calls_since_user,
+            media_since_user=state.media_since_user,
             text_format=request.text.format if request.text is not None else None,
         )
-        first_output = len(stream.output)
+        first_output = stream.output_count
         finish = "stop"
         measured: tuple[int | None, int | None] = (None, None)
         async with aclosing(state.route.backend.sample(sample_request)) as events:
@@ -818,7 +819,7 @@ class Session:
             progress.output_tokens = measured[1]
         if measured[0] is not None:
             progress.input_tokens = measured[0]
-        outputs = stream.output[first_output:]
+        outputs = stream.output_since(first_output)
         usage = _usage_of(progress)
         if finish == "max_output_tokens":
             # The caller closes the open item as incomplete, then extends the state.

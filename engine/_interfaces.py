@@ -136,6 +136,7 @@ class SampleRequest:
     temperature: float
     top_p: float
     calls_since_user: int
+    media_since_user: tuple[int, int] = (0, 0)  # (images, files) in the current user turn
     text_format: dict[str, Any] | None = None  # `text.format` of the request ({"type": ...})
 
 

@@ -86,7 +86,9 @@ class _LineageView:
 class Validator(Protocol):
     """Structure and semantics of a request against its conversation."""
 
-    def validate_request(self, request: ResponseCreate) -> None: ...
+    def validate_request(self, request: ResponseCreate, *, tools_known: bool = False) -> None:
+        """`tools_known`: the tools are those of the parent, already validated."""
+        ...
 
     def validate_items(
         self,
@@ -111,7 +113,7 @@ class ConversationValidator:
     validation (by the caller) and refused if any remain.
     """
 
-    def validate_request(self, request: ResponseCreate) -> None:
+    def validate_request(self, request: ResponseCreate, *, tools_known: bool = False) -> None:
         if not request.model:
             raise invalid(
                 "Missing required parameter: 'model'.",
@@ -133,7 +135,7 @@ class ConversationValidator:
                 if qualified in names:
                     raise invalid(f"Duplicate tool name: '{qualified}'.", param=f"{where}.name")
                 names.add(qualified)
-                if member.parameters is not None:
+                if member.parameters is not None and not tools_known:
                     try:
                         jsonschema.validators.validator_for(member.parameters).check_schema(
                             member.parameters
@@ -476,7 +478,11 @@ class Pipeline:
         `require_outputs`, every function call must have its output by the end of the input
         (a model can't be sampled while tool results are missing)."""
         with self.timer.measure("validate", timings):
-            self.validator.validate_request(request)
+            # Tools resent unchanged on a follow-up were validated with the parent.
+            known = parent is not None and parent.prefix.same_as(
+                request.instructions, request.tools or ()
+            )
+            self.validator.validate_request(request, tools_known=known)
         assert request.model is not None
         route = self.route(request.model, parent, timings)
         prefix = self.prefix(request.instructions, request.tools or (), parent, timings)

@@ -41,9 +41,6 @@ import trio
 
 from protocol import (
     FunctionTool,
-    InputFile,
-    InputImage,
-    Message,
     NamespaceTool,
     RemoteProtocolError,
     ToolChoiceFunction,
@@ -176,7 +173,7 @@ class SimBackend:
                 )
                 pieces = [document[i : i + 4] for i in range(0, len(document), 4)] or [""]
             else:
-                pieces = _acknowledgement(request.items) + [
+                pieces = _acknowledgement(*request.media_since_user) + [
                     rng.choice(_VOCAB) for _ in range(p.tokens)
                 ]
                 if pieces:
@@ -245,20 +242,9 @@ class SimBackend:
         return [rng.choice(declared) for _ in range(per_turn)]
 
 
-def _acknowledgement(items: Any) -> list[str]:
-    """Words acknowledging the images and files of the current user turn (the items since
-    the last user message), so a client can see they reached the model."""
-    images = files = 0
-    for index in range(len(items) - 1, -1, -1):
-        item = items[index]
-        parts = getattr(item, "content", None)
-        if not isinstance(parts, list):
-            parts = getattr(item, "output", None)
-        if isinstance(parts, list):
-            images += sum(1 for part in parts if isinstance(part, InputImage))
-            files += sum(1 for part in parts if isinstance(part, InputFile))
-        if isinstance(item, Message) and item.role == "user":
-            break
+def _acknowledgement(images: int, files: int) -> list[str]:
+    """Words acknowledging the images and files of the current user turn, so a client can see
+    they reached the model (the engine counts them incrementally, per item)."""
     if not images and not files:
         return []
     return [f" I see {images} image{'s' * (images != 1)} and {files} file{'s' * (files != 1)}."]

@@ -45,7 +45,17 @@ class _Call:
 class Lineage:
     """Append-only storage shared along a chain of states (copy-on-fork)."""
 
-    __slots__ = ("_calls", "_csu", "_digests", "_ends", "_ids", "derived", "items", "tokens")
+    __slots__ = (
+        "_calls",
+        "_csu",
+        "_digests",
+        "_ends",
+        "_ids",
+        "_media",
+        "derived",
+        "items",
+        "tokens",
+    )
 
     def __init__(self) -> None:
         # Per-lineage caches that backends derive from the items (e.g. encoded chat messages),
@@ -56,6 +66,8 @@ class Lineage:
         self._ends: array[int] = array("Q")  # cumulative token count after each item
         self._digests: list[bytes] = []  # chained context digest after each item
         self._csu: array[int] = array("I")  # function calls since the last user message
+        # (images, files) in content since the last user message, that message included
+        self._media: list[tuple[int, int]] = []
         self._calls: dict[str, _Call] = {}
         self._ids: dict[str, int] = {}  # item id -> index (for item_reference)
 
@@ -70,6 +82,9 @@ class Lineage:
 
     def calls_since_user(self, n_items: int) -> int:
         return self._csu[n_items - 1] if n_items else 0
+
+    def media_since_user(self, n_items: int) -> tuple[int, int]:
+        return self._media[n_items - 1] if n_items else (0, 0)
 
     def item_tokens(self, index: int) -> array[int]:
         start = self._ends[index - 1] if index else 0
@@ -97,12 +112,16 @@ class Lineage:
         self._ends.append(len(self.tokens))
         self._digests.append(_chain(self.digest(index), digest_tokens(item_tokens)))
         csu = self.calls_since_user(index)
+        images, files = self.media_since_user(index)
         if isinstance(item, Message) and item.role == "user":
             csu = 0
+            images = files = 0
         elif isinstance(item, FunctionCall):
             csu += 1
             self._calls[item.call_id] = _Call(item.name, index)
         self._csu.append(csu)
+        more_images, more_files = _parts_media(item)
+        self._media.append((images + more_images, files + more_files))
 
     @classmethod
     def restore(
@@ -124,6 +143,7 @@ class Lineage:
         new._ends = ends
         new._digests = digests
         new._csu = csu
+        new._media = _media_counts(items)
         new._calls = {
             item.call_id: _Call(item.name, i)
             for i, item in enumerate(items)
@@ -152,9 +172,34 @@ class Lineage:
         new.tokens = self.tokens[: self.token_count(n_items)]
         new._digests = self._digests[:n_items]
         new._csu = self._csu[:n_items]
+        new._media = self._media[:n_items]
         new._calls = {k: v for k, v in self._calls.items() if v.added_at < n_items}
         new._ids = {k: v for k, v in self._ids.items() if v < n_items}
         return new
+
+
+def _parts_media(item: Item) -> tuple[int, int]:
+    parts = getattr(item, "content", None)
+    if not isinstance(parts, list):
+        parts = getattr(item, "output", None)
+    if not isinstance(parts, list):
+        return (0, 0)
+    images = sum(1 for part in parts if part.type == "input_image")
+    files = sum(1 for part in parts if part.type == "input_file")
+    return (images, files)
+
+
+def _media_counts(items: Sequence[Item]) -> list[tuple[int, int]]:
+    """(images, files) since the last user message, after each item."""
+    out: list[tuple[int, int]] = []
+    images = files = 0
+    for item in items:
+        if isinstance(item, Message) and item.role == "user":
+            images = files = 0
+        more = _parts_media(item)
+        images, files = images + more[0], files + more[1]
+        out.append((images, files))
+    return out
 
 
 class ItemsView(Sequence[Item]):
@@ -178,7 +223,8 @@ class ItemsView(Sequence[Item]):
     def __getitem__(self, index: slice) -> Sequence[Item]: ...
     def __getitem__(self, index: int | slice) -> Item | Sequence[Item]:
         if isinstance(index, slice):
-            return self._items[: self._n][index]
+            items = self._items
+            return [items[i] for i in range(*index.indices(self._n))]
         if index < 0:
             index += self._n
         if not 0 <= index < self._n:
@@ -256,6 +302,10 @@ class ResponseState:
     @property
     def calls_since_user(self) -> int:
         return self.lineage.calls_since_user(self.n_items)
+
+    @property
+    def media_since_user(self) -> tuple[int, int]:
+        return self.lineage.media_since_user(self.n_items)
 
     @property
     def context_digest(self) -> bytes:

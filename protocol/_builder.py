@@ -123,6 +123,14 @@ class ResponseStream:
         """Items finished so far, in output order."""
         return list(self._output)
 
+    @property
+    def output_count(self) -> int:
+        return len(self._output)
+
+    def output_since(self, index: int) -> list[Item]:
+        """Items finished since `output_count` was `index` (without copying older ones)."""
+        return self._output[index:]
+
     def snapshot(self) -> Response:
         """The response as it stands (status in_progress, finished items only)."""
         return attrs.evolve(self._base, output=list(self._output))

@@ -15,11 +15,11 @@ from ._validate import InvalidField
 
 __all__ = [
     "CONTENT_PART_TYPES",
-    "Compaction",
     "INPUT_PART_TYPES",
     "ITEM_TYPES",
     "OUTPUT_PART_TYPES",
     "TOOL_TYPES",
+    "Compaction",
     "ContentPart",
     "FunctionCall",
     "FunctionCallOutput",
