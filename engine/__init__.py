@@ -12,6 +12,7 @@ from ._classify import (
     SecretDetector,
     default_classifiers,
 )
+from ._config import ConfigError, load_registry, registry_from_mapping
 from ._counters import Counters
 from ._defaults import default_registry
 from ._engine import (
@@ -44,10 +45,12 @@ from ._ledger import MemoryUsageLedger, SQLiteUsageLedger, open_sqlite_ledger
 from ._models import ModelRegistry, ModelSpec
 from ._pipeline import ConversationValidator, Validator
 from ._render import ChatTemplateRenderer
+from ._serve import ServerConfig, open_server, serve
 from ._sim import SimBackend
 from ._state import ResponseState
 from ._store import MemoryResponseStore, SQLiteResponseStore, open_sqlite_store
 from ._tokenizer import O200kTokenizer
+from ._upstream import UpstreamBackend, UpstreamConfig
 
 __version__ = "0.1.0"
 
@@ -61,6 +64,7 @@ __all__ = [
     "Classifier",
     "ClassifierSet",
     "ClassifierVerdict",
+    "ConfigError",
     "ConversationValidator",
     "Counters",
     "Emit",
@@ -84,16 +88,23 @@ __all__ = [
     "SampleEvent",
     "SampleRequest",
     "SecretDetector",
+    "ServerConfig",
     "Session",
     "SimBackend",
     "StoredResponse",
     "Tokenizer",
+    "UpstreamBackend",
+    "UpstreamConfig",
     "UsageLedger",
     "UsageRecord",
     "Validator",
     "default_classifiers",
     "default_registry",
+    "load_registry",
     "open_engine",
+    "open_server",
     "open_sqlite_ledger",
     "open_sqlite_store",
+    "registry_from_mapping",
+    "serve",
 ]

@@ -550,7 +550,7 @@ class RolloutApp:
             ids = [getattr(i, "id", None) for i in items]
             items = items[ids.index(after) + 1 :] if after in ids else []
         page = items[:limit]
-        data = [to_wire(i) for i in page]
+        data = [_listed(i) for i in page]
         return await _json(
             send,
             200,
@@ -713,6 +713,24 @@ class RolloutApp:
 
 def _server_timing(timings: dict[str, float]) -> str:
     return ", ".join(f"{stage};dur={seconds * 1000:.3f}" for stage, seconds in timings.items())
+
+
+def _listed(item: Any) -> dict[str, Any]:
+    """An input item in the shape the API lists it (the SDK's `ResponseItem`): message content
+    as a list of parts (a string is one text part, which renders the same), and a status."""
+    wire: dict[str, Any] = to_wire(item)
+    kind = wire.get("type")
+    if kind == "message" and isinstance(wire.get("content"), str):
+        text = wire["content"]
+        part: dict[str, Any] = (
+            {"type": "output_text", "text": text, "annotations": []}
+            if wire.get("role") == "assistant"
+            else {"type": "input_text", "text": text}
+        )
+        wire["content"] = [part]
+    if kind in ("message", "function_call", "function_call_output"):
+        wire.setdefault("status", "completed")
+    return wire
 
 
 def _not_found(response_id: str) -> dict[str, Any]:

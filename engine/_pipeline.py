@@ -252,10 +252,13 @@ def _data_url(
             param=where,
         )
     try:
-        base64.b64decode(payload, validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (ValueError, binascii.Error):
+        data = None
+    # An empty file is a file; an empty image is not an image.
+    if data is None or (what == "image" and not data):
         raise invalid(
-            f"The {what} data is not valid base64.",
+            f"The {what} data is not valid base64" + ("." if data is None else ": it is empty."),
             code="invalid_base64_image" if what == "image" else "invalid_file_data",
             param=where,
         ) from None

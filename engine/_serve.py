@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
@@ -55,6 +56,8 @@ class ServerConfig:
     graceful_timeout: float = 10.0
     max_cached_responses: int = 8
     registry: ModelRegistry | None = None
+    # Wraps the ASGI app before it is served (tests serve deliberately broken variants).
+    app_wrapper: Callable[[RolloutApp], Any] | None = None
 
     def app_config(self) -> AppConfig:
         return AppConfig(
@@ -129,8 +132,9 @@ async def serve(
                     )
                     task_status.started(bound + "/v1")
 
+            asgi = app if config.app_wrapper is None else config.app_wrapper(app)
             await hypercorn_serve(
-                app,  # type: ignore[arg-type]
+                asgi,  # type: ignore[arg-type]
                 hconfig,
                 shutdown_trigger=shutdown,
                 task_status=_Status(),

@@ -6,10 +6,10 @@
   are joined into the body as bytes (the chat protocol itself forces re-sending them).
 - Streaming (server-sent events) maps back to our sample events: text deltas, tool-call
   argument deltas, finish reasons (`length` -> incomplete), and the upstream's usage.
-- Connect errors and 5xx answers are retried before the first token; afterwards, or when the
-  retries are spent, the response fails (`response.failed`) with the upstream's code and
-  message, never a hang (connect, read and pool timeouts). Cancelling the response (our client
-  went away) closes the upstream request.
+- Connect errors, connections dropped before any answer, and 5xx answers are retried before
+  the first token; afterwards, or when the retries are spent, the response fails
+  (`response.failed`) with the upstream's code and message, never a hang (connect, read and
+  pool timeouts). Cancelling the response (our client went away) closes the upstream request.
 - One bounded connection pool per backend, keep-alive, TCP_NODELAY (httpx on trio).
 """
 
@@ -169,8 +169,10 @@ class UpstreamBackend:
         while True:
             self.counters.requests += 1
             started = False
+            answered = False  # response headers arrived
             try:
                 async with self._http().stream("POST", "/chat/completions", content=body) as resp:
+                    answered = True
                     if resp.status_code >= 400:
                         message, code = await _error_of(resp)
                         if resp.status_code >= 500 and attempt < cfg.retries:
@@ -201,10 +203,20 @@ class UpstreamBackend:
                     f"The upstream model server timed out ({exc.__class__.__name__})."
                 ) from None
             except (httpx.HTTPError, httpx.StreamError) as exc:
-                self.counters.failures += 1
-                raise BackendError(
-                    f"The upstream stream broke: {exc.__class__.__name__}: {exc}"
-                ) from None
+                # Dropped before any answer (typically a keep-alive connection the upstream
+                # closed as we reused it): nothing was received, so it is retried like a
+                # connect error.
+                dropped = not answered and isinstance(exc, httpx.TransportError)
+                if dropped and attempt < cfg.retries:
+                    await self._backoff(attempt, str(exc))
+                else:
+                    self.counters.failures += 1
+                    what = (
+                        "The upstream closed the connection without answering"
+                        if dropped
+                        else "The upstream stream broke"
+                    )
+                    raise BackendError(f"{what}: {exc.__class__.__name__}: {exc}") from None
             attempt += 1
 
     async def _backoff(self, attempt: int, why: str) -> None:

@@ -210,6 +210,11 @@ class WebSocketConnection:
                 return
             try:
                 await self._run_one(request)
+            except trio.ClosedResourceError:
+                # The client closed the socket while this request was answered: `send_event`
+                # can see it closed after taking its lock (a shielded checkpoint, so before
+                # the reader's cancellation reaches us). The connection is over; not an error.
+                return
             finally:
                 if not self._queue_recv.statistics().current_buffer_used:
                     self._idle.set()

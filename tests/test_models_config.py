@@ -1,0 +1,208 @@
+"""The model registry file (`rollout serve --models FILE`): the README's example parses into
+the registry it describes, every mistake is a `ConfigError` naming the key, `rollout serve`
+refuses a bad file with exit status 2, and a loaded file routes requests (aliases included)
+to a real upstream.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from engine._config import ConfigError, load_registry, registry_from_mapping
+from engine._upstream import UpstreamBackend
+from protocol import RemoteProtocolError
+from tests.upstream_harness import SIM_MODEL, open_rollout
+
+ROOT = Path(__file__).resolve().parent.parent
+DEADLINE = 20
+
+
+def readme_toml() -> str:
+    blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    assert len(blocks) == 1, "the README has one TOML example"
+    return str(blocks[0])
+
+
+def upstream(registry: Any, model: str) -> UpstreamBackend:
+    backend = registry.resolve(model).backend
+    assert isinstance(backend, UpstreamBackend)
+    return backend
+
+
+def test_readme_example_parses_into_the_registry_it_describes() -> None:
+    registry = registry_from_mapping(tomllib.loads(readme_toml()), source="README.md")
+    names = registry.names()
+    for name in ("qwen", "llama", "ollama-qwen", "hosted", "llama3", "gpt-5"):
+        assert name in names
+    # The built-in simulated models stay available.
+    assert {"sim", "sim-65", "sim-1000", "sim-4000"} <= set(names)
+    assert registry.resolve("sim:steps=2").name == "sim"
+
+    qwen = registry.resolve("qwen")
+    assert qwen.context_window == 32768
+    cfg = upstream(registry, "qwen").config
+    assert (cfg.base_url, cfg.model) == ("http://127.0.0.1:8001/v1", "Qwen/Qwen2.5-7B-Instruct")
+    assert registry.resolve("ollama-qwen").context_window == 400_000  # the default
+    assert upstream(registry, "ollama-qwen").config.model == "qwen2.5:7b"
+
+    hosted = upstream(registry, "hosted").config
+    assert hosted.api_key_env == "EXAMPLE_API_KEY"
+    assert hosted.read_timeout == 120.0 and isinstance(hosted.read_timeout, float)
+    assert (hosted.retries, hosted.max_connections) == (2, 64)
+    assert hosted.connect_timeout == 5.0  # not in the file: the default
+
+    # Aliases resolve to the model they name: per model, and in [aliases].
+    assert registry.resolve("llama3").name == "llama"
+    assert registry.resolve("llama3").backend is registry.resolve("llama").backend
+    assert registry.resolve("gpt-5").name == "qwen"
+    assert registry.resolve("gpt-5").model == "gpt-5"  # the client's string is kept
+    # Upstream models take no `:k=v` parameters.
+    with pytest.raises(RemoteProtocolError) as info:
+        registry.resolve("qwen:temperature=0")
+    assert info.value.code == "model_not_found"
+
+
+def test_aliases_may_name_sim_strings_and_chain() -> None:
+    registry = registry_from_mapping(
+        {
+            "models": {"up": {"upstream": "http://127.0.0.1:9/v1", "aliases": ["up-alias"]}},
+            "aliases": {"fast": "sim:steps=3,tps=4000", "faster": "fast", "gw": "up-alias"},
+        }
+    )
+    route = registry.resolve("faster")
+    assert route.name == "sim" and route.params == {"steps": "3", "tps": "4000"}
+    assert registry.resolve("gw").name == "up"
+    assert upstream(registry, "up").config.model == "up"  # `model` defaults to the name
+
+
+def test_an_empty_file_is_the_builtin_registry() -> None:
+    registry = registry_from_mapping({})
+    assert "sim" in registry.names()
+
+
+X = '[models.x]\nupstream = "http://h/v1"\n'  # a valid model table, to add a mistake to
+BAD: list[tuple[str, str]] = [
+    # (TOML, what the message must contain)
+    ("[server]\nport = 1\n", "unknown table [server]"),
+    (X + "bogus = 1\n", "models.x.bogus: unknown key"),
+    (X + "retry_backoff = 1.0\n", "models.x.retry_backoff: unknown key"),
+    (X + 'retries = "2"\n', "models.x.retries: expected int"),
+    (X + "retries = true\n", "models.x.retries: expected int"),
+    (X + "retries = -1\n", "models.x.retries: expected a number >= 0"),
+    (X + 'read_timeout = "slow"\n', "models.x.read_timeout: expected float"),
+    (X + "read_timeout = 0\n", "models.x.read_timeout: expected a number > 0"),
+    (X + "max_connections = 0\n", "models.x.max_connections: expected a number > 0"),
+    (X + "context_window = 1.5\n", "models.x.context_window: expected int"),
+    (X + "api_key_env = 1\n", "models.x.api_key_env: expected str"),
+    (X + "model = 7\n", "models.x.model: expected str"),
+    (X + "description = []\n", "models.x.description: expected str"),
+    (X + 'aliases = "y"\n', "models.x.aliases: expected an array"),
+    (X + "aliases = [1]\n", "models.x.aliases: expected an array"),
+    ('[models.x]\nmodel = "m"\n', "models.x: `upstream` (the base URL) is required"),
+    ("[models.x]\nupstream = 5\n", "models.x.upstream: expected str"),
+    (
+        '[models.x]\nupstream = "127.0.0.1:8001/v1"\n',
+        "models.x.upstream: expected an http:// or https:// URL",
+    ),
+    (
+        '[models."qwen:7b"]\nupstream = "http://h/v1"\n',
+        "models.qwen:7b: a model name can't contain ':'",
+    ),
+    ("models = 5\n", "[models] must be a table"),
+    ("[models]\nx = 5\n", "models.x: expected a table"),
+    ("aliases = 5\n", "[aliases] must be a table"),
+    ("[aliases]\ngpt = 5\n", "aliases.gpt: expected a model string"),
+    ('[aliases]\ngpt = "no-such-model"\n', "aliases.gpt: 'no-such-model' is not a model"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD)
+def test_mistakes_are_config_errors_naming_the_key(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        registry_from_mapping(tomllib.loads(text), source="models.toml")
+    assert str(info.value).startswith("models.toml: ")
+    assert message in str(info.value)
+
+
+def test_load_registry_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "models.toml"
+    bad.write_text("[models.x\n")
+    with pytest.raises(ConfigError, match=r"models\.toml: .*line 1"):
+        load_registry(bad)
+    with pytest.raises(ConfigError, match="No such file"):
+        load_registry(tmp_path / "missing.toml")
+    bad.write_text(X + 'retries = "two"\n')
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(bad))}: models\.x\.retries"):
+        load_registry(bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            X + 'retries = "two"\n',
+            "models.x.retries: expected int",
+        ),
+        ("[models.x\n", "Expected ']'"),
+        (None, "No such file or directory"),
+    ],
+)
+def test_serve_with_a_bad_models_file_exits_2(
+    tmp_path: Path, text: str | None, message: str
+) -> None:
+    path = tmp_path / "models.toml"
+    if text is not None:
+        path.write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "engine", "serve", "--models", str(path), "--port", "0",
+         "--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done
+    assert done.stderr.startswith(f"rollout serve: {path}: ")
+    assert message in done.stderr
+    assert not (tmp_path / "data").exists()  # refused before opening anything
+
+
+async def test_a_loaded_file_routes_to_its_upstream(tmp_path: Path) -> None:
+    """A file like the README's, its model pointing at a real rollout (A): requests to the
+    model and to its aliases reach A, which answers as the simulated model."""
+    with trio.fail_after(DEADLINE):
+        async with open_rollout() as a:
+            path = tmp_path / "models.toml"
+            path.write_text(
+                f'[models.local]\nupstream = "{a}"\nmodel = "{SIM_MODEL}"\n'
+                'aliases = ["local-alias"]\nretries = 0\nread_timeout = 30\n\n'
+                '[aliases]\n"gpt-5" = "local"\n'
+            )
+            registry = load_registry(path)
+            async with (
+                open_rollout(registry=registry) as b,
+                httpx.AsyncClient(timeout=10) as client,
+            ):
+                texts = []
+                for model in ("local", "local-alias", "gpt-5"):
+                    resp = await client.post(f"{b}/responses", json={"model": model, "input": "Hi"})
+                    body = resp.json()
+                    assert body["status"] == "completed", body
+                    assert body["model"] == model
+                    texts.append(body["output"][0]["content"][0]["text"])
+                direct = await client.post(
+                    f"{a}/responses", json={"model": SIM_MODEL, "input": "Hi"}
+                )
+                models = (await client.get(f"{b}/models")).json()["data"]
+    assert texts == [direct.json()["output"][0]["content"][0]["text"]] * 3
+    assert {"local", "local-alias", "gpt-5", "sim"} <= {m["id"] for m in models}
+    assert upstream(registry, "local").counters.requests == 3
