@@ -457,14 +457,20 @@ class RolloutApp:
         try:
             try:
                 body = json.loads(raw)
+                if not isinstance(body, dict):
+                    raise RemoteProtocolError.invalid(
+                        "Invalid type for body: expected a JSON object.", code="invalid_type"
+                    )
+                extras = {k: body.pop(k) for k in drop if k in body}
+                request = decode_create_body(body, max_size=self.config.max_message_size)
+            except RecursionError:  # json.loads and the decoder recurse per nesting level
+                raise RemoteProtocolError.invalid(
+                    "The message is nested too deeply.", code="invalid_json"
+                ) from None
             except ValueError:
                 raise RemoteProtocolError.invalid(
                     "We could not parse the JSON body of your request.", code="invalid_json"
                 ) from None
-            extras = {}
-            if isinstance(body, dict):
-                extras = {k: body.pop(k) for k in drop if k in body}
-            request = decode_create_body(body, max_size=self.config.max_message_size)
         except RemoteProtocolError as exc:
             self.engine.counters.request_errors += 1
             return None, await _json(send, exc.status, {"error": to_wire(exc.body)})
@@ -573,11 +579,15 @@ class RolloutApp:
         try:
             try:
                 body = json.loads(raw)
+                request = request_from_chat(body)
+            except RecursionError:
+                raise RemoteProtocolError.invalid(
+                    "The message is nested too deeply.", code="invalid_json"
+                ) from None
             except ValueError:
                 raise RemoteProtocolError.invalid(
                     "We could not parse the JSON body of your request.", code="invalid_json"
                 ) from None
-            request = request_from_chat(body)
             for name, kind, kind_name in (
                 ("stream", bool, "a boolean"),
                 ("stream_options", dict, "an object"),

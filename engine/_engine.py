@@ -437,6 +437,7 @@ class Session:
             new_items=new_items,
             timings=timings,
             require_outputs=False,
+            offset=_input_offset(request),
         )
         return prepared.state
 
@@ -479,6 +480,7 @@ class Session:
             if request.previous_response_id is not None:
                 hydrated = request.previous_response_id not in self.cache
                 parent = await self.resolve(request.previous_response_id, timings)
+            threshold = _compact_threshold(request)
             new_items, root = await self._resolve_inputs(new_items, parent)
             prepared = pipeline.prepare(
                 request,
@@ -487,6 +489,7 @@ class Session:
                 new_items=new_items,
                 timings=timings,
                 require_outputs=generate,
+                offset=_input_offset(request),
             )
         except RemoteProtocolError:
             engine.counters.request_errors += 1
@@ -532,7 +535,7 @@ class Session:
         submitted = False
         state = prepared.state
         total = Usage()
-        parent_stored = parent is None or parent.stored
+        parent_stored = root.stored
         try:
             if prepared.flags:
                 flag = prepared.flags[0]
@@ -556,7 +559,6 @@ class Session:
                 submitted = True
                 return warmed
 
-            threshold = _compact_threshold(request)
             if threshold is not None and state.context_tokens > threshold:
                 # Automatic compaction: the conversation continues from the compacted window,
                 # whose compaction item goes out as the response's first output item.
@@ -666,6 +668,7 @@ class Session:
         last = max(
             (i for i, item in enumerate(items) if isinstance(item, Compaction)), default=None
         )
+        start = 0  # the index in the request's input of the first item returned
         if last is not None:
             where = f"input[{last}]"
             if parent is not None:
@@ -680,8 +683,11 @@ class Session:
             )
             root = restore_state(engine.pipeline, root, payload, param=where)
             items = items[last + 1 :]
+            start = last + 1
         if any(isinstance(item, ItemReference) for item in items):
-            items = [await self._dereference(item, parent, i) for i, item in enumerate(items)]
+            items = [
+                await self._dereference(item, parent, start + i) for i, item in enumerate(items)
+            ]
         return items, root
 
     async def _dereference(self, item: Item, parent: ResponseState | None, index: int) -> Item:
@@ -845,6 +851,12 @@ class Session:
             if isinstance(item, FunctionCall) and item.status == "completed":
                 staged.open_calls[item.call_id] = item.name
         return pipeline.commit(state, staged)
+
+
+def _input_offset(request: ResponseCreate) -> int:
+    """The index in the request's input of the first item staged (after a compaction item)."""
+    items = normalize_input(request.input)
+    return max((i + 1 for i, item in enumerate(items) if isinstance(item, Compaction)), default=0)
 
 
 def _compact_threshold(request: ResponseCreate) -> int | None:

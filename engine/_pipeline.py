@@ -206,7 +206,12 @@ class ConversationValidator:
                 )
 
 
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ID_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
 
 
 def _with_id(item: Item) -> Item:
@@ -476,6 +481,7 @@ class Pipeline:
         new_items: Sequence[Item],
         timings: dict[str, float],
         require_outputs: bool,
+        offset: int = 0,
     ) -> Prepared:
         """`root` is `parent`, or for a new chain an empty state to build from. With
         `require_outputs`, every function call must have its output by the end of the input
@@ -497,6 +503,7 @@ class Pipeline:
             open_calls=dict(root.open_calls),
             param="input",
             timings=timings,
+            offset=offset,
         )
         if require_outputs and staged.open_calls:
             call_id = next(iter(staged.open_calls))
