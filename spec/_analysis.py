@@ -1,0 +1,524 @@
+"""Pure analysis of event streams and responses, as plain JSON dicts. Sans-IO.
+
+Every function returns a list of problems (empty when all is well) or raises `CheckFailed`
+with one; a problem says what was observed and what was expected. Nothing here assumes a
+particular model: items other than messages and function calls (reasoning, hosted tools) are
+allowed wherever an item may appear, with whatever events they carry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from types import EllipsisType
+from typing import Any
+
+from ._client import CheckFailed, describe_value
+
+__all__ = [
+    "LIFECYCLE",
+    "as_dict",
+    "call_items",
+    "call_problems",
+    "completed_response",
+    "error_problems",
+    "expect_error",
+    "first_difference",
+    "message_text",
+    "normal_items",
+    "order_problems",
+    "sequence_problems",
+    "shape",
+    "text_problems",
+]
+
+Event = dict[str, Any]
+
+# Events that carry the `response` object.
+LIFECYCLE = frozenset(
+    {
+        "response.queued",
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+        "response.done",
+    }
+)
+_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_TEXT_DELTAS = frozenset({"response.output_text.delta", "response.refusal.delta"})
+_TEXT_DONES = frozenset({"response.output_text.done", "response.refusal.done"})
+
+
+def _q(value: Any) -> str:
+    return describe_value(value)
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    """`value` when it is a JSON object, else an empty one (for lenient field access)."""
+    return value if isinstance(value, dict) else {}
+
+
+def as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def completed_response(events: Sequence[Event], what: str = "the response") -> dict[str, Any]:
+    """The `response` of a stream that ended with `response.completed`, or `CheckFailed`
+    naming what ended it instead."""
+    if not events:
+        raise CheckFailed(f"{what}: no events")
+    last = events[-1]
+    kind = last.get("type")
+    if kind == "error":
+        error = as_dict(last.get("error"))
+        raise CheckFailed(
+            f"{what}: expected response.completed, observed error "
+            f"{_q(error.get('code'))}: {_q(error.get('message'))}"
+        )
+    if kind != "response.completed":
+        raise CheckFailed(f"{what}: expected response.completed, observed {kind}")
+    response = last.get("response")
+    if not isinstance(response, dict):
+        raise CheckFailed(f"{what}: response.completed has no `response` object")
+    if response.get("status") != "completed":
+        raise CheckFailed(
+            f"{what}: response.completed carries status {_q(response.get('status'))}, "
+            "expected 'completed'"
+        )
+    output = response.get("output")
+    if not isinstance(output, list):
+        raise CheckFailed(f"{what}: the completed response has no `output` list")
+    return response
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def error_problems(
+    event: Mapping[str, Any],
+    *,
+    code: str,
+    status: int | None = 400,
+    param: str | EllipsisType | None = ...,
+    error_type: str | None = "invalid_request_error",
+) -> list[str]:
+    """Problems of a WebSocket `error` event against the expected status, code and param
+    (`...` for param: not checked). The shape: `{"type": "error", "status": int,
+    "error": {"type": str, "code": str|null, "message": str, "param": str|null}}`."""
+    if event.get("type") != "error":
+        brief = event.get("type")
+        if brief == "response.created":
+            return [f"expected an error event with code {code!r}, observed response.created"]
+        return [f"expected an error event with code {code!r}, observed {brief}"]
+    problems: list[str] = []
+    body = event.get("error")
+    if not isinstance(body, dict):
+        return [f"the error event has no nested `error` object: {_q(event)}"]
+    if body.get("code") != code:
+        problems.append(f"error.code: expected {code!r}, observed {_q(body.get('code'))}")
+    if status is not None and event.get("status") != status:
+        problems.append(f"status: expected {status}, observed {_q(event.get('status'))}")
+    if error_type is not None and body.get("type") != error_type:
+        problems.append(f"error.type: expected {error_type!r}, observed {_q(body.get('type'))}")
+    elif not isinstance(body.get("type"), str):
+        problems.append(f"error.type: expected a string, observed {_q(body.get('type'))}")
+    if not isinstance(body.get("message"), str) or not body.get("message"):
+        problems.append(
+            f"error.message: expected a non-empty string, observed {_q(body.get('message'))}"
+        )
+    if param is not ... and body.get("param") != param:
+        problems.append(f"error.param: expected {param!r}, observed {_q(body.get('param'))}")
+    return problems
+
+
+def expect_error(event: Mapping[str, Any], **expected: Any) -> None:
+    problems = error_problems(event, **expected)
+    if problems:
+        raise CheckFailed("; ".join(problems))
+
+
+# --- sequence numbers and order --------------------------------------------------------------
+
+
+def sequence_problems(events: Sequence[Event], *, start: int = 0) -> list[str]:
+    """Every event carries an integer `sequence_number`; they start at `start` and grow by
+    exactly one per event."""
+    expected = start
+    for event in events:
+        seq = event.get("sequence_number")
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            return [f"{event.get('type')} has sequence_number {_q(seq)}, expected {expected}"]
+        if seq != expected:
+            return [f"{event.get('type')} has sequence_number {seq}, expected {expected}"]
+        expected += 1
+    return []
+
+
+def order_problems(events: Sequence[Event], *, suspensions: bool = False) -> list[str]:
+    """The event grammar of one response:
+
+        [response.queued] response.created response.in_progress item* terminal
+
+    where an item is `output_item.added` ... `output_item.done` for one `output_index` (in
+    increasing order from 0, one item at a time); a message's content parts are
+    `content_part.added` (text|refusal deltas) (text|refusal done) `content_part.done`; a
+    function call has `function_call_arguments.delta`* then `.done` and no content parts.
+    With `suspensions` (the rollout extension), `response.done` response.in_progress may
+    appear between items. Events of unknown types are allowed between items or inside the
+    item their `output_index` names.
+    """
+    problems: list[str] = []
+    types = [e.get("type") for e in events]
+    i = 0
+    if types[:1] == ["response.queued"]:
+        i = 1
+    if types[i : i + 2] != ["response.created", "response.in_progress"]:
+        return [
+            f"the response begins with {types[i : i + 2]}, expected "
+            "['response.created', 'response.in_progress']"
+        ]
+    if not types or types[-1] not in _ENDS:
+        return [f"the response ends with {types[-1:]}, expected a terminal response event"]
+    response_id = _response_id(events[i])
+    for event in events:
+        if event.get("type") in LIFECYCLE and _response_id(event) != response_id:
+            problems.append(
+                f"{event.get('type')} names response {_q(_response_id(event))}, expected "
+                f"{_q(response_id)}"
+            )
+    item: dict[str, Any] | None = None
+    next_index = 0
+    suspended = False
+    for n, event in enumerate(events[i + 2 : -1], start=i + 2):
+        kind = event.get("type")
+        where = f"event {n} ({kind})"
+        if suspended:
+            if kind != "response.in_progress":
+                problems.append(f"{where}: after response.done expected response.in_progress")
+            suspended = False
+            continue
+        if kind == "response.output_item.added":
+            if item is not None:
+                problems.append(f"{where}: an item was added while item {item['index']} is open")
+            index = event.get("output_index")
+            if index != next_index:
+                problems.append(f"{where}: output_index {_q(index)}, expected {next_index}")
+            body = as_dict(event.get("item"))
+            item = {
+                "index": index,
+                "type": body.get("type"),
+                "id": body.get("id"),
+                "parts": 0,
+                "part": None,
+                "text_done": False,
+                "args_done": False,
+            }
+        elif kind == "response.output_item.done":
+            if item is None or event.get("output_index") != item["index"]:
+                problems.append(
+                    f"{where}: no open item with output_index {_q(event.get('output_index'))}"
+                )
+            else:
+                if item["part"] is not None:
+                    problems.append(f"{where}: output_item.done before content_part.done")
+                if item["type"] == "function_call" and not item["args_done"]:
+                    problems.append(
+                        f"{where}: output_item.done before function_call_arguments.done"
+                    )
+            item = None
+            next_index += 1
+        elif kind == "response.content_part.added":
+            if item is None or item["type"] != "message":
+                problems.append(f"{where}: a content part outside a message item")
+                continue
+            problems += _same_item(where, event, item)
+            if item["part"] is not None:
+                problems.append(f"{where}: a part was added while part {item['part']} is open")
+            if event.get("content_index") != item["parts"]:
+                problems.append(
+                    f"{where}: content_index {_q(event.get('content_index'))}, expected "
+                    f"{item['parts']}"
+                )
+            item["part"] = event.get("content_index")
+            item["text_done"] = False
+        elif kind in _TEXT_DELTAS or kind in _TEXT_DONES:
+            if item is None or item["part"] is None:
+                problems.append(f"{where}: text outside an open content part")
+                continue
+            problems += _same_item(where, event, item)
+            if event.get("content_index") != item["part"]:
+                problems.append(
+                    f"{where}: content_index {_q(event.get('content_index'))}, "
+                    f"expected {item['part']}"
+                )
+            if item["text_done"]:
+                problems.append(f"{where}: text after the part's text was done")
+            if kind in _TEXT_DONES:
+                item["text_done"] = True
+        elif kind == "response.content_part.done":
+            if item is None or item["part"] is None:
+                problems.append(f"{where}: content_part.done without an open part")
+                continue
+            problems += _same_item(where, event, item)
+            if not item["text_done"]:
+                problems.append(f"{where}: content_part.done before the text's done event")
+            item["part"] = None
+            item["parts"] += 1
+        elif kind in (
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+        ):
+            if item is None or item["type"] != "function_call":
+                problems.append(f"{where}: arguments outside a function_call item")
+                continue
+            problems += _same_item(where, event, item)
+            if item["args_done"]:
+                problems.append(f"{where}: arguments after function_call_arguments.done")
+            if kind.endswith(".done"):
+                item["args_done"] = True
+        elif kind == "response.done" and suspensions:
+            if item is not None:
+                problems.append(f"{where}: response.done while item {item['index']} is open")
+            suspended = True
+        elif kind in LIFECYCLE:
+            problems.append(f"{where}: unexpected in the middle of a response")
+        elif "output_index" in event:
+            if item is None or event.get("output_index") != item["index"]:
+                problems.append(
+                    f"{where}: names output_index {_q(event.get('output_index'))} outside its item"
+                )
+    if item is not None:
+        problems.append(f"item {item['index']} was never done")
+    return problems[:5]
+
+
+def _response_id(event: Mapping[str, Any]) -> Any:
+    response = event.get("response")
+    return response.get("id") if isinstance(response, dict) else None
+
+
+def _same_item(where: str, event: Mapping[str, Any], item: Mapping[str, Any]) -> list[str]:
+    problems = []
+    if event.get("output_index") != item["index"]:
+        problems.append(
+            f"{where}: output_index {_q(event.get('output_index'))}, expected {item['index']}"
+        )
+    if event.get("item_id") != item["id"]:
+        problems.append(
+            f"{where}: item_id {_q(event.get('item_id'))}, expected the item id {_q(item['id'])}"
+        )
+    return problems
+
+
+# --- consistency of deltas, done events and the final output ---------------------------------
+
+
+def _final_output(events: Sequence[Event]) -> list[Any]:
+    response = events[-1].get("response") if events else None
+    output = response.get("output") if isinstance(response, dict) else None
+    return output if isinstance(output, list) else []
+
+
+def _item_done(events: Sequence[Event]) -> dict[int, dict[str, Any]]:
+    done: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if event.get("type") == "response.output_item.done" and isinstance(event.get("item"), dict):
+            index = event.get("output_index")
+            if isinstance(index, int):
+                done[index] = event["item"]
+    return done
+
+
+def text_problems(events: Sequence[Event]) -> list[str]:
+    """For every output_text part: the concatenated deltas equal `output_text.done.text`,
+    the `content_part.done` part's text, the text in `output_item.done` and the text in the
+    terminal response's `output`. Raises `CheckFailed` when there is no message at all."""
+    problems: list[str] = []
+    done_items = _item_done(events)
+    final = _final_output(events)
+    found = False
+    for index, item in sorted(done_items.items()):
+        if item.get("type") != "message":
+            continue
+        found = True
+        item_id = item.get("id")
+        content = as_list(item.get("content"))
+        for ci, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "output_text":
+                continue
+
+            def of(kind: str, ci: int = ci, item_id: Any = item_id) -> list[Event]:
+                return [
+                    e
+                    for e in events
+                    if e.get("type") == kind
+                    and e.get("item_id") == item_id
+                    and e.get("content_index") == ci
+                ]
+
+            deltas = "".join(str(e.get("delta", "")) for e in of("response.output_text.delta"))
+            views: list[tuple[str, Any]] = []
+            text_done = of("response.output_text.done")
+            views.append(("output_text.done.text", text_done[0].get("text") if text_done else None))
+            part_done = of("response.content_part.done")
+            part_obj = part_done[0].get("part") if part_done else None
+            views.append(
+                (
+                    "content_part.done.part.text",
+                    part_obj.get("text") if isinstance(part_obj, dict) else None,
+                )
+            )
+            views.append(("output_item.done text", part.get("text")))
+            final_text = None
+            if index < len(final) and isinstance(final[index], dict):
+                if final[index].get("id") != item_id:
+                    problems.append(
+                        f"output[{index}].id is {_q(final[index].get('id'))} in the terminal "
+                        f"response, expected {_q(item_id)}"
+                    )
+                fcontent = final[index].get("content")
+                if (
+                    isinstance(fcontent, list)
+                    and ci < len(fcontent)
+                    and isinstance(fcontent[ci], dict)
+                ):
+                    final_text = fcontent[ci].get("text")
+            views.append((f"response output[{index}] text", final_text))
+            for name, value in views:
+                if value != deltas:
+                    problems.append(
+                        f"item {index} part {ci}: the deltas concatenate to {_q(deltas)} but "
+                        f"{name} is {_q(value)}"
+                    )
+    if not found:
+        raise CheckFailed("the response has no assistant message to check")
+    return problems[:5]
+
+
+def call_items(output: Iterable[Any]) -> list[dict[str, Any]]:
+    return [i for i in output if isinstance(i, dict) and i.get("type") == "function_call"]
+
+
+def call_problems(events: Sequence[Event], *, name: str | None = None) -> list[str]:
+    """For every function call: the concatenated argument deltas equal
+    `function_call_arguments.done.arguments`, the item's `arguments` in `output_item.done` and
+    in the terminal response's `output`, and parse as a JSON object; `call_id` and `name` agree
+    everywhere. Raises `CheckFailed` when there is no call."""
+    problems: list[str] = []
+    done_items = _item_done(events)
+    final = _final_output(events)
+    added = {
+        e.get("output_index"): e.get("item")
+        for e in events
+        if e.get("type") == "response.output_item.added" and isinstance(e.get("item"), dict)
+    }
+    calls = [(i, it) for i, it in sorted(done_items.items()) if it.get("type") == "function_call"]
+    if not calls:
+        raise CheckFailed("the response has no function_call item to check")
+    for index, item in calls:
+        item_id = item.get("id")
+        deltas = "".join(
+            str(e.get("delta", ""))
+            for e in events
+            if e.get("type") == "response.function_call_arguments.delta"
+            and e.get("item_id") == item_id
+        )
+        dones = [
+            e
+            for e in events
+            if e.get("type") == "response.function_call_arguments.done"
+            and e.get("item_id") == item_id
+        ]
+        views: list[tuple[str, Any]] = [
+            (
+                "function_call_arguments.done.arguments",
+                dones[0].get("arguments") if dones else None,
+            ),
+            ("output_item.done arguments", item.get("arguments")),
+        ]
+        final_item = final[index] if index < len(final) and isinstance(final[index], dict) else {}
+        views.append((f"response output[{index}].arguments", final_item.get("arguments")))
+        for view, value in views:
+            if value != deltas:
+                problems.append(
+                    f"call {index}: the deltas concatenate to {_q(deltas)} but {view} is "
+                    f"{_q(value)}"
+                )
+        try:
+            parsed = json.loads(deltas)
+        except ValueError:
+            problems.append(f"call {index}: the arguments {_q(deltas)} are not JSON")
+        else:
+            if not isinstance(parsed, dict):
+                problems.append(f"call {index}: the arguments {_q(deltas)} are not a JSON object")
+        first = added.get(index) or {}
+        for key in ("call_id", "name"):
+            seen = {first.get(key), item.get(key), final_item.get(key)}
+            if len(seen) != 1:
+                problems.append(
+                    f"call {index}: {key} differs between added/done/output: "
+                    f"{sorted(map(str, seen))}"
+                )
+        if name is not None and item.get("name") != name:
+            problems.append(f"call {index}: name {_q(item.get('name'))}, expected {name!r}")
+    return problems[:5]
+
+
+# --- comparing outputs -----------------------------------------------------------------------
+
+
+def message_text(item: Mapping[str, Any]) -> str:
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p)
+
+
+def normal_items(output: Iterable[Any]) -> list[dict[str, Any]]:
+    """Output items without what a server generates afresh each time (ids, call ids):
+    messages as role + text, calls as name + parsed arguments, other items by type."""
+    out: list[dict[str, Any]] = []
+    for item in output:
+        if not isinstance(item, dict):
+            out.append({"type": repr(item)})
+            continue
+        kind = item.get("type")
+        if kind == "message":
+            out.append({"type": kind, "role": item.get("role"), "text": message_text(item)})
+        elif kind == "function_call":
+            arguments = item.get("arguments")
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except ValueError:
+                pass
+            out.append({"type": kind, "name": item.get("name"), "arguments": arguments})
+        else:
+            out.append({"type": kind})
+    return out
+
+
+def shape(output: Iterable[Any]) -> list[str]:
+    """The item kinds of an output (calls with their function name)."""
+    kinds = []
+    for item in normal_items(output):
+        kinds.append(
+            f"function_call:{item['name']}"
+            if item["type"] == "function_call"
+            else str(item["type"])
+        )
+    return kinds
+
+
+def first_difference(a: Sequence[Any], b: Sequence[Any], *, names: tuple[str, str]) -> str | None:
+    """The first difference between two outputs modulo ids, or None when they are equal."""
+    left, right = normal_items(a), normal_items(b)
+    for n, (x, y) in enumerate(zip(left, right, strict=False)):
+        if x != y:
+            return f"item {n}: {names[0]} has {_q(x)}, {names[1]} has {_q(y)}"
+    if len(left) != len(right):
+        return f"{names[0]} has {len(left)} items, {names[1]} has {len(right)}"
+    return None

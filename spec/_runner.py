@@ -1,0 +1,201 @@
+"""Running the checks: select, gate (missing options, absent features), run with bounded
+concurrency and a deadline each, collect a `Report`.
+
+The run never hangs: every check has a deadline, every network operation inside it a
+timeout, and a server that cannot be reached at all fails every selected check at once
+(a TCP connect with a short timeout is tried first).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import urllib.parse
+from collections.abc import Callable, Sequence
+
+import httpx
+import trio
+
+from . import _checks
+from ._client import CheckFailed, CheckSkipped
+from ._context import CHECKS, OPTION_FLAGS, Case, Context, Options, Probes, load_cases
+from ._report import CheckResult, Outcome, Report
+
+__all__ = ["run_conformance", "run_conformance_sync", "select_cases"]
+
+# The longest wait for the preflight TCP connect, in seconds.
+PREFLIGHT_TIMEOUT = 10.0
+
+OnStart = Callable[[Case], None]
+OnResult = Callable[[CheckResult], None]
+
+
+def select_cases(cases: Sequence[Case], patterns: Sequence[str]) -> list[Case]:
+    """The cases whose id, rule or feature matches one of `patterns` (exact, or a glob such
+    as `rollout.*` or `WS-3.*`); all cases without patterns. A pattern matching nothing is an
+    error."""
+    if not patterns:
+        return list(cases)
+    chosen: set[str] = set()
+    for pattern in patterns:
+        hits = {
+            c.id
+            for c in cases
+            if any(fnmatch.fnmatchcase(name, pattern) for name in (c.id, c.rule, c.feature))
+        }
+        if not hits:
+            raise ValueError(f"--filter {pattern!r} matches no check id, rule or feature")
+        chosen |= hits
+    return [c for c in cases if c.id in chosen]
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The most telling exception inside an exception group (a check verdict if any)."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [exc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, BaseExceptionGroup):
+            stack.extend(node.exceptions)
+        else:
+            leaves.append(node)
+    for kind in (CheckFailed, CheckSkipped):
+        for leaf in leaves:
+            if isinstance(leaf, kind):
+                return leaf
+    return leaves[0] if leaves else exc
+
+
+async def _preflight(base_url: str) -> str | None:
+    """None when a TCP connection to the server opens, else why not."""
+    parts = urllib.parse.urlsplit(base_url)
+    host = parts.hostname
+    if not host or parts.scheme not in ("http", "https"):
+        return f"{base_url!r} is not an http(s) base URL"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with trio.fail_after(PREFLIGHT_TIMEOUT):
+            stream = await trio.open_tcp_stream(host, port)
+    except trio.TooSlowError:
+        return (
+            f"the server at {host}:{port} did not accept a connection within {PREFLIGHT_TIMEOUT:g}s"
+        )
+    except OSError as exc:
+        return f"the server at {host}:{port} is unreachable: {exc.strerror or exc}"
+    await stream.aclose()
+    return None
+
+
+async def _run_case(
+    case: Case,
+    base_url: str,
+    options: Options,
+    http: httpx.AsyncClient,
+    probes: Probes,
+) -> CheckResult:
+    ctx = Context(base_url, options, http, probes, case)
+    started = trio.current_time()
+    outcome, reason = Outcome.PASSED, ""
+    with trio.CancelScope(deadline=started + options.timeout) as scope:
+        ctx.deadline_scope = scope
+        try:
+            missing = [n for n in case.needs if getattr(options, n, None) is None]
+            if missing:
+                raise CheckSkipped("needs " + ", ".join(OPTION_FLAGS.get(n, n) for n in missing))
+            probe = _checks.FEATURE_PROBES.get(case.feature)
+            if probe is not None:
+                why_not = await probes.get(case.feature, functools.partial(probe, ctx))
+                if why_not:
+                    raise CheckSkipped(str(why_not))
+            ctx.step = ""
+            await CHECKS[case.id](ctx)
+        except Exception as exc:
+            leaf = _leaf(exc)
+            if isinstance(leaf, CheckFailed):
+                outcome, reason = Outcome.FAILED, str(leaf)
+            elif isinstance(leaf, CheckSkipped):
+                outcome, reason = Outcome.SKIPPED, str(leaf)
+            else:
+                outcome = Outcome.FAILED
+                reason = f"unexpected {type(leaf).__name__}: {leaf}"
+    if scope.cancelled_caught:
+        outcome = Outcome.FAILED
+        reason = f"timed out after {trio.current_time() - started:.1f}s"
+        if ctx.step:
+            reason += f" ({ctx.step})"
+    return CheckResult(
+        id=case.id,
+        rule=case.rule,
+        title=case.title,
+        feature=case.feature,
+        required=case.required,
+        outcome=outcome,
+        reason=reason,
+        seconds=trio.current_time() - started,
+    )
+
+
+async def run_conformance(
+    base_url: str,
+    options: Options | None = None,
+    *,
+    on_start: OnStart | None = None,
+    on_result: OnResult | None = None,
+) -> Report:
+    """Run the selected checks against the server at `base_url` (e.g.
+    `http://127.0.0.1:8000/v1`) and return the report. `on_start` and `on_result` are called
+    as each check starts and ends (for a progress view)."""
+    options = options or Options()
+    cases = select_cases(load_cases(), options.filter)
+    missing = [c.id for c in cases if c.id not in CHECKS]
+    if missing:
+        raise LookupError(f"checks.json lists checks with no implementation: {missing}")
+    started = trio.current_time()
+    results: dict[str, CheckResult] = {}
+    probes = Probes()
+    unreachable = await _preflight(base_url)
+    if unreachable is not None:
+        for case in cases:
+            result = CheckResult(
+                id=case.id,
+                rule=case.rule,
+                title=case.title,
+                feature=case.feature,
+                required=case.required,
+                outcome=Outcome.FAILED,
+                reason=unreachable,
+            )
+            results[case.id] = result
+            if on_result is not None:
+                on_result(result)
+    else:
+        limiter = trio.CapacityLimiter(options.concurrency)
+        async with httpx.AsyncClient(timeout=options.timeout, follow_redirects=False) as http:
+
+            async def one(case: Case) -> None:
+                async with limiter:
+                    if on_start is not None:
+                        on_start(case)
+                    result = await _run_case(case, base_url, options, http, probes)
+                results[case.id] = result
+                if on_result is not None:
+                    on_result(result)
+
+            async with trio.open_nursery() as nursery:
+                for case in cases:
+                    nursery.start_soon(one, case)
+    return Report(
+        base_url=base_url,
+        model=options.model,
+        results=tuple(results[c.id] for c in cases),
+        seconds=trio.current_time() - started,
+        features=probes.known(),
+        required_features=tuple(options.require),
+    )
+
+
+def run_conformance_sync(base_url: str, options: Options | None = None) -> Report:
+    """`run_conformance` for synchronous callers (starts its own trio run)."""
+    return trio.run(functools.partial(run_conformance, base_url, options))

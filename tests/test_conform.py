@@ -1,0 +1,401 @@
+"""The conformance harness (`rollout conform`, `spec.run_conformance`) against rollout's own
+server: every check passes, the report lists them all, the CLI's exit status and JSON report
+are right, and a server that is down, refuses the upgrade or never answers fails clearly and
+quickly. Also: spec/PROTOCOL.md and spec/checks.json agree (every rule has a check, every check
+a rule), and the public names of `spec`.
+
+Every test has a deadline; the servers run on loopback port 0 with the simulated model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+import spec
+from engine import ModelRegistry, ModelSpec, SampleEvent, SampleRequest, SimBackend
+from engine._serve import ServerConfig, open_server
+from spec._context import CHECKS
+
+SPEC_DIR = Path(spec.__file__).parent
+API_KEY = "sk-conform-test"
+# The test server's configuration, and the harness options that describe it.
+AGE_LIMIT = 3.0
+MAX_MESSAGE_SIZE = 64 * 1024
+SUSPEND_LIMIT = 1.0
+MAX_QUEUED = 2
+SLOW_MODEL = "sim:ttft_ms=400"
+
+
+def server_config(**overrides: Any) -> ServerConfig:
+    settings: dict[str, Any] = {
+        "port": 0,
+        "data_dir": None,
+        "api_keys": (API_KEY,),
+        "connection_age_limit": AGE_LIMIT,
+        "max_message_size": MAX_MESSAGE_SIZE,
+        "rollout_suspend_limit": SUSPEND_LIMIT,
+        "max_queued_creates": MAX_QUEUED,
+        "graceful_timeout": 1.0,
+    }
+    settings.update(overrides)
+    return ServerConfig(**settings)
+
+
+def harness_options(**overrides: Any) -> spec.Options:
+    settings: dict[str, Any] = {
+        "api_key": API_KEY,
+        "slow_model": SLOW_MODEL,
+        "timeout": 10.0,
+        "concurrency": 4,
+        "age_limit_seconds": AGE_LIMIT,
+        "max_message_size": MAX_MESSAGE_SIZE,
+        "rollout_suspend_limit": SUSPEND_LIMIT,
+        "max_queued_creates": MAX_QUEUED,
+        "quiet_seconds": 0.2,
+    }
+    settings.update(overrides)
+    return spec.Options(**settings)
+
+
+CLI_OPTIONS = [
+    "--api-key", API_KEY,
+    "--slow-model", SLOW_MODEL,
+    "--timeout", "10",
+    "--age-limit-seconds", str(AGE_LIMIT),
+    "--max-message-size", str(MAX_MESSAGE_SIZE),
+    "--rollout-suspend-limit", str(SUSPEND_LIMIT),
+    "--max-queued-creates", str(MAX_QUEUED),
+    "--quiet-seconds", "0.2",
+]  # fmt: skip
+
+
+@asynccontextmanager
+async def serving(**overrides: Any) -> AsyncIterator[str]:
+    async with open_server(server_config(**overrides)) as url:
+        yield url
+
+
+async def run_cli(*args: str, deadline: float) -> tuple[int, str, str]:
+    """`rollout conform ...` in a subprocess; (exit status, stdout, stderr)."""
+    with trio.fail_after(deadline):
+        done = await trio.run_process(
+            [sys.executable, "-m", "engine", "conform", *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env={**os.environ, "COLUMNS": "200", "PYTHONPATH": str(SPEC_DIR.parent)},
+        )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+# --- the spec and the case list agree ------------------------------------------------------
+
+_RULE = re.compile(
+    r"^\*\*(?P<rule>[A-Z]+-\d+\.\d+)\*\*(?P<text>.*?)(?=^\*\*[A-Z]+-\d+\.\d+\*\*|^#|\Z)",
+    re.M | re.S,
+)
+_CHECK_REF = re.compile(r"`([a-z_]+\.[a-z0-9_]+)`")
+
+
+def spec_rules() -> dict[str, tuple[str, list[str]]]:
+    """Rule id -> (its text, the check ids its `Checks:` line names), from PROTOCOL.md."""
+    text = (SPEC_DIR / "PROTOCOL.md").read_text(encoding="utf-8")
+    rules: dict[str, tuple[str, list[str]]] = {}
+    for match in _RULE.finditer(text):
+        body = match.group("text")
+        assert match.group("rule") not in rules, f"rule {match.group('rule')} defined twice"
+        checks_line = re.search(r"\*Checks?:\*(.*)", body, re.S)
+        assert checks_line, f"rule {match.group('rule')} names no check"
+        rules[match.group("rule")] = (body, _CHECK_REF.findall(checks_line.group(1)))
+    return rules
+
+
+def test_every_rule_has_a_check_and_every_check_a_rule() -> None:
+    rules = spec_rules()
+    cases = spec.load_cases()
+    assert len(cases) >= 40
+    ids = [c.id for c in cases]
+    assert len(ids) == len(set(ids)), "duplicate check ids in checks.json"
+    # Every check is implemented, and every implementation is listed.
+    assert set(ids) == set(CHECKS)
+    by_rule: dict[str, set[str]] = {}
+    for case in cases:
+        assert case.rule in rules, f"{case.id} names rule {case.rule}, not in PROTOCOL.md"
+        by_rule.setdefault(case.rule, set()).add(case.id)
+    for rule, (text, named) in rules.items():
+        assert named, f"{rule} names no check"
+        assert set(named) == by_rule.get(rule, set()), (
+            f"{rule} names checks {sorted(named)}, checks.json maps {sorted(by_rule.get(rule, ()))}"
+        )
+        keyword = re.search(r"\b(MUST|SHOULD|MAY)\b", text)
+        assert keyword, f"{rule} has no MUST/SHOULD/MAY"
+
+
+def test_required_checks_verify_must_rules() -> None:
+    rules = spec_rules()
+    for case in spec.load_cases():
+        text = rules[case.rule][0]
+        if case.required:
+            assert "MUST" in text, f"{case.id} is required but {case.rule} has no MUST"
+        else:
+            assert "SHOULD" in text, f"{case.id} is optional but {case.rule} has no SHOULD"
+
+
+def test_case_list_fields() -> None:
+    known_needs = {"api_key", "age_limit_seconds", "max_message_size", "max_queued_creates",
+                   "rollout_suspend_limit"}  # fmt: skip
+    for case in spec.load_cases():
+        assert case.feature in {"http", "websocket", "auth", "limits", "rollout"}
+        assert set(case.needs) <= known_needs
+        assert case.title
+
+
+def test_public_names() -> None:
+    assert sorted(spec.__all__) == [
+        "Case",
+        "CheckFailed",
+        "CheckResult",
+        "CheckSkipped",
+        "Options",
+        "Outcome",
+        "Report",
+        "load_cases",
+        "run_conformance",
+        "run_conformance_sync",
+        "select_cases",
+    ]
+    for name in spec.__all__:
+        assert getattr(spec, name).__module__.startswith("spec")
+
+
+def test_spec_files_ship_in_the_package(tmp_path: Path) -> None:
+    """setuptools' build_py (what goes into the wheel) carries PROTOCOL.md, README.md and
+    checks.json beside the code; built from a copy so the checkout is left alone."""
+    root = SPEC_DIR.parent
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, tmp_path / name)
+    for package in ("protocol", "engine", "spec", "bench"):
+        shutil.copytree(
+            root / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    build = tmp_path / "build-lib"
+    script = (
+        "import sys; from setuptools import setup; "
+        f"sys.argv = ['setup.py', '-q', 'build_py', '--build-lib', {str(build)!r}]; setup()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    shipped = {p.name for p in (build / "spec").iterdir()}
+    assert {"PROTOCOL.md", "README.md", "checks.json", "py.typed", "__init__.py"} <= shipped
+    assert json.loads((build / "spec" / "checks.json").read_text())["checks"]
+
+
+def test_filter_selection() -> None:
+    cases = spec.load_cases()
+    assert [c.id for c in spec.select_cases(cases, ["WS-3.2"])] == ["ws.sequence_numbers"]
+    chosen = {c.id for c in spec.select_cases(cases, ["rollout.*", "http.create"])}
+    assert "http.create" in chosen and "rollout.resume" in chosen and "ws.frames" not in chosen
+    with pytest.raises(ValueError, match="matches no check"):
+        spec.select_cases(cases, ["no.such_check"])
+
+
+# --- against rollout's own server ----------------------------------------------------------
+
+
+async def test_rollout_server_passes_every_check() -> None:
+    with trio.fail_after(60):
+        async with serving() as url:
+            report = await spec.run_conformance(url, harness_options(require=("rollout",)))
+    failed = {r.id: r.reason for r in report.results if r.outcome is not spec.Outcome.PASSED}
+    assert not failed, failed
+    assert len(report.results) >= 40
+    assert report.ok and report.exit_code == 0
+    assert report.features == {"rollout": True, "deterministic": True}
+    rollout_checks = [r for r in report.results if r.feature == "rollout"]
+    assert len(rollout_checks) >= 10
+    assert all(r.outcome is spec.Outcome.PASSED for r in rollout_checks)
+
+
+async def test_cli_report_and_exit_status(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    async with serving() as url:
+        code, stdout, stderr = await run_cli(url, *CLI_OPTIONS, "--json", str(out), deadline=60)
+    assert code == 0, stdout + stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] is True
+    assert len(report["checks"]) == len(spec.load_cases()) >= 40
+    assert report["summary"]["failed"] == 0
+    assert {c["outcome"] for c in report["checks"]} == {"passed"}
+    for entry in report["checks"]:
+        assert set(entry) >= {"id", "rule", "title", "required", "feature", "outcome", "reason"}
+    assert "ws.sequence_numbers" in stdout and "conformant" in stdout
+
+
+async def test_cli_without_server_options_skips_what_needs_them() -> None:
+    async with serving() as url:
+        # The server requires a key; without --api-key every request is refused: failures.
+        code, _, _ = await run_cli(url, "--filter", "http.create", "--timeout", "5", deadline=30)
+        assert code == 1
+        code, stdout, _ = await run_cli(
+            url, "--api-key", API_KEY, "--timeout", "10", "--filter", "limits,auth.*",
+            "--filter", "ws.message_too_large,ws.connection_age_limit,http.error_body_too_large",
+            "--json", "-", deadline=30,
+        )  # fmt: skip
+    assert code == 0, stdout
+    # `--json -`: the report alone on stdout (the table went to stderr).
+    results = {c["id"]: c for c in json.loads(stdout)["checks"]}
+    assert results["ws.connection_age_limit"]["outcome"] == "skipped"
+    assert "--age-limit-seconds" in results["ws.connection_age_limit"]["reason"]
+    assert results["ws.message_too_large"]["outcome"] == "skipped"
+    assert results["auth.http_401"]["outcome"] == "passed"
+
+
+async def test_cli_usage_errors() -> None:
+    code, _, stderr = await run_cli(
+        "http://127.0.0.1:1/v1", "--filter", "nope.nothing", deadline=30
+    )
+    assert code == 2 and "matches no check" in stderr
+    code, _, stderr = await run_cli("ftp://127.0.0.1/v1", deadline=30)
+    assert code == 2 and "not an http(s) base URL" in stderr
+    code, stdout, _ = await run_cli("http://127.0.0.1:1/v1", "--list", deadline=30)
+    assert code == 0 and "rollout.append_not_suspended" in stdout
+    assert "input[i].call_id" in stdout  # titles are printed as text, not rich markup
+
+
+def test_sync_wrapper() -> None:
+    """`run_conformance_sync` from plain synchronous code (the server in its own thread)."""
+    started = threading.Event()
+    stop = threading.Event()
+    holder: dict[str, str] = {}
+
+    async def serve_in_thread() -> None:
+        async with serving() as url:
+            holder["url"] = url
+            started.set()
+            await trio.to_thread.run_sync(stop.wait)
+
+    thread = threading.Thread(target=trio.run, args=(serve_in_thread,), daemon=True)
+    thread.start()
+    try:
+        assert started.wait(30)
+        report = spec.run_conformance_sync(
+            holder["url"],
+            harness_options(filter=("http.create", "ws.create_text", "rollout.resume")),
+        )
+    finally:
+        stop.set()
+        thread.join(30)
+    assert [r.outcome for r in report.results] == [spec.Outcome.PASSED] * 3
+
+
+class NoisyBackend:
+    """The simulated model with a fresh random seed per turn: the same structure (one forced or
+    requested call, then an answer), other words and arguments every time."""
+
+    def __init__(self) -> None:
+        self.sim = SimBackend()
+
+    def check_params(self, params: Mapping[str, str]) -> None:
+        self.sim.check_params(params)
+
+    def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]:
+        return self.sim.sample(attrs.evolve(request, context_digest=secrets.token_bytes(16)))
+
+
+async def test_nondeterministic_model_is_compared_by_structure() -> None:
+    registry = ModelRegistry(
+        [
+            ModelSpec(name="sim", backend=SimBackend(), accepts_params=True),
+            ModelSpec(name="noisy", backend=NoisyBackend(), accepts_params=True),
+        ]
+    )
+    with trio.fail_after(60):
+        async with serving(registry=registry) as url:
+            options = harness_options(model="noisy", slow_model="noisy:ttft_ms=300")
+            report = await spec.run_conformance(url, options)
+    failed = {r.id: r.reason for r in report.results if r.outcome is not spec.Outcome.PASSED}
+    assert not failed, failed
+    assert report.features == {"rollout": True, "deterministic": False}
+
+
+# --- servers that are down, refuse the upgrade, or never answer ----------------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_server_down_fails_every_check_quickly(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    with trio.fail_after(30):
+        code, stdout, _ = await run_cli(url, "--timeout", "5", "--json", str(out), deadline=30)
+    assert code == 1
+    report = json.loads(out.read_text())
+    assert report["ok"] is False
+    assert {c["outcome"] for c in report["checks"]} == {"failed"}
+    assert all("unreachable" in c["reason"] for c in report["checks"])
+    assert "NOT CONFORMANT" in stdout
+
+
+async def test_http_only_server_fails_websocket_checks() -> None:
+    with trio.fail_after(60):
+        async with serving(websocket=False) as url:
+            report = await spec.run_conformance(url, harness_options(timeout=5.0))
+    results = report.by_id()
+    assert report.exit_code == 1
+    assert results["http.create"].outcome is spec.Outcome.PASSED
+    for check_id in ("ws.upgrade_minimal", "ws.frames", "ws.create_text"):
+        assert results[check_id].outcome is spec.Outcome.FAILED
+        assert "refused with HTTP 426" in results[check_id].reason
+    # The rollout probe cannot even connect: the rollout checks fail, they are not skipped.
+    assert results["rollout.resume"].outcome is spec.Outcome.FAILED
+
+
+async def test_silent_server_times_out_within_the_deadline() -> None:
+    """A server that accepts connections and never answers: every check ends by its timeout."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    accepted: list[trio.socket.SocketType] = []
+
+    async def accept_forever() -> None:
+        while True:
+            conn, _ = await listener.accept()
+            accepted.append(conn)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(accept_forever)
+            options = harness_options(
+                timeout=1.0,
+                filter=("http.create", "ws.create_text", "rollout.suspend", "ws.fifo_queue"),
+            )
+            report = await spec.run_conformance(f"http://127.0.0.1:{port}/v1", options)
+            nursery.cancel_scope.cancel()
+    for conn in accepted:
+        conn.close()
+    listener.close()
+    assert [r.outcome for r in report.results] == [spec.Outcome.FAILED] * 4
+    assert report.seconds < 10

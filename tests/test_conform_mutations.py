@@ -1,0 +1,1015 @@
+"""Every conformance check can fail: the harness runs against deliberately broken variants of
+rollout's server (ASGI wrappers around `RolloutApp`, served by hypercorn through
+`ServerConfig.app_wrapper`), and each check fails against at least one variant that breaks
+its rule. `MUTANTS` maps each variant to the checks it must fail; a test asserts that the
+mapping covers every check.
+
+A variant intercepts the ASGI messages: WebSocket frames the app sends (dropped, rewritten,
+renumbered, reordered, sent as binary, followed by a close), client events before the app sees
+them (rewritten, or answered by the wrapper itself), the upgrade (refused), and HTTP bodies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import trio
+
+import spec
+from engine._app import RolloutApp
+from tests.test_conform import API_KEY, harness_options, serving
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+TERMINAL = {"response.completed", "response.incomplete", "response.failed", "error"}
+
+
+def text(event: dict[str, Any]) -> Message:
+    return {"type": "websocket.send", "text": json.dumps(event)}
+
+
+def ws_error(code: str, param: str | None = None, status: int = 400) -> Message:
+    return text(
+        {
+            "type": "error",
+            "status": status,
+            "error": {
+                "type": "invalid_request_error",
+                "code": code,
+                "message": "mutant",
+                "param": param,
+            },
+        }
+    )
+
+
+class Conn:
+    """One WebSocket connection through a mutant: per-connection state and a send lock (the
+    wrapper may answer a client event itself while the app is sending)."""
+
+    def __init__(self, mutant: Mutant, scope: Scope, receive: Receive, send: Send) -> None:
+        self.mutant = mutant
+        self.scope = scope
+        self._receive = receive
+        self._send = send
+        self.lock = trio.Lock()
+        self.closed = False
+        self.state: dict[str, Any] = {}
+        self.last_client = trio.current_time()
+
+    async def emit(self, messages: list[Message]) -> None:
+        async with self.lock:
+            for message in messages:
+                if self.closed:
+                    return
+                if message["type"] == "websocket.close":
+                    self.closed = True
+                await self._send(message)
+
+    async def receive(self) -> Message:
+        while True:
+            message = await self._receive()
+            self.last_client = trio.current_time()
+            if message["type"] != "websocket.receive" or message.get("text") is None:
+                return message
+            try:
+                event = json.loads(message["text"])
+            except ValueError:
+                return message
+            if not isinstance(event, dict):
+                return message
+            new = await self.mutant.client_event(self, event)
+            if new is not None:
+                return {**message, "text": json.dumps(new)}
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "websocket.send" and message.get("text") is not None:
+            await self.emit(self.mutant.server_event(self, json.loads(message["text"])))
+        elif message["type"] == "websocket.close":
+            await self.emit([message])
+        elif message["type"] == "websocket.http.response.start":  # the upgrade is refused
+            await self._send({**message, "status": self.mutant.http_status(message["status"])})
+        elif not self.closed:
+            await self._send(message)
+
+
+class Mutant:
+    """The identity wrapper; each variant overrides the hooks that break its rule."""
+
+    breaks: ClassVar[tuple[str, ...]] = ()  # the check ids this variant must fail
+
+    def __init__(self, app: RolloutApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self.websocket(scope, receive, send)
+        elif scope["type"] == "http":
+            await self.http(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    # --- WebSocket hooks ---
+    def refuse_upgrade(self, scope: Scope) -> int | None:
+        return None
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        """The event the app gets, or None when the mutant swallowed (and maybe answered) it."""
+        return event
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        return [text(event)]
+
+    async def websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status = self.refuse_upgrade(scope)
+        if status is not None:
+            await receive()  # websocket.connect
+            body = json.dumps(
+                {
+                    "error": {
+                        "message": "mutant",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "refused",
+                    }
+                }
+            )
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": status,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "websocket.http.response.body", "body": body.encode()})
+            return
+        conn = Conn(self, self.ws_scope(scope), receive, send)
+        await self.run_ws(conn)
+
+    async def run_ws(self, conn: Conn) -> None:
+        await self.app(conn.scope, conn.receive, conn.send)
+
+    def ws_scope(self, scope: Scope) -> Scope:
+        return scope
+
+    # --- HTTP hooks ---
+    def http_scope(self, scope: Scope) -> Scope:
+        return scope
+
+    def http_status(self, status: int) -> int:
+        """The status of an HTTP answer (also of a refused upgrade)."""
+        return status
+
+    def request_body(self, scope: Scope, body: bytes) -> bytes:
+        return body
+
+    def response_body(self, scope: Scope, status: int, body: bytes) -> bytes:
+        return body
+
+    def sse_chunk(self, chunk: bytes) -> bytes:
+        return chunk
+
+    async def http_answer(self, scope: Scope) -> tuple[int, dict[str, Any]] | None:
+        """Answer the request without the app (status, JSON body), or None."""
+        return None
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope = self.http_scope(scope)
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        answer = await self.http_answer(scope)
+        if answer is not None:
+            payload = json.dumps(answer[1]).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": answer[0],
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(payload)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": payload})
+            return
+        body = self.request_body(scope, b"".join(chunks))
+        delivered = False
+
+        async def new_receive() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        start: Message | None = None
+        held: list[bytes] = []
+
+        async def new_send(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body" or start is None:
+                await send(message)
+                return
+            headers = dict(start["headers"])
+            if headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+                if held == []:
+                    held.append(b"started")
+                    await send(start)
+                await send({**message, "body": self.sse_chunk(message.get("body", b""))})
+                return
+            held.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            payload = self.response_body(scope, start["status"], b"".join(held))
+            fixed = [(k, v) for k, v in start["headers"] if k != b"content-length"]
+            fixed.append((b"content-length", str(len(payload)).encode()))
+            await send({**start, "status": self.http_status(start["status"]), "headers": fixed})
+            await send({"type": "http.response.body", "body": payload})
+
+        await self.app(scope, new_receive, new_send)
+
+
+def _create(event: dict[str, Any]) -> bool:
+    return event.get("type") == "response.create"
+
+
+def _json_rewrite(body: bytes, edit: Callable[[Any], None]) -> bytes:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return body
+    edit(value)
+    return json.dumps(value).encode()
+
+
+# --- the variants ------------------------------------------------------------------------------
+
+
+class RequireBetaHeader(Mutant):
+    breaks = ("ws.upgrade_minimal",)
+
+    def refuse_upgrade(self, scope: Scope) -> int | None:
+        names = {k.lower() for k, _ in scope["headers"]}
+        return None if b"openai-beta" in names else 400
+
+
+class RejectSdkHeaders(Mutant):
+    breaks = ("ws.upgrade_extra_headers",)
+
+    def refuse_upgrade(self, scope: Scope) -> int | None:
+        names = {k.lower() for k, _ in scope["headers"]}
+        return 400 if any(n.startswith(b"x-stainless") for n in names) else None
+
+
+class RejectQuery(Mutant):
+    breaks = ("ws.upgrade_query_params",)
+
+    def refuse_upgrade(self, scope: Scope) -> int | None:
+        return 400 if scope.get("query_string") else None
+
+
+class BinaryFrames(Mutant):
+    breaks = ("ws.frames",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        return [{"type": "websocket.send", "bytes": json.dumps(event).encode()}]
+
+
+# IdleClose closes a connection this long after the client's last message, in seconds.
+IDLE_LIMIT = 0.3
+
+
+class IdleClose(Mutant):
+    """Closes a connection IDLE_LIMIT seconds after the client last sent something."""
+
+    breaks = ("ws.idle_ping",)
+
+    async def run_ws(self, conn: Conn) -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def watchdog() -> None:
+                # Polls the time of the client's last message (it moves as messages come).
+                while trio.current_time() - conn.last_client < IDLE_LIMIT:  # noqa: ASYNC110
+                    await trio.sleep(IDLE_LIMIT / 6)
+                await conn.emit([{"type": "websocket.close", "code": 1000}])
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watchdog)
+            await self.app(conn.scope, conn.receive, conn.send)
+            nursery.cancel_scope.cancel()
+
+
+class CloseAfterTerminal(Mutant):
+    breaks = (
+        "ws.create_text",
+        "ws.open_after_terminal",
+        "ws.sequential_creates",
+        "ws.error_keeps_socket",
+        "ws.message_too_large",
+    )
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] in TERMINAL:
+            return [text(event), {"type": "websocket.close", "code": 1000}]
+        return [text(event)]
+
+
+class RejectStream(Mutant):
+    breaks = ("ws.stream_true",)
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event) and "stream" in event:
+            await conn.emit([ws_error("unknown_parameter", "stream")])
+            return None
+        return event
+
+
+class RejectNulls(Mutant):
+    breaks = ("ws.explicit_nulls",)
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        nulls = [k for k, v in event.items() if v is None]
+        if _create(event) and nulls:
+            await conn.emit([ws_error("invalid_type", nulls[0])])
+            return None
+        return event
+
+
+class RequireItemType(Mutant):
+    breaks = ("ws.short_form_message",)
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        items = event.get("input")
+        if _create(event) and isinstance(items, list) and any("type" not in i for i in items):
+            await conn.emit([ws_error("missing_required_parameter", "input[0].type")])
+            return None
+        return event
+
+
+class WarmupGenerates(Mutant):
+    breaks = ("ws.warmup",)
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        event.pop("generate", None)
+        return event
+
+
+class ForgetParent(Mutant):
+    """Continuations never find their parent (as if every create started a fresh session)."""
+
+    breaks = (
+        "ws.continuation_new_items",
+        "ws.warmup_chain",
+        "ws.store_hydration",
+        "rollout.equals_chain",
+    )
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event) and event.get("previous_response_id"):
+            event["previous_response_id"] = "resp_forgotten"
+        return event
+
+
+class StripStreamId(Mutant):
+    """Silently runs a laned create on the default lane."""
+
+    breaks = ("ws.stream_id",)
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        event.pop("stream_id", None)
+        return event
+
+
+class SwapItemEvents(Mutant):
+    """Sends a message's content_part.added before its output_item.added."""
+
+    breaks = ("ws.event_order",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        held = conn.state.pop("held", None)
+        if event["type"] == "response.output_item.added" and event["item"].get("type") == "message":
+            conn.state["held"] = event
+            return []
+        if held is not None:
+            held["sequence_number"], event["sequence_number"] = (
+                event["sequence_number"],
+                held["sequence_number"],
+            )
+            return [text(event), text(held)]
+        return [text(event)]
+
+
+class SequenceFromOne(Mutant):
+    breaks = ("ws.sequence_numbers", "ws.sequential_creates", "ws.fifo_queue", "rollout.done_shape")
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if isinstance(event.get("sequence_number"), int):
+            event["sequence_number"] += 1
+        return [text(event)]
+
+
+class CorruptDeltas(Mutant):
+    breaks = ("ws.text_consistency", "ws.function_call_consistency")
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] in (
+            "response.output_text.delta",
+            "response.function_call_arguments.delta",
+        ):
+            key = f"{event['type']} {event['item_id']}"
+            if key not in conn.state:
+                conn.state[key] = True
+                event["delta"] = " " + event["delta"]
+        return [text(event)]
+
+
+class DropArgumentsDone(Mutant):
+    breaks = ("ws.function_call_events",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.function_call_arguments.done":
+            conn.state["dropped"] = conn.state.get("dropped", 0) + 1
+            return []
+        if isinstance(event.get("sequence_number"), int):
+            if event["type"] == "response.created":
+                conn.state["dropped"] = 0
+            event["sequence_number"] -= conn.state.get("dropped", 0)
+        return [text(event)]
+
+
+class ItemIdIsCallId(Mutant):
+    breaks = ("ws.item_id_call_id",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        item = event.get("item") or {}
+        if event["type"] == "response.output_item.added" and item.get("type") == "function_call":
+            conn.state[item["id"]] = item["call_id"]
+        if event["type"].startswith("response.function_call_arguments"):
+            event["item_id"] = conn.state.get(event["item_id"], event["item_id"])
+        return [text(event)]
+
+
+class StripResponseFields(Mutant):
+    breaks = ("ws.response_fields", "ws.usage")
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        response = event.get("response")
+        if isinstance(response, dict):
+            response.pop("object", None)
+            response.pop("created_at", None)
+            if isinstance(response.get("usage"), dict):
+                response["usage"].pop("input_tokens_details", None)
+        return [text(event)]
+
+
+class EchoTerminal(Mutant):
+    breaks = ("ws.no_events_after_terminal",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] in TERMINAL:
+            return [text(event), text(event)]
+        return [text(event)]
+
+
+class DropCallsFromOutput(Mutant):
+    breaks = ("ws.tool_call_completes",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.completed":
+            output = event["response"]["output"]
+            event["response"]["output"] = [i for i in output if i.get("type") != "function_call"]
+        return [text(event)]
+
+
+class ExtraContextOnContinuation(Mutant):
+    """A continuation sees something its parent did not contain."""
+
+    breaks = ("ws.continuation_equals_stateless", "ws.warmup_chain", "rollout.equals_chain")
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event) and event.get("previous_response_id"):
+            items = event.get("input")
+            items = (
+                [{"role": "user", "content": items}]
+                if isinstance(items, str)
+                else list(items or [])
+            )
+            event["input"] = [{"role": "user", "content": "(an extra message)"}, *items]
+        return event
+
+
+_ERROR_CHECKS = (
+    "http.error_unknown_parameter",
+    "http.error_model_not_found",
+    "http.error_previous_response_not_found",
+    "http.error_body_too_large",
+    "auth.http_401",
+    "ws.previous_response_not_found",
+    "ws.store_false_after_reconnect",
+    "ws.evicted_after_failure",
+    "ws.queue_limit",
+    "ws.message_too_large",
+    "ws.connection_age_limit",
+    "ws.error_unknown_parameter",
+    "ws.error_missing_parameter",
+    "ws.error_invalid_type",
+    "ws.error_invalid_value",
+    "ws.error_model_not_found",
+    "ws.error_unknown_event",
+    "ws.error_invalid_json",
+    "ws.stream_id",
+    "rollout.http_rejected",
+    "rollout.append_unknown_response",
+    "rollout.append_completed",
+    "rollout.append_not_suspended",
+    "rollout.append_unknown_call_id",
+    "rollout.append_answered_call_id",
+)
+
+
+class RenameErrorCodes(Mutant):
+    """Every error code, over WebSocket and HTTP, is one the spec does not name."""
+
+    breaks = _ERROR_CHECKS
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "error" and isinstance(event.get("error"), dict):
+            event["error"]["code"] = f"{event['error'].get('code')}_renamed"
+        return [text(event)]
+
+    def response_body(self, scope: Scope, status: int, body: bytes) -> bytes:
+        def edit(value: Any) -> None:
+            if isinstance(value, dict) and isinstance(value.get("error"), dict):
+                value["error"]["code"] = f"{value['error'].get('code')}_renamed"
+
+        return _json_rewrite(body, edit)
+
+
+class FlatErrors(Mutant):
+    """WebSocket errors in the flat SSE shape, without `status`."""
+
+    breaks = (
+        "ws.error_keeps_socket",
+        "ws.previous_response_not_found",
+        "ws.error_unknown_parameter",
+    )
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "error" and isinstance(event.get("error"), dict):
+            return [text({"type": "error", **event["error"]})]
+        return [text(event)]
+
+
+def _rewrite_store(value: Any, old: set[Any], new: bool) -> None:
+    if isinstance(value, dict) and value.get("store") in old:
+        value["store"] = new
+
+
+class StoreEverything(Mutant):
+    breaks = (
+        "ws.store_false_after_reconnect",
+        "ws.store_false_not_retrievable",
+        "http.store_false",
+    )
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        _rewrite_store(event, {False}, True)
+        return event
+
+    def request_body(self, scope: Scope, body: bytes) -> bytes:
+        return _json_rewrite(body, lambda v: _rewrite_store(v, {False}, True))
+
+
+class StoreNothing(Mutant):
+    breaks = ("ws.store_hydration", "ws.store_default_retrievable", "http.retrieve", "http.delete")
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event):
+            event["store"] = False
+        return event
+
+    def request_body(self, scope: Scope, body: bytes) -> bytes:
+        def edit(value: Any) -> None:
+            if isinstance(value, dict):
+                value["store"] = False
+
+        return _json_rewrite(body, edit) if scope["method"] == "POST" else body
+
+
+class GatewayValidatesOutputs(Mutant):
+    """Refuses tool outputs for unknown calls itself, so the engine never sees the failed
+    continuation (and never evicts its parent)."""
+
+    breaks = ("ws.evicted_after_failure",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        item = event.get("item") or {}
+        if event["type"] == "response.output_item.done" and item.get("type") == "function_call":
+            conn.state.setdefault("calls", set()).add(item["call_id"])
+        return [text(event)]
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        items = event.get("input") if _create(event) else None
+        if isinstance(items, list):
+            known = conn.state.get("calls", set())
+            for i, item in enumerate(items):
+                if item.get("type") == "function_call_output" and item.get("call_id") not in known:
+                    await conn.emit([ws_error("invalid_value", f"input[{i}].call_id")])
+                    return None
+        return event
+
+
+class RejectOverlap(Mutant):
+    """Refuses a create while another response of the connection runs."""
+
+    breaks = ("ws.fifo_queue", "ws.queue_limit")
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] in TERMINAL:
+            conn.state["running"] = max(0, conn.state.get("running", 0) - 1)
+        return [text(event)]
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event):
+            if conn.state.get("running", 0):
+                await conn.emit([ws_error("response_already_in_flight", None, 409)])
+                return None
+            conn.state["running"] = conn.state.get("running", 0) + 1
+        return event
+
+
+class NoAuth(Mutant):
+    """Lets every request in, as if it had carried the key."""
+
+    breaks = ("auth.http_401", "auth.ws_401")
+
+    def _with_key(self, scope: Scope) -> Scope:
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"authorization"]
+        headers.append((b"authorization", f"Bearer {API_KEY}".encode()))
+        return {**scope, "headers": headers}
+
+    def ws_scope(self, scope: Scope) -> Scope:
+        return self._with_key(scope)
+
+    def http_scope(self, scope: Scope) -> Scope:
+        return self._with_key(scope)
+
+
+class HttpCreateStripped(Mutant):
+    breaks = ("http.create",)
+
+    def response_body(self, scope: Scope, status: int, body: bytes) -> bytes:
+        def edit(value: Any) -> None:
+            if isinstance(value, dict) and value.get("object") == "response":
+                value.pop("object")
+                value["status"] = "in_progress"
+
+        return _json_rewrite(body, edit) if scope["method"] == "POST" else body
+
+
+class SseEventNames(Mutant):
+    breaks = ("http.sse",)
+
+    def sse_chunk(self, chunk: bytes) -> bytes:
+        return chunk.replace(b"event: response.", b"event: message.", 1)
+
+
+class DeleteKeeps(Mutant):
+    """DELETE answers `deleted: true` without deleting."""
+
+    breaks = ("http.delete",)
+
+    async def http_answer(self, scope: Scope) -> tuple[int, dict[str, Any]] | None:
+        if scope["method"] == "DELETE":
+            response_id = scope["path"].rstrip("/").rsplit("/", 1)[-1]
+            return 200, {"id": response_id, "object": "response", "deleted": True}
+        return None
+
+
+class DoneAsCompleted(Mutant):
+    """A suspended rollout says response.completed instead of response.done."""
+
+    breaks = (
+        "rollout.suspend",
+        "rollout.done_shape",
+        "rollout.resume",
+        "rollout.partial_append",
+        "rollout.suspend_timeout",
+        "rollout.append_unknown_call_id",
+        "rollout.append_answered_call_id",
+    )
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.done":
+            event = {**event, "type": "response.completed"}
+            event.pop("pending_call_ids", None)
+            event["response"]["status"] = "completed"
+        return [text(event)]
+
+
+class EmptyPendingIds(Mutant):
+    breaks = ("rollout.done_shape",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.done":
+            event["pending_call_ids"] = []
+        return [text(event)]
+
+
+class ResumeRestartsSequence(Mutant):
+    """After response.done, the rollout numbers its events from 0 again."""
+
+    breaks = ("rollout.resume", "rollout.suspend_timeout")
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        seq = event.get("sequence_number")
+        if event["type"] == "response.created":
+            conn.state["offset"] = 0
+        if isinstance(seq, int):
+            event["sequence_number"] = seq - conn.state.get("offset", 0)
+        if event["type"] == "response.done" and isinstance(seq, int):
+            conn.state["offset"] = seq + 1
+        return [text(event)]
+
+
+class ResumeOnPartial(Mutant):
+    """Announces a resume as soon as anything is appended."""
+
+    breaks = ("rollout.partial_append",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.done":
+            conn.state["done"] = event
+        return [text(event)]
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        done = conn.state.get("done")
+        if event.get("type") == "response.append" and done is not None:
+            outputs = [i for i in event.get("input", []) if i.get("type") == "function_call_output"]
+            if not outputs:
+                fake = {
+                    "type": "response.in_progress",
+                    "sequence_number": done["sequence_number"] + 1,
+                    "response": done["response"],
+                }
+                await conn.emit([text(fake)])
+        return event
+
+
+class TimeoutReason(Mutant):
+    breaks = ("rollout.suspend_timeout",)
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        details = (event.get("response") or {}).get("incomplete_details")
+        if event["type"] == "response.incomplete" and isinstance(details, dict):
+            details["reason"] = "max_output_tokens"
+        return [text(event)]
+
+
+def _edit_errors(body: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    def apply(value: Any) -> None:
+        if isinstance(value, dict) and isinstance(value.get("error"), dict):
+            edit(value["error"])
+
+    return _json_rewrite(body, apply)
+
+
+class AppendErrorsConfused(Mutant):
+    """Mixes up the append errors: unknown and completed responses swap codes, an early
+    append is called an invalid value."""
+
+    breaks = (
+        "rollout.append_unknown_response",
+        "rollout.append_completed",
+        "rollout.append_not_suspended",
+    )
+    SWAP: ClassVar[dict[str, str]] = {
+        "rollout_not_found": "response_already_completed",
+        "response_already_completed": "rollout_not_found",
+        "rollout_not_suspended": "invalid_value",
+    }
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        error = event.get("error")
+        if event["type"] == "error" and isinstance(error, dict):
+            error["code"] = self.SWAP.get(str(error.get("code")), error.get("code"))
+        return [text(event)]
+
+
+class ErrorParamDropped(Mutant):
+    """Errors never name the offending parameter."""
+
+    breaks = (
+        "http.error_unknown_parameter",
+        "http.error_model_not_found",
+        "http.error_previous_response_not_found",
+        "rollout.http_rejected",
+        "ws.stream_id",
+        "ws.previous_response_not_found",
+        "ws.store_false_after_reconnect",
+        "ws.evicted_after_failure",
+        "ws.error_unknown_parameter",
+        "ws.error_missing_parameter",
+        "ws.error_invalid_type",
+        "ws.error_invalid_value",
+        "ws.error_model_not_found",
+        "ws.error_unknown_event",
+        "rollout.append_unknown_response",
+        "rollout.append_completed",
+        "rollout.append_unknown_call_id",
+        "rollout.append_answered_call_id",
+    )
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "error" and isinstance(event.get("error"), dict):
+            event["error"]["param"] = None
+        return [text(event)]
+
+    def response_body(self, scope: Scope, status: int, body: bytes) -> bytes:
+        return _edit_errors(body, lambda error: error.update(param=None))
+
+
+class StatusFlattened(Mutant):
+    """Every error says 400: no 404, 413, 429 or 401."""
+
+    breaks = (
+        "http.error_model_not_found",
+        "http.error_body_too_large",
+        "auth.http_401",
+        "auth.ws_401",
+        "ws.error_model_not_found",
+        "ws.queue_limit",
+    )
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "error" and isinstance(event.get("status"), int):
+            event["status"] = 400
+        return [text(event)]
+
+    def http_status(self, status: int) -> int:
+        return 400 if 400 <= status < 500 else status
+
+
+class BufferEarlyAppends(Mutant):
+    """Holds an append that arrives while the rollout samples and delivers it once the rollout
+    has suspended, instead of refusing it."""
+
+    breaks = ("rollout.append_not_suspended",)
+
+    async def run_ws(self, conn: Conn) -> None:
+        inject, app_receive = trio.open_memory_channel[Message](64)
+        conn.state["inject"] = inject
+        async with trio.open_nursery() as nursery:
+
+            async def pump() -> None:
+                while True:
+                    message = await conn.receive()
+                    await inject.send(message)
+                    if message["type"] == "websocket.disconnect":
+                        return
+
+            nursery.start_soon(pump)
+            await self.app(conn.scope, app_receive.receive, conn.send)
+            nursery.cancel_scope.cancel()
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if event.get("type") == "response.append" and conn.state.get("sampling"):
+            conn.state.setdefault("held", []).append(event)
+            return None
+        return event
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] in ("response.created", "response.in_progress"):
+            conn.state["sampling"] = True
+        elif event["type"] in TERMINAL or event["type"] == "response.done":
+            conn.state["sampling"] = False
+            for held in conn.state.pop("held", []) if event["type"] == "response.done" else []:
+                message = {"type": "websocket.receive", "text": json.dumps(held)}
+                conn.state["inject"].send_nowait(message)
+        return [text(event)]
+
+
+MUTANTS: tuple[type[Mutant], ...] = (
+    RequireBetaHeader,
+    RejectSdkHeaders,
+    RejectQuery,
+    BinaryFrames,
+    IdleClose,
+    CloseAfterTerminal,
+    RejectStream,
+    RejectNulls,
+    RequireItemType,
+    WarmupGenerates,
+    ForgetParent,
+    StripStreamId,
+    SwapItemEvents,
+    SequenceFromOne,
+    CorruptDeltas,
+    DropArgumentsDone,
+    ItemIdIsCallId,
+    StripResponseFields,
+    EchoTerminal,
+    DropCallsFromOutput,
+    ExtraContextOnContinuation,
+    RenameErrorCodes,
+    FlatErrors,
+    StoreEverything,
+    StoreNothing,
+    GatewayValidatesOutputs,
+    RejectOverlap,
+    NoAuth,
+    HttpCreateStripped,
+    SseEventNames,
+    DeleteKeeps,
+    DoneAsCompleted,
+    EmptyPendingIds,
+    ResumeRestartsSequence,
+    ResumeOnPartial,
+    TimeoutReason,
+    AppendErrorsConfused,
+    ErrorParamDropped,
+    StatusFlattened,
+    BufferEarlyAppends,
+)
+# Variants run at once (each with its own server and a harness run of its checks).
+PARALLEL_VARIANTS = 4
+
+
+def test_every_check_fails_against_some_variant() -> None:
+    covered = {check for mutant in MUTANTS for check in mutant.breaks}
+    all_checks = {case.id for case in spec.load_cases()}
+    assert covered == all_checks, f"no variant breaks {sorted(all_checks - covered)}"
+    for mutant in MUTANTS:
+        assert mutant.breaks, f"{mutant.__name__} names no check"
+
+
+async def test_identity_wrapper_passes() -> None:
+    """The wrapping machinery alone breaks nothing (so a failure below is the mutation's)."""
+    with trio.fail_after(60):
+        async with serving(app_wrapper=Mutant) as url:
+            report = await spec.run_conformance(url, harness_options())
+    failed = {r.id: r.reason for r in report.results if r.outcome is not spec.Outcome.PASSED}
+    assert not failed, failed
+
+
+async def test_each_variant_fails_the_checks_of_its_rule() -> None:
+    wrong: dict[str, dict[str, str]] = {}
+    limiter = trio.CapacityLimiter(PARALLEL_VARIANTS)
+
+    async def run(mutant: type[Mutant]) -> None:
+        async with limiter, serving(app_wrapper=mutant) as url:
+            options = harness_options(filter=mutant.breaks, timeout=6.0, concurrency=3)
+            report = await spec.run_conformance(url, options)
+        for result in report.results:
+            if result.outcome is not spec.Outcome.FAILED:
+                wrong.setdefault(mutant.__name__, {})[result.id] = (
+                    f"{result.outcome.value}: {result.reason}"
+                )
+
+    with trio.fail_after(100):
+        async with trio.open_nursery() as nursery:
+            for mutant in MUTANTS:
+                nursery.start_soon(run, mutant)
+    assert not wrong, json.dumps(wrong, indent=1)
+
+
+class WithoutRolloutExtension(Mutant):
+    """A server without the extension: it rejects the `rollout` parameter like any unknown one.
+    Not a broken variant: its rollout checks must be skipped, never passed or failed."""
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event) and "rollout" in event:
+            await conn.emit([ws_error("unknown_parameter", "rollout")])
+            return None
+        return event
+
+
+async def test_rollout_checks_are_skipped_when_the_server_rejects_the_parameter() -> None:
+    with trio.fail_after(60):
+        async with serving(app_wrapper=WithoutRolloutExtension) as url:
+            report = await spec.run_conformance(url, harness_options(filter=("rollout",)))
+            required = await spec.run_conformance(
+                url, harness_options(filter=("rollout.resume",), require=("rollout",))
+            )
+    assert report.features["rollout"] is False
+    assert len(report.results) >= 10
+    for result in report.results:
+        assert result.outcome is spec.Outcome.SKIPPED, (result.id, result.reason)
+        assert "rejects the `rollout` parameter" in result.reason
+    assert report.ok
+    # With --require rollout, the skipped extension fails the run.
+    assert not required.ok and required.exit_code == 1
