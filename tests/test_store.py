@@ -12,8 +12,8 @@ import trio.testing
 
 from engine._interfaces import ResponseStore, StoredResponse
 from engine._store import (
-    RESPONSES_SCHEMA_VERSION,
     MAX_CHAIN_DEPTH,
+    RESPONSES_SCHEMA_VERSION,
     MemoryResponseStore,
     SQLiteResponseStore,
     open_sqlite_store,
