@@ -392,14 +392,7 @@ class RolloutApp:
             if response is not None:
                 final[:] = [response]
 
-        error: RemoteProtocolError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            try:
-                await session.create(request, keep)
-            except RemoteProtocolError as exc:
-                error = exc
-            nursery.cancel_scope.cancel()
+        error = await _until_disconnect(receive, session.create(request, keep))
         if error is not None:
             self.engine.counters.request_errors += 1
             return await _json(send, error.status, {"error": to_wire(error.body)})
@@ -409,41 +402,19 @@ class RolloutApp:
         return await _json(send, 200, to_wire(final[-1]), extra)
 
     async def _create_sse(self, session: Any, request: Any, receive: Receive, send: Send) -> int:
-        started = False
-        error: RemoteProtocolError | None = None
+        # Headers go out with the first event, once pre-inference work (timed) is done.
+        stream = _EventStream(
+            send, lambda: [(b"server-timing", _server_timing(session.last_timings).encode())]
+        )
 
         async def emit(event: ServerEvent) -> None:
-            nonlocal started
-            if not started:
-                started = True
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [
-                            (b"content-type", b"text/event-stream; charset=utf-8"),
-                            (b"cache-control", b"no-cache"),
-                            (b"server-timing", _server_timing(session.last_timings).encode()),
-                        ],
-                    }
-                )
-            frame = f"event: {event.type}\ndata: {encode_json(event)}\n\n"
-            await send({"type": "http.response.body", "body": frame.encode(), "more_body": True})
+            await stream.frame(f"event: {event.type}\ndata: {encode_json(event)}\n\n".encode())
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            try:
-                await session.create(request, emit)
-            except RemoteProtocolError as exc:
-                error = exc
-            nursery.cancel_scope.cancel()
+        error = await _until_disconnect(receive, session.create(request, emit))
         if error is not None:
             self.engine.counters.request_errors += 1
             return await _json(send, error.status, {"error": to_wire(error.body)})
-        if started:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return 200
-        return 499
+        return await stream.end()
 
     async def _decode_body(
         self, receive: Receive, send: Send, *, drop: tuple[str, ...] = ()
@@ -601,54 +572,31 @@ class RolloutApp:
         except RemoteProtocolError as exc:
             self.engine.counters.request_errors += 1
             return await _json(send, exc.status, {"error": to_wire(exc.body)})
-        stream = bool(body.get("stream"))
+        streaming = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        started = False
-
-        async def send_chunk(chunk: bytes) -> None:
-            nonlocal started
-            if not started:
-                started = True
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [
-                            (b"content-type", b"text/event-stream; charset=utf-8"),
-                            (b"cache-control", b"no-cache"),
-                        ],
-                    }
-                )
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-
+        stream = _EventStream(send)
         emitter = ChatCompletionEmitter(
-            request.model or "", stream=stream, include_usage=include_usage, send_chunk=send_chunk
+            request.model or "",
+            stream=streaming,
+            include_usage=include_usage,
+            send_chunk=stream.frame,
         )
         session = self.engine.session(owner=owner, max_cached_responses=1)
-        error: RemoteProtocolError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            try:
-                await session.create(request, emitter)
-            except RemoteProtocolError as exc:
-                error = exc
-            nursery.cancel_scope.cancel()
-        if error is not None and not started:
+        error = await _until_disconnect(receive, session.create(request, emitter))
+        if error is not None and not stream.started:
             self.engine.counters.request_errors += 1
             return await _json(send, error.status, {"error": to_wire(error.body)})
         if emitter.error is not None:
-            if not started:
+            if not stream.started:
                 return await _json(send, 500, {"error": emitter.error})
-            await send_chunk(b"data: " + json.dumps({"error": emitter.error}).encode() + b"\n\n")
-        if not stream:
+            await stream.frame(b"data: " + json.dumps({"error": emitter.error}).encode() + b"\n\n")
+        if not streaming:
             if emitter.finish_reason is None:
                 return 499
             return await _json(send, 200, emitter.completion())
-        if started:
-            await send_chunk(b"data: [DONE]\n\n")
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return 200
-        return 499
+        if stream.started:
+            await stream.frame(b"data: [DONE]\n\n")
+        return await stream.end()
 
     async def _retrieve(self, send: Send, response_id: str, owner: str | None) -> int:
         stored = await self.engine.get_stored(response_id, owner=owner)
@@ -749,6 +697,49 @@ def _not_found(response_id: str) -> dict[str, Any]:
         code="response_not_found",
         param="response_id",
     )
+
+
+class _EventStream:
+    """A server-sent-events response, started (status 200, headers) with its first frame."""
+
+    def __init__(
+        self, send: Send, extra_headers: Callable[[], list[tuple[bytes, bytes]]] | None = None
+    ) -> None:
+        self._send = send
+        self._extra = extra_headers
+        self.started = False
+
+    async def frame(self, data: bytes) -> None:
+        if not self.started:
+            self.started = True
+            headers = [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+                *(self._extra() if self._extra else ()),
+            ]
+            await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self) -> int:
+        """Finish the body; 499 (nothing sent: the client went away) when never started."""
+        if not self.started:
+            return 499
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        return 200
+
+
+async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> RemoteProtocolError | None:
+    """Run `work` until it ends or the client disconnects (which cancels it). Returns the
+    request error it raised, if any."""
+    error: RemoteProtocolError | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+        try:
+            await work
+        except RemoteProtocolError as exc:
+            error = exc
+        nursery.cancel_scope.cancel()
+    return error
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
