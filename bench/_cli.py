@@ -1,16 +1,363 @@
-"""`rollout bench`: command-line wiring (arguments, then `run`)."""
+"""`rollout bench`: command-line wiring (arguments, the quick and full plans, then `run`)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
-__all__ = ["add_parser", "run"]
+import attrs
+
+__all__ = ["add_parser", "build_config", "run"]
+
+QUICK_CONCURRENCY = (1, 4, 16)
+FULL_CONCURRENCY = (1, 8, 16, 32, 64, 256)
+FULL_CONCURRENCY_MODES = ("ws-rollout", "ws-chain", "http-stateless")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    sub.add_parser("bench", help="(not yet implemented)")
+    p = sub.add_parser(
+        "bench",
+        help="benchmark the agent loop: HTTP vs WebSocket vs the rollout extension",
+        description="Drive the same scripted agent rollout four ways (http-stateless, "
+        "http-chain, ws-chain, ws-rollout) against a `rollout serve` subprocess (or the "
+        "servers given with --url), and report per-turn overhead, end-to-end time against "
+        "the physical limit, server CPU and memory, work counters and a concurrency sweep. "
+        "Writes results.json (schema: bench/SCHEMA.md), summary.md and PNG plots to --out. "
+        "The default is a quick run (about 3 minutes on 2 cores); --full runs everything.",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the full plan (all scenarios, speeds, "
+        "more repetitions, concurrency 1-256; about 20 minutes on 2 cores)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="output folder (default ./bench-results)",
+    )
+    p.add_argument(
+        "--scenario",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a preset: alpha-demo, long-context, codex-like (repeatable; default: the plan's)",
+    )
+    p.add_argument("--steps", type=int, help="override: tool calls per rollout")
+    p.add_argument("--tool-tokens", type=int, help="override: tokens of each tool output")
+    p.add_argument("--tool-latency-ms", type=float, help="override: tool latency (ms)")
+    p.add_argument("--output-tokens", type=int, help="override: model output tokens per turn")
+    p.add_argument("--prompt-tokens", type=int, help="override: tokens of the user prompt")
+    p.add_argument(
+        "--tps",
+        action="append",
+        type=float,
+        default=[],
+        metavar="TPS",
+        help="model speed in tokens/s (repeatable; default 65, 1000, 4000)",
+    )
+    p.add_argument(
+        "--ttft-ms",
+        type=float,
+        help="model time to first token (default by speed: "
+        "500 ms at 65 tps, 200 at 1000, 100 at 4000)",
+    )
+    p.add_argument("--repetitions", type=int, help="repetitions of every point")
+    p.add_argument("--modes", help="comma-separated modes (default all four)")
+    p.add_argument(
+        "--no-overhead-phase", action="store_true", help="skip the unpaced per-turn overhead phase"
+    )
+    p.add_argument(
+        "--concurrency",
+        help="comma-separated K values for the concurrency sweep "
+        "(default 1,4,16; --full 1,8,16,64,256; 0 to skip)",
+    )
+    p.add_argument(
+        "--concurrency-modes",
+        help="comma-separated modes of the sweep "
+        "(default ws-rollout; --full ws-rollout,ws-chain,http-stateless)",
+    )
+    p.add_argument(
+        "--concurrency-tps",
+        type=float,
+        default=4000.0,
+        help="model speed of the concurrency sweep (default 4000)",
+    )
+    p.add_argument(
+        "--url",
+        action="append",
+        default=[],
+        metavar="[LABEL=]URL",
+        help="benchmark the Responses server at URL (e.g. http://host:8000/v1) "
+        "instead of starting one; repeatable, with labels, to compare servers",
+    )
+    p.add_argument(
+        "--with-local",
+        action="store_true",
+        help="with --url: also start and benchmark a local `rollout serve`",
+    )
+    p.add_argument(
+        "--model",
+        help="model id for servers that do not run the `sim` model "
+        "(tool calls are then forced with tool_choice; no physical limit)",
+    )
+    p.add_argument("--api-key", help="API key sent to --url servers (Authorization: Bearer)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per rollout")
+    p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="run nothing: print the tables of an earlier results.json and write its summary "
+        "and plots into --out",
+    )
+
+
+def _csv(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _servers(args: argparse.Namespace) -> tuple[Any, ...]:
+    from ._runner import ServerSpec
+
+    servers = []
+    for i, raw in enumerate(args.url):
+        label, sep, url = raw.partition("=")
+        if not sep or "://" in label:
+            label, url = f"url{i + 1}" if len(args.url) > 1 else "url", raw
+        servers.append(ServerSpec(label=label, url=url))
+    if not servers or args.with_local:
+        servers.insert(0, ServerSpec(label="rollout"))
+    labels = [s.label for s in servers]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"rollout bench: server labels must differ: {labels}")
+    return tuple(servers)
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """The BenchConfig of the arguments: the quick or full plan, then the overrides."""
+    from ._client import MODES
+    from ._runner import BenchConfig, SweepPoint
+    from ._scenario import CONCURRENCY_SCENARIO, PRESETS, SPEED_SWEEP
+
+    modes = tuple(_csv(args.modes)) or MODES
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"rollout bench: unknown mode {mode!r}; the modes are {MODES}")
+    for name in args.scenario:
+        if name not in PRESETS:
+            raise SystemExit(f"rollout bench: unknown scenario {name!r}; presets: {list(PRESETS)}")
+    overrides = {
+        key: value
+        for key, value in (
+            ("steps", args.steps),
+            ("tool_tokens", (args.tool_tokens,) if args.tool_tokens is not None else None),
+            ("tool_latency_ms", args.tool_latency_ms),
+            ("output_tokens", args.output_tokens),
+            ("prompt_tokens", args.prompt_tokens),
+        )
+        if value is not None
+    }
+
+    def scenario(name: str) -> Any:
+        return PRESETS[name].with_(**overrides)
+
+    full = bool(args.full)
+    custom = bool(args.scenario or args.tps or args.repetitions or overrides)
+    points: list[SweepPoint] = []
+    if custom:
+        names = args.scenario or (list(PRESETS) if full else ["alpha-demo"])
+        speeds: list[float | None] = list(args.tps or SPEED_SWEEP)
+        if not args.no_overhead_phase:
+            speeds.insert(0, None)
+        reps = args.repetitions or (5 if full else 1)
+        points = [
+            SweepPoint(scenario=scenario(n), tps=tps, repetitions=reps, modes=modes)
+            for n in names
+            for tps in speeds
+        ]
+    elif full:
+        reps_by_speed: dict[float | None, int] = {None: 10, 65.0: 1, 1000.0: 3, 4000.0: 5}
+        for name in PRESETS:
+            for tps in (None, *SPEED_SWEEP):
+                if tps is None and args.no_overhead_phase:
+                    continue
+                points.append(
+                    SweepPoint(
+                        scenario=scenario(name),
+                        tps=tps,
+                        repetitions=reps_by_speed[tps],
+                        modes=modes,
+                    )
+                )
+    else:
+        # The quick plan (about 3 minutes on 2 cores): the overhead phase on every scenario,
+        # the speed sweep on alpha-demo and codex-like; the slow points (65 tps, codex-like at
+        # 1000 tps) run only the two ends of the comparison, http-stateless and ws-rollout.
+        ends = tuple(m for m in modes if m in ("http-stateless", "ws-rollout")) or modes
+        plan: list[tuple[str, float | None, int, tuple[str, ...]]] = [
+            ("alpha-demo", None, 3, modes),
+            ("long-context", None, 3, modes),
+            ("codex-like", None, 2, modes),
+            ("alpha-demo", 4000.0, 2, modes),
+            ("alpha-demo", 1000.0, 1, modes),
+            ("alpha-demo", 65.0, 1, ends),
+            ("codex-like", 4000.0, 1, modes),
+            ("codex-like", 1000.0, 1, ends),
+        ]
+        points = [
+            SweepPoint(scenario=scenario(n), tps=t, repetitions=r, modes=m)
+            for n, t, r, m in plan
+            if not (t is None and args.no_overhead_phase)
+        ]
+    if args.model is not None:
+        # A model that is not `sim` has its own speed: one point per scenario, labelled
+        # unpaced (tps null), with the most repetitions the plan gave that scenario.
+        reps_of: dict[str, SweepPoint] = {}
+        for point in points:
+            best = reps_of.get(point.scenario.name)
+            if best is None or point.repetitions > best.repetitions:
+                reps_of[point.scenario.name] = point
+        points = [attrs.evolve(p, tps=None, modes=modes) for p in reps_of.values()]
+    concurrency = tuple(int(k) for k in _csv(args.concurrency)) or (
+        FULL_CONCURRENCY if full else QUICK_CONCURRENCY
+    )
+    concurrency = tuple(k for k in concurrency if k > 0)
+    concurrency_modes = tuple(_csv(args.concurrency_modes)) or (
+        tuple(m for m in FULL_CONCURRENCY_MODES if m in modes) if full else ("ws-rollout",)
+    )
+    concurrency_scenario = (
+        points[0].scenario if custom and points else CONCURRENCY_SCENARIO.with_(**overrides)
+    )
+    return BenchConfig(
+        points=tuple(points),
+        concurrency=concurrency,
+        concurrency_modes=concurrency_modes,
+        concurrency_scenario=concurrency_scenario if concurrency else None,
+        concurrency_tps=args.concurrency_tps,
+        servers=_servers(args),
+        ttft_ms=args.ttft_ms,
+        model=args.model,
+        api_key=args.api_key,
+        timeout=args.timeout,
+        out_dir=args.out,
+        preset="custom" if custom else ("full" if full else "quick"),
+        argv=tuple(["rollout", *sys.argv[1:]]),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    print("rollout bench: not yet implemented")
-    return 2
+    import trio
+
+    from ._errors import BenchError
+    from ._plots import MATPLOTLIB_MISSING, write_plots
+    from ._report import print_tables, summary_tables, write_results
+    from ._runner import CRASH_NOTE, run_benchmark
+    from ._schema import validate_results
+
+    if args.report is not None:
+        return _report_only(args)
+    config = build_config(args)
+    plots = not args.no_plots
+    if plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(f"rollout bench: {MATPLOTLIB_MISSING}", file=sys.stderr)
+            plots = False
+    total = config.planned_rollouts(len(config.servers))
+    started = time.monotonic()
+    try:
+        if args.no_progress or not sys.stderr.isatty():
+            results = trio.run(run_benchmark, config, _plain_progress(total))
+        else:
+            results = _run_with_bars(config, total)
+    except BenchError as exc:
+        print(f"rollout bench: {exc}", file=sys.stderr)
+        return 1
+    validate_results(results)
+    path = write_results(results, config.out_dir)
+    print_tables(results, summary_tables(results))
+    written: list[Path] = []
+    if plots:
+        written = write_plots(results, config.out_dir)
+    print(f"\nresults: {path} (schema: {config.out_dir / 'results.schema.json'})")
+    print(f"summary: {config.out_dir / 'summary.md'}")
+    for png in written:
+        print(f"plot:    {png}")
+    print(f"took {time.monotonic() - started:.0f} s")
+    crashes = [n for n in results["notes"] if n.startswith(CRASH_NOTE)]
+    for note in crashes:
+        print(f"rollout bench: {note}", file=sys.stderr)
+    return 1 if crashes else 0
+
+
+def _report_only(args: argparse.Namespace) -> int:
+    import json
+
+    from ._plots import MATPLOTLIB_MISSING, write_plots
+    from ._report import print_tables, summary_tables, to_markdown
+    from ._schema import validate_results
+
+    results = json.loads(args.report.read_text())
+    validate_results(results)
+    tables = summary_tables(results)
+    print_tables(results, tables)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.md").write_text(to_markdown(results, tables))
+    print(f"summary: {args.out / 'summary.md'}")
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(f"rollout bench: {MATPLOTLIB_MISSING}", file=sys.stderr)
+            return 0
+        for png in write_plots(results, args.out):
+            print(f"plot:    {png}")
+    return 0
+
+
+def _plain_progress(total: int) -> Any:
+    done = [0]
+    last = [""]
+
+    def report(description: str, finished: int) -> None:
+        done[0] += finished
+        head = description.rsplit(" ", 2)[0] if "#" in description else description
+        if finished == 0 and head != last[0]:
+            last[0] = head
+            print(f"[{done[0]}/{total}] {head}", file=sys.stderr, flush=True)
+
+    return report
+
+
+def _run_with_bars(config: Any, total: int) -> Any:
+    import trio
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from ._runner import run_benchmark
+
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=False,
+    ) as bars:
+        task = bars.add_task("starting", total=total)
+
+        def report(description: str, finished: int) -> None:
+            bars.update(task, description=description, advance=finished)
+
+        return trio.run(run_benchmark, config, report)

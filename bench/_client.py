@@ -1,0 +1,511 @@
+"""The agent loop, driven four ways from the client side.
+
+| mode             | transport                     | each turn sends                              |
+|------------------|-------------------------------|----------------------------------------------|
+| `http-stateless` | a new HTTP connection per turn | the whole history, `store: false`            |
+| `http-chain`     | HTTP, one keep-alive client    | the tool output, `previous_response_id`,     |
+|                  |                               | `store: true` (the server hydrates the store) |
+| `ws-chain`       | one WebSocket                 | the tool output, `previous_response_id`,     |
+|                  |                               | `store: false` (the connection's cache)       |
+| `ws-rollout`     | one WebSocket                 | `response.append` with the tool output to    |
+|                  |                               | the one long-lived response (the extension)  |
+
+Every turn records, on the client's clock (`time.perf_counter`): when the request was sent,
+when the server acknowledged it (`response.created`, or the resumed `response.in_progress`),
+the first and last output delta, and the terminal event; plus the server's own pre-inference
+stage timings (`rollout.timing` frames over WebSocket, the `Server-Timing` header over HTTP)
+and, in a counting pass, the deltas of the server's /metrics work counters.
+
+Events are decoded with `json.loads` and dispatched on `type` only: the client must stay cheaper
+than the server it measures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import attrs
+import httpx
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    HandshakeError,
+    WebSocketConnection,
+    open_websocket_url,
+)
+
+from ._errors import ServerError
+from ._scenario import INSTRUCTIONS, TOOL_NAME, Scenario
+from ._server import Endpoint
+
+__all__ = [
+    "MODES",
+    "RolloutRecord",
+    "RolloutSpec",
+    "TurnRecord",
+    "parse_server_timing",
+    "probe_rollout_extension",
+    "run_rollout",
+]
+
+MODES = ("http-stateless", "http-chain", "ws-chain", "ws-rollout")
+
+# The largest WebSocket message the client accepts (a rollout's final response carries every
+# output item of the rollout).
+CLIENT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+# Bytes read from the socket per receive: deltas are small, final responses are not.
+CLIENT_RECEIVE_BUFFER = 256 * 1024
+# Turns a rollout may take beyond its scenario's before the client gives up on the model.
+EXTRA_TURNS = 2
+
+_DELTAS = frozenset({"response.output_text.delta", "response.function_call_arguments.delta"})
+_FAILURES = frozenset({"response.failed", "response.incomplete", "error"})
+
+Scrape = Callable[[], Awaitable[dict[str, int] | None]]
+
+
+@attrs.define
+class TurnRecord:
+    """One turn: a model response up to its function calls (or the final answer)."""
+
+    index: int
+    sent: float
+    acknowledged: float | None = None  # response.created / the resumed response.in_progress
+    first_token: float | None = None
+    last_token: float | None = None
+    ended: float = 0.0
+    deltas: int = 0
+    kind: str = "text"  # "tool_call" or "text"
+    output_tokens: int | None = None  # from the response's usage, where the mode has it
+    context_tokens: int | None = None  # input tokens from the usage, where the mode has it
+    stages: dict[str, float] | None = None  # server-reported pre-inference seconds by stage
+    counters: dict[str, int] | None = None  # /metrics work-counter deltas (counting pass)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.sent
+
+    @property
+    def duration(self) -> float:
+        return self.ended - self.sent
+
+    @property
+    def ack_latency(self) -> float | None:
+        return None if self.acknowledged is None else self.acknowledged - self.sent
+
+    @property
+    def server_overhead(self) -> float | None:
+        return None if self.stages is None else sum(self.stages.values())
+
+
+@attrs.define
+class RolloutRecord:
+    mode: str
+    turns: list[TurnRecord] = attrs.field(factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+    transcript: list[str] = attrs.field(factory=list)  # the model's outputs, in order
+    tool_s: float = 0.0  # time the client spent "running" tools (its sleeps, as measured)
+
+    @property
+    def duration(self) -> float:
+        return self.ended - self.started
+
+    def transcript_digest(self) -> str:
+        """Equal for every mode when the server saw the same conversation."""
+        return hashlib.sha256("\x00".join(self.transcript).encode()).hexdigest()[:16]
+
+
+@attrs.frozen(kw_only=True)
+class RolloutSpec:
+    """What one rollout runs: a scenario on a model, and how the client behaves."""
+
+    scenario: Scenario
+    model: str
+    run_tools: bool = True  # sleep the tool latency (False in the counting pass)
+    timing: bool = True  # ask for rollout.timing frames over WebSocket
+    # For models that are not `sim`: force a call per turn with tool_choice (then "none" for
+    # the answer) instead of relying on the sim's `steps`. A rollout is one response, whose
+    # tool_choice can't change per turn: there the model chooses (`auto`), and the last tool
+    # output comes with a user message asking for the answer (best effort).
+    force_tool_choice: bool = False
+    timeout: float = 900.0
+
+
+def parse_server_timing(header: str | None) -> dict[str, float] | None:
+    """`stage;dur=ms, ...` -> {stage: seconds}."""
+    if not header:
+        return None
+    out: dict[str, float] = {}
+    for part in header.split(","):
+        name, *params = (p.strip() for p in part.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur" and name:
+                try:
+                    out[name] = out.get(name, 0.0) + float(value) / 1000
+                except ValueError:
+                    continue
+    return out
+
+
+class _TurnReader:
+    """Feeds a turn's events; knows when the turn is over."""
+
+    def __init__(self, turn: TurnRecord, mode: str) -> None:
+        self.turn = turn
+        self.mode = mode
+        self.items: list[dict[str, Any]] = []
+        self.response: dict[str, Any] | None = None
+        self.pending: list[str] | None = None
+
+    def feed(self, event: dict[str, Any], now: float) -> bool:
+        kind = event.get("type")
+        turn = self.turn
+        if kind in _DELTAS:
+            if turn.first_token is None:
+                turn.first_token = now
+            turn.last_token = now
+            turn.deltas += 1
+        elif kind == "response.output_item.done":
+            self.items.append(event["item"])
+        elif kind == "rollout.timing":
+            turn.stages = {k: float(v) for k, v in event.get("stages", {}).items()}
+        elif kind in ("response.created", "response.in_progress"):
+            if turn.acknowledged is None:
+                turn.acknowledged = now
+        elif kind == "response.completed" or kind == "response.done":
+            turn.ended = now
+            self.response = event.get("response")
+            if kind == "response.done":
+                self.pending = list(event.get("pending_call_ids") or [])
+            usage = (self.response or {}).get("usage")
+            if kind == "response.completed" and usage:
+                turn.output_tokens = usage.get("output_tokens")
+                turn.context_tokens = usage.get("input_tokens")
+            return True
+        elif kind in _FAILURES:
+            raise ServerError(f"{self.mode}, turn {turn.index}: {_describe(event)}")
+        return False
+
+    def calls(self) -> list[dict[str, Any]]:
+        calls = [
+            i
+            for i in self.items
+            if i.get("type") == "function_call" and i.get("status", "completed") == "completed"
+        ]
+        if self.pending is not None:
+            calls = [c for c in calls if c.get("call_id") in self.pending]
+        return calls
+
+
+def _describe(event: dict[str, Any]) -> str:
+    if event.get("type") == "error":
+        error = event.get("error") or event
+        return f"error {error.get('code')}: {error.get('message')}"
+    response = event.get("response") or {}
+    detail = response.get("error") or response.get("incomplete_details")
+    return f"{event.get('type')}: {detail}"
+
+
+def _tool_output(call: dict[str, Any], spec: RolloutSpec, step: int) -> dict[str, Any]:
+    return {
+        "type": "function_call_output",
+        "call_id": call["call_id"],
+        "output": spec.scenario.tool_output(step),
+    }
+
+
+FINAL_NUDGE = "That was the last command. Answer now, without calling tools."
+
+
+def _base_body(spec: RolloutSpec, turn: int, *, rollout: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": spec.model,
+        "instructions": INSTRUCTIONS,
+        "tools": spec.scenario.tools(),
+    }
+    if spec.force_tool_choice and not rollout:
+        body["tool_choice"] = (
+            {"type": "function", "name": TOOL_NAME} if turn < spec.scenario.steps else "none"
+        )
+    return body
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class _Transport:
+    """One mode's way of sending a turn and reading its events."""
+
+    mode: str
+
+    async def turn(
+        self, index: int, new_input: list[dict[str, Any]], record: TurnRecord
+    ) -> _TurnReader:
+        raise NotImplementedError
+
+
+class _HttpTransport(_Transport):
+    def __init__(
+        self, endpoint: Endpoint, spec: RolloutSpec, *, chain: bool, stack: AsyncExitStack
+    ) -> None:
+        self.mode = "http-chain" if chain else "http-stateless"
+        self.endpoint = endpoint
+        self.spec = spec
+        self.chain = chain
+        self.stack = stack
+        self.history: list[dict[str, Any]] = []
+        self.previous: str | None = None
+        self.client: httpx.AsyncClient | None = None
+        self.headers = {"content-type": "application/json", **endpoint.headers()}
+
+    async def turn(
+        self, index: int, new_input: list[dict[str, Any]], record: TurnRecord
+    ) -> _TurnReader:
+        body = _base_body(self.spec, index)
+        body["stream"] = True
+        if self.chain:
+            body["input"] = new_input
+            body["store"] = True
+            if self.previous is not None:
+                body["previous_response_id"] = self.previous
+        else:
+            self.history.extend(new_input)
+            body["input"] = self.history
+            body["store"] = False
+        payload = _dumps(body).encode()
+        reader = _TurnReader(record, self.mode)
+        if self.client is None:
+            # http-stateless: a new connection per request (no keep-alive), as a stateless
+            # client; http-chain keeps its connection. One client either way: creating an
+            # httpx client costs more than a request (it builds an SSL context).
+            limits = httpx.Limits(max_keepalive_connections=None if self.chain else 0)
+            self.client = await self.stack.enter_async_context(
+                httpx.AsyncClient(timeout=httpx.Timeout(self.spec.timeout), limits=limits)
+            )
+        record.sent = time.perf_counter()
+        await self._post(self.client, payload, reader)
+        if reader.response is None:
+            raise ServerError(f"{self.mode}, turn {index}: the stream ended without a response")
+        if self.chain:
+            self.previous = reader.response.get("id")
+        else:
+            self.history.extend(reader.response.get("output") or reader.items)
+        return reader
+
+    async def _post(self, client: httpx.AsyncClient, payload: bytes, reader: _TurnReader) -> None:
+        url = self.endpoint.responses_url
+        async with client.stream("POST", url, content=payload, headers=self.headers) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")[:500]
+                raise ServerError(
+                    f"{self.mode}, turn {reader.turn.index}: HTTP {response.status_code}: {text}"
+                )
+            reader.turn.stages = parse_server_timing(response.headers.get("server-timing"))
+            done = False
+            async for line in response.aiter_lines():
+                if done or not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                if reader.feed(event, time.perf_counter()):
+                    done = True  # read on to the end of the stream, keeping the connection
+
+
+class _WsTransport(_Transport):
+    def __init__(self, ws: WebSocketConnection, spec: RolloutSpec, *, rollout: bool) -> None:
+        self.mode = "ws-rollout" if rollout else "ws-chain"
+        self.ws = ws
+        self.spec = spec
+        self.rollout = rollout
+        self.previous: str | None = None
+        self.response_id: str | None = None
+
+    async def turn(
+        self, index: int, new_input: list[dict[str, Any]], record: TurnRecord
+    ) -> _TurnReader:
+        if self.rollout and self.response_id is not None:
+            message: dict[str, Any] = {
+                "type": "response.append",
+                "response_id": self.response_id,
+                "input": new_input,
+            }
+        else:
+            message = {
+                "type": "response.create",
+                **_base_body(self.spec, index, rollout=self.rollout),
+            }
+            message["input"] = new_input
+            message["store"] = False
+            if self.rollout:
+                message["rollout"] = True
+            elif self.previous is not None:
+                message["previous_response_id"] = self.previous
+        text = _dumps(message)
+        reader = _TurnReader(record, self.mode)
+        record.sent = time.perf_counter()
+        try:
+            await self.ws.send_message(text)
+            while True:
+                raw = await self.ws.get_message()
+                if reader.feed(json.loads(raw), time.perf_counter()):
+                    break
+        except ConnectionClosed as exc:
+            raise ServerError(
+                f"{self.mode}, turn {index}: the server closed the WebSocket ({exc.reason})"
+            ) from None
+        response = reader.response or {}
+        if self.rollout:
+            forced = self.spec.force_tool_choice  # a model that is not sim: it decides
+            if reader.pending is None and index < self.spec.scenario.steps and not forced:
+                raise ServerError(
+                    f"{self.mode}, turn {index}: the server ended the rollout with "
+                    "response.completed at a tool call (no rollout extension?)"
+                )
+            self.response_id = response.get("id")
+        else:
+            self.previous = response.get("id")
+        return reader
+
+
+def _transcript_entry(calls: list[dict[str, Any]], reader: _TurnReader) -> str:
+    if calls:
+        return "|".join(f"{c.get('name')}({c.get('arguments')})" for c in calls)
+    texts = []
+    for item in reader.items:
+        if item.get("type") == "message":
+            for part in item.get("content") or []:
+                texts.append(str(part.get("text", "")))
+    return "".join(texts)
+
+
+async def run_rollout(
+    mode: str, endpoint: Endpoint, spec: RolloutSpec, *, scrape: Scrape | None = None
+) -> RolloutRecord:
+    """Run the scenario's rollout once in `mode`. With `scrape`, /metrics counters are read
+    before the first turn and after each turn, and each turn gets its deltas."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; the modes are {', '.join(MODES)}")
+    record = RolloutRecord(mode=mode)
+    try:
+        with trio.fail_after(spec.timeout):
+            async with AsyncExitStack() as stack:
+                transport: _Transport
+                if mode.startswith("http"):
+                    transport = _HttpTransport(
+                        endpoint, spec, chain=mode == "http-chain", stack=stack
+                    )
+                else:
+                    ws = await stack.enter_async_context(_open_ws(endpoint, timing=spec.timing))
+                    transport = _WsTransport(ws, spec, rollout=mode == "ws-rollout")
+                await _loop(transport, spec, record, scrape)
+    # Foreign errors become ours at this boundary, naming the mode and the turn reached.
+    except trio.TooSlowError:
+        raise ServerError(
+            f"{mode}: the rollout did not finish within {spec.timeout:g} s "
+            f"(turn {len(record.turns)})"
+        ) from None
+    except (httpx.HTTPError, HandshakeError, ConnectionClosed, OSError) as exc:
+        raise ServerError(
+            f"{mode}, turn {len(record.turns)}: transport error: {type(exc).__name__}: {exc}"
+        ) from None
+    except (ValueError, KeyError) as exc:  # undecodable JSON, an event missing its fields
+        raise ServerError(
+            f"{mode}, turn {len(record.turns)}: malformed answer from the server: {exc!r}"
+        ) from None
+    return record
+
+
+def _open_ws(endpoint: Endpoint, *, timing: bool) -> Any:
+    headers = [(k.encode(), v.encode()) for k, v in endpoint.headers().items()]
+    if timing:
+        headers.append((b"x-rollout-timing", b"1"))
+    return open_websocket_url(
+        endpoint.ws_url,
+        extra_headers=headers,
+        max_message_size=CLIENT_MAX_MESSAGE_SIZE,
+        receive_buffer_size=CLIENT_RECEIVE_BUFFER,
+        message_queue_size=64,
+    )
+
+
+async def _loop(
+    transport: _Transport, spec: RolloutSpec, record: RolloutRecord, scrape: Scrape | None
+) -> None:
+    scenario = spec.scenario
+    before = await scrape() if scrape is not None else None
+    new_input: list[dict[str, Any]] = [
+        {"type": "message", "role": "user", "content": scenario.prompt()}
+    ]
+    for index in range(scenario.turns + EXTRA_TURNS):
+        turn = TurnRecord(index=index, sent=0.0)
+        reader = await transport.turn(index, new_input, turn)
+        if index == 0:
+            record.started = turn.sent
+        record.ended = turn.ended
+        record.turns.append(turn)
+        calls = reader.calls()
+        turn.kind = "tool_call" if calls else "text"
+        record.transcript.append(_transcript_entry(calls, reader))
+        if scrape is not None and before is not None:
+            after = await scrape()
+            if after is not None:
+                turn.counters = {k: v - before.get(k, 0) for k, v in after.items()}
+                before = after
+        if not calls:
+            return
+        if spec.run_tools:
+            t0 = time.perf_counter()
+            await trio.sleep(scenario.tool_latency_ms / 1000)
+            record.tool_s += time.perf_counter() - t0
+        new_input = [_tool_output(call, spec, index) for call in calls]
+        if (
+            spec.force_tool_choice
+            and transport.mode == "ws-rollout"
+            and index + 1 >= scenario.steps
+        ):
+            new_input.append({"type": "message", "role": "user", "content": FINAL_NUDGE})
+    raise ServerError(
+        f"{transport.mode}: the model made more than {scenario.turns + EXTRA_TURNS - 1} tool "
+        "calls; is the scenario's model a `sim` model with `steps`?"
+    )
+
+
+async def probe_rollout_extension(
+    endpoint: Endpoint, model: str, scenario: Scenario, limit: float = 60.0
+) -> tuple[bool, str]:
+    """Whether the server runs the rollout extension: a `rollout: true` create that is forced
+    to call the tool must suspend with `response.done`. Returns (supported, why not)."""
+    message = {
+        "type": "response.create",
+        "model": model,
+        "instructions": INSTRUCTIONS,
+        "tools": scenario.tools(),
+        "tool_choice": {"type": "function", "name": TOOL_NAME},
+        "input": [{"type": "message", "role": "user", "content": "probe"}],
+        "store": False,
+        "rollout": True,
+    }
+    try:
+        with trio.fail_after(limit):
+            async with _open_ws(endpoint, timing=False) as ws:
+                await ws.send_message(_dumps(message))
+                while True:
+                    event = json.loads(await ws.get_message())
+                    kind = event.get("type")
+                    if kind == "response.done" and "pending_call_ids" in event:
+                        return True, ""
+                    if kind in _FAILURES or kind == "response.completed":
+                        return False, f"answered {_describe(event)}"
+    except trio.TooSlowError:
+        return False, f"no answer within {limit:g}s"
+    except (OSError, ConnectionClosed) as exc:
+        return False, f"WebSocket failed: {exc}"
+    except Exception as exc:  # a handshake refusal and the like: report, don't crash
+        return False, f"{type(exc).__name__}: {exc}"

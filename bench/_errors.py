@@ -1,0 +1,18 @@
+"""The benchmark's exceptions: one base class, a flat hierarchy."""
+
+from __future__ import annotations
+
+__all__ = ["BenchError", "ServerError", "ServerStartError"]
+
+
+class BenchError(Exception):
+    """Base class of the benchmark's errors."""
+
+
+class ServerError(BenchError):
+    """The server under test answered with an error, failed a response, or broke the protocol
+    (the message names the mode, the turn and what the server sent)."""
+
+
+class ServerStartError(BenchError):
+    """The `rollout serve` subprocess did not come up."""

@@ -1,0 +1,366 @@
+"""The summary tables (terminal and Markdown) and the results files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ._goals import OPENAI_REFERENCE
+from ._schema import RESULTS_SCHEMA
+
+__all__ = ["Table", "summary_tables", "to_markdown", "write_results"]
+
+# History sizes (tokens) the overhead table reports, each the nearest measured turn.
+OVERHEAD_COLUMNS = (1_000, 10_000, 50_000, 100_000)
+
+
+@attrs.frozen
+class Table:
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    note: str = ""
+
+
+def _ms(seconds: float | None, digits: int = 2) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.{digits}f}"
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}"
+
+
+def _pct(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.1f}%" if signed else f"{value:.1f}%"
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"
+
+
+def _tps(tps: float | None) -> str:
+    return "unpaced" if tps is None else f"{tps:g}"
+
+
+def _med(stats: dict[str, Any] | None) -> float | None:
+    return None if stats is None else float(stats["median"])
+
+
+def _p(stats: dict[str, Any] | None, key: str) -> float | None:
+    return None if stats is None else float(stats[key])
+
+
+def _e2e_table(results: dict[str, Any], server: str) -> Table | None:
+    rows = []
+    for r in results["rollouts"]:
+        if r["server"] != server or (r["tps"] is None and r["ttft_ms"] is not None):
+            continue  # the unpaced overhead phase of the sim (a --model point is kept)
+        rows.append(
+            (
+                r["scenario"],
+                _tps(r["tps"]),
+                r["mode"],
+                str(r["repetitions"]),
+                str(r["turns"]),
+                _s(_med(r["e2e_s"])),
+                _s(_p(r["e2e_s"], "p90")),
+                _s(r["physical_limit_s"]),
+                _pct(r["distance_pct"], signed=True),
+                _pct(r["reduction_vs_http_stateless_pct"]),
+                _ms(_med(r["server_overhead_s"]), 1),
+                _s(_med(r["server_cpu_s"])),
+                _mb(r["server_peak_rss_bytes"]),
+            )
+        )
+    if not rows:
+        return None
+    return Table(
+        title=f"[{server}] End-to-end rollout time by model speed (medians)",
+        headers=(
+            "scenario",
+            "tps",
+            "mode",
+            "runs",
+            "turns",
+            "e2e s",
+            "p90 s",
+            "limit s",
+            "vs limit",
+            "cut vs stateless",
+            "server ms/rollout",
+            "server CPU s",
+            "peak MB",
+        ),
+        rows=tuple(rows),
+        note="limit: model time (TTFT + output/tps per turn) + tool time. "
+        f"Reference: {OPENAI_REFERENCE}.",
+    )
+
+
+def _reduction_table(results: dict[str, Any], server: str) -> Table | None:
+    """End-to-end time saved vs http-stateless, per scenario and model speed."""
+    by_key = {
+        (r["scenario"], r["tps"], r["mode"]): r
+        for r in results["rollouts"]
+        if r["server"] == server and r["tps"] is not None
+    }
+    modes = ("http-chain", "ws-chain", "ws-rollout")
+    rows = []
+    for scenario, tps in sorted({(k[0], k[1]) for k in by_key}, key=lambda k: (k[0], k[1])):
+        base = by_key.get((scenario, tps, "http-stateless"))
+        if base is None:
+            continue
+        cells = [scenario, _tps(tps), _s(_med(base["e2e_s"]))]
+        for mode in modes:
+            r = by_key.get((scenario, tps, mode))
+            cells.append("-" if r is None else _pct(r["reduction_vs_http_stateless_pct"]))
+        rows.append(tuple(cells))
+    if not rows:
+        return None
+    return Table(
+        title=f"[{server}] End-to-end time saved vs http-stateless (medians)",
+        headers=("scenario", "tps", "http-stateless e2e s", *modes),
+        rows=tuple(rows),
+        note=f"For comparison: {OPENAI_REFERENCE}.",
+    )
+
+
+def _nearest(turns: list[dict[str, Any]], history: int) -> dict[str, Any] | None:
+    if not turns:
+        return None
+    best = min(turns, key=lambda t: abs(t["history_tokens"] - history))
+    if abs(best["history_tokens"] - history) > max(0.5 * history, 1500):
+        return None
+    return best
+
+
+def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
+    turns = [t for t in results["turns"] if t["server"] == server]
+    if not turns:
+        return None
+    # Prefer long-context unpaced; else whatever scenario reaches furthest.
+    scenarios = sorted(
+        {(t["scenario"], t["tps"]) for t in turns},
+        key=lambda st: (
+            st[0] != "long-context",
+            st[1] is not None,
+            -max(t["history_tokens"] for t in turns if (t["scenario"], t["tps"]) == st),
+        ),
+    )
+    scenario, tps = scenarios[0]
+    rows = []
+    for mode in ("http-stateless", "http-chain", "ws-chain", "ws-rollout"):
+        mine = [
+            t for t in turns if t["mode"] == mode and (t["scenario"], t["tps"]) == (scenario, tps)
+        ]
+        if not mine:
+            continue
+        picked = [_nearest(mine, h) for h in OVERHEAD_COLUMNS]
+        cells = [mode]
+        for t in picked:
+            cells.append("-" if t is None else _ms(_med(t["server_overhead_s"]), 3))
+        for t in picked:
+            cells.append("-" if t is None else _ms(_med(t["ack_s"]), 2))
+        for t in (picked[0], picked[-1]):
+            counters = None if t is None else t["counters"]
+            cells.append("-" if not counters else str(counters.get("tokens_rendered", "-")))
+        rows.append(tuple(cells))
+    cols = [f"~{h // 1000}k" for h in OVERHEAD_COLUMNS]
+    return Table(
+        title=f"[{server}] Per-turn pre-inference overhead vs history ({scenario}, "
+        f"{_tps(tps)} tps; medians)",
+        headers=(
+            "mode",
+            *(f"server ms {c}" for c in cols),
+            *(f"ack ms {c}" for c in cols),
+            f"tokens rendered {cols[0]}",
+            f"tokens rendered {cols[-1]}",
+        ),
+        rows=tuple(rows),
+        note="server ms: the server's own stage timings (validate, render, classify, route, "
+        "resolve, store); ack ms: client-observed, request sent to response acknowledged "
+        "(adds transport, JSON decode and event encoding); tokens rendered: /metrics counter "
+        "delta for that turn.",
+    )
+
+
+def _concurrency_table(results: dict[str, Any], server: str) -> Table | None:
+    rows = []
+    for c in results["concurrency"]:
+        if c["server"] != server:
+            continue
+        rows.append(
+            (
+                c["mode"],
+                _tps(c["tps"]),
+                str(c["concurrency"]),
+                f"{c['rollouts_ok']}/{c['rollouts_ok'] + c['rollouts_failed']}",
+                "-"
+                if c["throughput_rollouts_per_s"] is None
+                else f"{c['throughput_rollouts_per_s']:.2f}",
+                "-"
+                if c["throughput_output_tokens_per_s"] is None
+                else f"{c['throughput_output_tokens_per_s']:.0f}",
+                _ms(_med(c["ttft_s"]), 1),
+                _ms(_p(c["ttft_s"], "p99"), 1),
+                _ms(_med(c["turn_s"]), 1),
+                _ms(_p(c["turn_s"], "p99"), 1),
+                "-" if c["pace_ratio"] is None else f"{c['pace_ratio'] * 100:.0f}%",
+                "-" if c["excess_ratio"] is None else f"+{c['excess_ratio'] * 100:.1f}%",
+                {True: "yes", False: "NO", None: "-"}[c["keeps_pace"]],
+                "-"
+                if c["server_cpu_utilization"] is None
+                else f"{c['server_cpu_utilization'] * 100:.0f}%",
+                f"{c['client_cpu_s'] / c['wall_s'] * 100:.0f}%" if c["wall_s"] else "-",
+            )
+        )
+    if not rows:
+        return None
+    return Table(
+        title=f"[{server}] Concurrent rollouts",
+        headers=(
+            "mode",
+            "tps",
+            "K",
+            "ok",
+            "rollouts/s",
+            "tokens/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "turn p50 ms",
+            "turn p99 ms",
+            "stream rate",
+            "turn excess",
+            "keeps pace",
+            "server CPU",
+            "client CPU",
+        ),
+        rows=tuple(rows),
+        note="stream rate: tokens/s each rollout received while its output streamed, as a "
+        "share of the model's tps (median over rollouts); turn excess: median turn time over "
+        "the model's own (TTFT + output/tps); keeps pace: stream rate >= 95% and turn excess "
+        "<= 10%. Rollouts start spread over one turn. CPU: share of one core over the wave.",
+    )
+
+
+def _goals_table(results: dict[str, Any]) -> Table | None:
+    rows = []
+    for g in results["goals"]:
+        met = {True: "met", False: "MISSED", None: "n/a"}[g["met"]]
+        measured = g["measured"]
+        rows.append(
+            (
+                g["server"],
+                g["id"],
+                met,
+                "-" if measured is None else f"{measured:.3g}",
+                f"{g['threshold']:g}",
+                g["detail"],
+            )
+        )
+    if not rows:
+        return None
+    return Table(
+        title="Goals (measured, not asserted)",
+        headers=("server", "goal", "status", "measured", "threshold", "detail"),
+        rows=tuple(rows),
+    )
+
+
+def summary_tables(results: dict[str, Any]) -> list[Table]:
+    tables: list[Table | None] = []
+    for server in [s["label"] for s in results["servers"]]:
+        tables += [
+            _overhead_table(results, server),
+            _e2e_table(results, server),
+            _reduction_table(results, server),
+            _concurrency_table(results, server),
+        ]
+    tables.append(_goals_table(results))
+    return [t for t in tables if t is not None]
+
+
+def machine_line(results: dict[str, Any]) -> str:
+    m = results["meta"]["machine"]
+    mem = m["memory_bytes"]
+    return (
+        f"{m['cpu_model'] or m['machine']}, {m['cpu_count']} CPUs"
+        + (f", {mem / 2**30:.0f} GiB" if mem else "")
+        + f"; {m['platform']}; Python {m['python']}"
+        + _load(results)
+        + f"; preset {results['meta']['parameters']['preset']}, "
+        f"{results['meta']['duration_s']:.0f} s, {results['meta']['finished_at']}"
+    )
+
+
+def _load(results: dict[str, Any]) -> str:
+    load = results["meta"]["load_average"]
+    if load["start"] is None or load["end"] is None:
+        return ""
+    return f"; load average {load['start'][0]:.2f} at start, {load['end'][0]:.2f} at end"
+
+
+def to_markdown(results: dict[str, Any], tables: Sequence[Table]) -> str:
+    lines = [f"Machine: {machine_line(results)}", ""]
+    for server in results["servers"]:
+        if server["notes"]:
+            lines.append(
+                f"Server `{server['label']}` ({server['url']}): " + "; ".join(server["notes"])
+            )
+            lines.append("")
+    for table in tables:
+        lines.append(f"**{table.title}**")
+        lines.append("")
+        lines.append("| " + " | ".join(table.headers) + " |")
+        lines.append("|" + "|".join("---" for _ in table.headers) + "|")
+        for row in table.rows:
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+        if table.note:
+            lines.append("")
+            lines.append(table.note)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def print_tables(results: dict[str, Any], tables: Sequence[Table]) -> None:
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    console.print(f"[bold]Machine:[/bold] {machine_line(results)}")
+    for server in results["servers"]:
+        for note in server["notes"]:
+            console.print(f"[yellow]{server['label']}:[/yellow] {note}")
+    for table in tables:
+        rich_table = RichTable(title=table.title, caption=table.note or None, title_justify="left")
+        for header in table.headers:
+            rich_table.add_column(header, overflow="fold")
+        for row in table.rows:
+            styled = [
+                f"[red]{c}[/red]"
+                if c in ("MISSED", "NO")
+                else f"[green]{c}[/green]"
+                if c == "met"
+                else c
+                for c in row
+            ]
+            rich_table.add_row(*styled)
+        console.print(rich_table)
+
+
+def write_results(results: dict[str, Any], out_dir: Path) -> Path:
+    """Write results.json, results.schema.json and summary.md into `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "results.schema.json").write_text(json.dumps(RESULTS_SCHEMA, indent=2) + "\n")
+    (out_dir / "summary.md").write_text(to_markdown(results, summary_tables(results)))
+    return path

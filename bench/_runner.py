@@ -1,0 +1,761 @@
+"""The benchmark run: plan, drive the rollouts against each server, aggregate to records.
+
+Phases, per server under test:
+
+1. **Probe**: /metrics (work counters) and the rollout extension (ws-rollout is skipped on a
+   server without it).
+2. **Counting pass**: each scenario once per mode on an unpaced model, reading /metrics after
+   every turn: the deterministic work each turn costs the server. It also warms the server.
+3. **Sweep**: every point (scenario x model speed) `repetitions` times per mode, the modes in
+   a rotating order. `tps = None` is unpaced (no TTFT, no token pacing): the per-turn
+   overhead phase, where nothing but overhead takes time.
+4. **Concurrency**: K rollouts at once, each on its own connection, per mode and K.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AsyncExitStack
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from ._client import MODES, RolloutRecord, RolloutSpec, probe_rollout_extension, run_rollout
+from ._errors import BenchError
+from ._scenario import Scenario, default_ttft_ms, sim_model
+from ._server import Endpoint, open_local_server, parse_counters, scrape_metrics
+from ._stats import median, stats
+
+__all__ = [
+    "PACE_EXCESS",
+    "PACE_FRACTION",
+    "BenchConfig",
+    "Progress",
+    "ServerSpec",
+    "SweepPoint",
+    "run_benchmark",
+]
+
+SCHEMA_ID = "rollout-bench/1"
+# The start of a note saying the benchmark of a server stopped on an unexpected error.
+CRASH_NOTE = "benchmark crashed on server"
+# A server keeps pace with the model when the tokens a rollout receives stream at no less than
+# this fraction of the model's own tokens per second.
+PACE_FRACTION = 0.95
+# ... and when its median turn takes at most this much longer than the model's own time (the
+# same allowance as the goal for a whole rollout at 4,000 tps).
+PACE_EXCESS = 0.10
+# How far apart (seconds) a wave's rollouts start when the model's turn time is unknown.
+DEFAULT_STAGGER = 0.2
+
+Progress = Callable[[str, int], None]  # (description, rollouts just finished)
+
+
+@attrs.frozen(kw_only=True)
+class SweepPoint:
+    scenario: Scenario
+    tps: float | None  # None: unpaced (per-turn overhead phase)
+    repetitions: int
+    modes: tuple[str, ...] = MODES
+
+
+@attrs.frozen(kw_only=True)
+class ServerSpec:
+    label: str
+    url: str | None = None  # None: start a local `rollout serve`
+
+
+@attrs.frozen(kw_only=True)
+class BenchConfig:
+    points: tuple[SweepPoint, ...]
+    concurrency: tuple[int, ...] = ()
+    concurrency_modes: tuple[str, ...] = ("ws-rollout",)
+    concurrency_scenario: Scenario | None = None
+    concurrency_tps: float = 4000.0
+    servers: tuple[ServerSpec, ...] = (ServerSpec(label="rollout"),)
+    ttft_ms: float | None = None  # None: by model speed (the engine's sim presets)
+    model: str | None = None  # a model id for servers that do not run `sim`
+    api_key: str | None = None
+    counting: bool = True
+    timeout: float = 900.0
+    out_dir: Path = Path("bench-results")
+    preset: str = "custom"
+    argv: tuple[str, ...] = ()
+
+    def ttft_for(self, tps: float | None) -> float:
+        if tps is None:
+            return 0.0
+        return self.ttft_ms if self.ttft_ms is not None else default_ttft_ms(tps)
+
+    def model_for(self, scenario: Scenario, tps: float | None) -> str:
+        if self.model is not None:
+            return self.model
+        return sim_model(
+            steps=scenario.steps,
+            output_tokens=scenario.output_tokens,
+            tps=tps,
+            ttft_ms=self.ttft_for(tps),
+        )
+
+    def scenarios(self) -> list[Scenario]:
+        seen: dict[str, Scenario] = {}
+        for point in self.points:
+            seen.setdefault(point.scenario.name, point.scenario)
+        if self.concurrency and self.concurrency_scenario is not None:
+            seen.setdefault(self.concurrency_scenario.name, self.concurrency_scenario)
+        return list(seen.values())
+
+    def planned_rollouts(self, n_servers: int) -> int:
+        per_server = sum(p.repetitions * len(p.modes) for p in self.points)
+        if self.counting:
+            per_server += len(self.scenarios()) * len(MODES)
+        per_server += sum(self.concurrency) * len(self.concurrency_modes)
+        return per_server * n_servers
+
+
+@attrs.define
+class _Run:
+    """One timed rollout of the sweep."""
+
+    server: str
+    mode: str
+    scenario: Scenario
+    tps: float | None
+    repetition: int
+    record: RolloutRecord
+    cpu_s: float | None
+    peak_rss: int | None
+    counters: dict[str, int] | None
+
+
+@attrs.define
+class _Wave:
+    """K concurrent rollouts."""
+
+    server: str
+    mode: str
+    scenario: Scenario
+    tps: float
+    k: int
+    records: list[RolloutRecord]
+    errors: list[str]
+    wall_s: float
+    cpu_s: float | None
+    peak_rss: int | None
+    client_cpu_s: float
+
+
+@attrs.define
+class _ServerInfo:
+    label: str
+    url: str
+    spawned: bool
+    modes: list[str]
+    rollout_extension: bool
+    metrics: bool
+    proc_stats: bool
+    notes: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
+class _Collected:
+    runs: list[_Run] = attrs.field(factory=list)
+    waves: list[_Wave] = attrs.field(factory=list)
+    counting: dict[tuple[str, str, str], RolloutRecord] = attrs.field(factory=dict)
+    servers: list[_ServerInfo] = attrs.field(factory=list)
+    notes: list[str] = attrs.field(factory=list)
+    load_start: list[float] | None = None
+
+
+async def run_benchmark(config: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Run the whole benchmark; return the results document (see `bench/SCHEMA.md`)."""
+    started = time.time()
+    collected = _Collected(load_start=_loadavg())
+    report: Progress = progress or (lambda _d, _n: None)
+    for server in config.servers:
+        async with AsyncExitStack() as stack:
+            if server.url is None:
+                endpoint = await stack.enter_async_context(
+                    open_local_server(
+                        log_path=config.out_dir / f"server-{server.label}.log", label=server.label
+                    )
+                )
+            else:
+                endpoint = Endpoint(label=server.label, base_url=server.url, api_key=config.api_key)
+            try:
+                await _bench_server(config, endpoint, collected, report)
+            except Exception as exc:
+                # A long run keeps what it measured: the crash is reported in the results
+                # (and makes `rollout bench` exit non-zero), the other servers still run.
+                collected.notes.append(
+                    f"{CRASH_NOTE} {server.label}: "
+                    + "".join(traceback.format_exception(exc)).strip()
+                )
+    return _build_results(config, collected, started, time.time())
+
+
+async def _bench_server(
+    config: BenchConfig, endpoint: Endpoint, out: _Collected, report: Progress
+) -> None:
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        bench = _ServerBench(config, endpoint, out, report, http)
+        await bench.probe()
+        await bench.counting_pass()
+        await bench.sweep()
+        await bench.concurrency()
+        bench.finish()
+
+
+class _ServerBench:
+    """The phases against one server."""
+
+    def __init__(
+        self,
+        config: BenchConfig,
+        endpoint: Endpoint,
+        out: _Collected,
+        report: Progress,
+        http: httpx.AsyncClient,
+    ) -> None:
+        self.config = config
+        self.endpoint = endpoint
+        self.out = out
+        self.report = report
+        self.http = http
+        self.proc = endpoint.proc()
+        self.failed: dict[str, str] = {}
+        self.info = _ServerInfo(
+            label=endpoint.label,
+            url=endpoint.base_url,
+            spawned=endpoint.spawned,
+            modes=list(MODES),
+            rollout_extension=False,
+            metrics=False,
+            proc_stats=self.proc is not None and self.proc.cpu_seconds() is not None,
+        )
+        out.servers.append(self.info)
+
+    async def scrape(self) -> dict[str, int] | None:
+        text = await scrape_metrics(self.http, self.endpoint)
+        return parse_counters(text) if text is not None else None
+
+    def usable(self, mode: str) -> bool:
+        return mode in self.info.modes and mode not in self.failed
+
+    def fail(self, mode: str, exc: BenchError) -> None:
+        self.failed[mode] = str(exc)
+        self.info.notes.append(f"{mode} failed and was skipped from then on: {exc}")
+
+    async def probe(self) -> None:
+        info, config = self.info, self.config
+        info.metrics = await self.scrape() is not None
+        if not info.metrics:
+            info.notes.append("no rollout /metrics: work counters not measured")
+        if not info.proc_stats:
+            info.notes.append(
+                "not a local subprocess of the benchmark: server CPU and memory not measured"
+            )
+        probe_model = config.model or sim_model(steps=1, output_tokens=8, tps=None, ttft_ms=0)
+        supported, why = await probe_rollout_extension(
+            self.endpoint, probe_model, config.scenarios()[0]
+        )
+        info.rollout_extension = supported
+        if not supported:
+            info.modes.remove("ws-rollout")
+            info.notes.append(f"no rollout extension ({why}): ws-rollout skipped")
+
+    async def counting_pass(self) -> None:
+        config, label = self.config, self.endpoint.label
+        if not (config.counting and self.info.metrics and config.model is None):
+            return
+        for scenario in config.scenarios():
+            for mode in MODES:
+                what = f"{label}: counting {scenario.name} {mode}"
+                self.report(what, 0)
+                if self.usable(mode):
+                    spec = RolloutSpec(
+                        scenario=scenario,
+                        model=config.model_for(scenario, None),
+                        run_tools=False,
+                        timeout=config.timeout,
+                    )
+                    try:
+                        record = await run_rollout(mode, self.endpoint, spec, scrape=self.scrape)
+                    except BenchError as exc:
+                        self.fail(mode, exc)
+                    else:
+                        self.out.counting[(label, mode, scenario.name)] = record
+                self.report(what, 1)
+
+    async def sweep(self) -> None:
+        config = self.config
+        for point in config.points:
+            spec = RolloutSpec(
+                scenario=point.scenario,
+                model=config.model_for(point.scenario, point.tps),
+                force_tool_choice=config.model is not None,
+                timeout=config.timeout,
+            )
+            for rep in range(point.repetitions):
+                shift = rep % len(point.modes)
+                for mode in point.modes[shift:] + point.modes[:shift]:
+                    await self._timed(point, spec, mode, rep)
+
+    async def _timed(self, point: SweepPoint, spec: RolloutSpec, mode: str, rep: int) -> None:
+        label, proc = self.endpoint.label, self.proc
+        tps_name = "unpaced" if point.tps is None else f"{point.tps:g} tps"
+        what = f"{label}: {point.scenario.name} @ {tps_name} {mode} #{rep + 1}"
+        self.report(what, 0)
+        if self.usable(mode):
+            before = await self.scrape() if self.info.metrics else None
+            cpu0 = proc.cpu_seconds() if proc else None
+            if proc:
+                proc.reset_peak()
+            try:
+                record = await run_rollout(mode, self.endpoint, spec)
+            except BenchError as exc:
+                self.fail(mode, exc)
+            else:
+                cpu1 = proc.cpu_seconds() if proc else None
+                after = await self.scrape() if self.info.metrics else None
+                self.out.runs.append(
+                    _Run(
+                        server=label,
+                        mode=mode,
+                        scenario=point.scenario,
+                        tps=point.tps,
+                        repetition=rep,
+                        record=record,
+                        cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+                        peak_rss=proc.peak_rss_bytes() if proc else None,
+                        counters=_delta(before, after),
+                    )
+                )
+        self.report(what, 1)
+
+    async def concurrency(self) -> None:
+        config = self.config
+        scenario = config.concurrency_scenario
+        if scenario is None:
+            return
+        spec = RolloutSpec(
+            scenario=scenario,
+            model=config.model_for(scenario, config.concurrency_tps),
+            force_tool_choice=config.model is not None,
+            timeout=config.timeout,
+        )
+        stagger = _model_seconds(config, scenario, config.concurrency_tps) or DEFAULT_STAGGER
+        for mode in config.concurrency_modes:
+            for k in config.concurrency:
+                what = f"{self.endpoint.label}: {k} concurrent {mode}"
+                self.report(what, 0)
+                if self.usable(mode):
+                    wave = await _wave(
+                        self.endpoint, mode, spec, k, config.concurrency_tps, stagger
+                    )
+                    self.out.waves.append(wave)
+                self.report(what, k)
+
+    def finish(self) -> None:
+        for mode in self.failed:
+            if mode in self.info.modes:
+                self.info.modes.remove(mode)
+
+
+def _delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    if before is None or after is None:
+        return None
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+async def _wave(
+    endpoint: Endpoint, mode: str, spec: RolloutSpec, k: int, tps: float, stagger: float
+) -> _Wave:
+    """K rollouts, the i-th started `stagger * i / K` seconds after the first: spread over one
+    turn, as independent agents would be, rather than all sending every turn at once."""
+    proc = endpoint.proc()
+    records: list[RolloutRecord] = []
+    errors: list[str] = []
+
+    async def one(i: int) -> None:
+        await trio.sleep(stagger * i / k)
+        try:
+            records.append(await run_rollout(mode, endpoint, spec))
+        except BenchError as exc:
+            errors.append(str(exc))
+
+    cpu0 = proc.cpu_seconds() if proc else None
+    if proc:
+        proc.reset_peak()
+    client0 = time.process_time()
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(k):
+            nursery.start_soon(one, i)
+    wall = time.perf_counter() - t0
+    cpu1 = proc.cpu_seconds() if proc else None
+    return _Wave(
+        server=endpoint.label,
+        mode=mode,
+        scenario=spec.scenario,
+        tps=tps,
+        k=k,
+        records=records,
+        errors=errors,
+        wall_s=wall,
+        cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
+        peak_rss=proc.peak_rss_bytes() if proc else None,
+        client_cpu_s=time.process_time() - client0,
+    )
+
+
+# --- aggregation -----------------------------------------------------------------------------
+
+
+def _model_seconds(config: BenchConfig, scenario: Scenario, tps: float | None) -> float | None:
+    """The model's own time for one turn, or None when the model is not a paced sim."""
+    if config.model is not None:
+        return None
+    if tps is None:
+        return 0.0
+    return scenario.model_seconds(tps, config.ttft_for(tps), scenario.output_tokens)
+
+
+def achieved_tps(record: RolloutRecord, output_tokens: int) -> float | None:
+    """Tokens per second the client received while tokens streamed: over every turn with at
+    least two deltas, (tokens after the first delta) / (last delta - first delta)."""
+    tokens = 0.0
+    seconds = 0.0
+    for turn in record.turns:
+        if turn.deltas >= 2 and turn.first_token is not None and turn.last_token is not None:
+            tokens += output_tokens - 1
+            seconds += turn.last_token - turn.first_token
+    if seconds <= 0:
+        return None
+    return tokens / seconds
+
+
+def _group(runs: Iterable[_Run]) -> dict[tuple[str, str, str, float | None], list[_Run]]:
+    groups: dict[tuple[str, str, str, float | None], list[_Run]] = {}
+    for run in runs:
+        groups.setdefault((run.server, run.mode, run.scenario.name, run.tps), []).append(run)
+    return groups
+
+
+def _median_or_none(values: Sequence[float | None]) -> float | None:
+    data = [v for v in values if v is not None]
+    return median(data) if data else None
+
+
+def _turn_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for (server, mode, scenario_name, tps), runs in _group(out.runs).items():
+        scenario = runs[0].scenario
+        model_s = _model_seconds(config, scenario, tps)
+        counting = out.counting.get((server, mode, scenario_name))
+        n_turns = max(len(r.record.turns) for r in runs)
+        for index in range(n_turns):
+            turns = [r.record.turns[index] for r in runs if index < len(r.record.turns)]
+            stage_names = sorted({s for t in turns for s in (t.stages or {})})
+            counters = None
+            if counting is not None and index < len(counting.turns):
+                counters = counting.turns[index].counters
+            records.append(
+                {
+                    "server": server,
+                    "mode": mode,
+                    "scenario": scenario_name,
+                    "tps": tps,
+                    "ttft_ms": config.ttft_for(tps) if config.model is None else None,
+                    "turn": index,
+                    "kind": turns[0].kind,
+                    "history_tokens": scenario.history_before(index),
+                    "new_input_tokens": scenario.new_input_tokens(index),
+                    "context_tokens": _median_int([t.context_tokens for t in turns]),
+                    "output_tokens": _median_int([t.output_tokens for t in turns]),
+                    "repetitions": len(turns),
+                    "model_s": model_s,
+                    "ttft_s": stats(t.ttft for t in turns),
+                    "turn_s": stats(t.duration for t in turns),
+                    "excess_s": None
+                    if model_s is None
+                    else stats(t.duration - model_s for t in turns),
+                    "ack_s": stats(t.ack_latency for t in turns),
+                    "server_overhead_s": stats(t.server_overhead for t in turns),
+                    "stages_s": {
+                        name: median([(t.stages or {}).get(name, 0.0) for t in turns])
+                        for name in stage_names
+                    }
+                    or None,
+                    "counters": counters,
+                }
+            )
+    return records
+
+
+def _median_int(values: Sequence[int | None]) -> int | None:
+    m = _median_or_none([float(v) if v is not None else None for v in values])
+    return None if m is None else round(m)
+
+
+def _rollout_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for (server, mode, scenario_name, tps), runs in _group(out.runs).items():
+        scenario = runs[0].scenario
+        per_turn = _model_seconds(config, scenario, tps)
+        # The tools' time as the client measured it (a sleep overshoots its nominal latency
+        # by up to a millisecond; that is the client's, not the server's).
+        tool_s = median([r.record.tool_s for r in runs])
+        paced = per_turn is not None and tps is not None
+        limit = per_turn * scenario.turns + tool_s if per_turn is not None else None
+        e2e = [r.record.duration for r in runs]
+        digests = sorted({r.record.transcript_digest() for r in runs})
+        counting = out.counting.get((server, mode, scenario_name))
+        med = median(e2e)
+        records.append(
+            {
+                "server": server,
+                "mode": mode,
+                "scenario": scenario_name,
+                "tps": tps,
+                "ttft_ms": config.ttft_for(tps) if config.model is None else None,
+                "repetitions": len(runs),
+                "turns": len(runs[0].record.turns),
+                "e2e_s": stats(e2e),
+                "model_s": None if per_turn is None else per_turn * scenario.turns,
+                "tool_s": tool_s,
+                "tool_nominal_s": scenario.steps * scenario.tool_latency_ms / 1000,
+                "physical_limit_s": limit,
+                "distance_s": None
+                if limit is None
+                else stats(
+                    r.record.duration - per_turn * scenario.turns - r.record.tool_s
+                    for r in runs
+                    if per_turn is not None
+                ),
+                "distance_pct": (med - limit) / limit * 100 if paced and limit else None,
+                "server_overhead_s": stats(
+                    _sum_or_none([t.server_overhead for t in r.record.turns]) for r in runs
+                ),
+                "ack_s": stats(_sum_or_none([t.ack_latency for t in r.record.turns]) for r in runs),
+                "server_cpu_s": stats(r.cpu_s for r in runs),
+                "server_peak_rss_bytes": max(
+                    (r.peak_rss for r in runs if r.peak_rss is not None), default=None
+                ),
+                "counters": runs[0].counters,
+                "counters_by_turn": None
+                if counting is None
+                else [t.counters for t in counting.turns],
+                "transcript_digest": digests[0] if len(digests) == 1 else None,
+                "reduction_vs_http_stateless_pct": None,
+                "reduction_vs_http_chain_pct": None,
+            }
+        )
+    by_key = {(r["server"], r["mode"], r["scenario"], r["tps"]): r for r in records}
+    for record in records:
+        for base, key in (
+            ("http-stateless", "reduction_vs_http_stateless_pct"),
+            ("http-chain", "reduction_vs_http_chain_pct"),
+        ):
+            ref = by_key.get((record["server"], base, record["scenario"], record["tps"]))
+            if ref is not None and ref["e2e_s"]["median"] > 0:
+                record[key] = (1 - record["e2e_s"]["median"] / ref["e2e_s"]["median"]) * 100
+    return records
+
+
+def _sum_or_none(values: Sequence[float | None]) -> float | None:
+    data = [v for v in values if v is not None]
+    return sum(data) if data else None
+
+
+def _concurrency_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for wave in out.waves:
+        scenario = wave.scenario
+        model_s = _model_seconds(config, scenario, wave.tps)
+        achieved = [achieved_tps(r, scenario.output_tokens) for r in wave.records]
+        rates = [a for a in achieved if a is not None]
+        pace = median(rates) / wave.tps if rates and config.model is None else None
+        turns = [t for r in wave.records for t in r.turns]
+        excess = stats(t.duration - model_s for t in turns) if model_s is not None else None
+        excess_ratio = excess["median"] / model_s if excess is not None and model_s else None
+        keeps = (
+            None
+            if pace is None or excess_ratio is None
+            else pace >= PACE_FRACTION and excess_ratio <= PACE_EXCESS
+        )
+        tokens = len(wave.records) * scenario.turns * scenario.output_tokens
+        records.append(
+            {
+                "server": wave.server,
+                "mode": wave.mode,
+                "scenario": scenario.name,
+                "tps": wave.tps,
+                "ttft_ms": config.ttft_for(wave.tps) if config.model is None else None,
+                "concurrency": wave.k,
+                "rollouts_ok": len(wave.records),
+                "rollouts_failed": len(wave.errors),
+                "errors": wave.errors[:5],
+                "wall_s": wave.wall_s,
+                "throughput_rollouts_per_s": len(wave.records) / wave.wall_s
+                if wave.wall_s
+                else None,
+                "throughput_output_tokens_per_s": tokens / wave.wall_s if wave.wall_s else None,
+                "e2e_s": stats(r.duration for r in wave.records),
+                "ttft_s": stats(t.ttft for t in turns),
+                "turn_s": stats(t.duration for t in turns),
+                "excess_s": excess,
+                "achieved_tps_per_rollout": stats(rates),
+                "pace_ratio": pace,
+                "excess_ratio": excess_ratio,
+                "keeps_pace": keeps,
+                "server_cpu_s": wave.cpu_s,
+                "server_cpu_utilization": None
+                if wave.cpu_s is None or not wave.wall_s
+                else wave.cpu_s / wave.wall_s,
+                "server_peak_rss_bytes": wave.peak_rss,
+                "client_cpu_s": wave.client_cpu_s,
+            }
+        )
+    return records
+
+
+def _machine() -> dict[str, Any]:
+    cpu_model = None
+    memory = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "system": platform.system(),
+        "release": platform.release(),
+        "machine": platform.machine(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": memory,
+        "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "hostname": platform.node(),
+    }
+
+
+def _loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages: other work on the machine shows here."""
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for dist in (
+        "rollout",
+        "trio",
+        "trio-websocket",
+        "httpx",
+        "hypercorn",
+        "wsproto",
+        "h11",
+        "bpe-openai",
+        "cattrs",
+        "matplotlib",
+        "rich",
+    ):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _iso(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts, _dt.UTC).isoformat(timespec="seconds")
+
+
+def _parameters(config: BenchConfig) -> dict[str, Any]:
+    return {
+        "preset": config.preset,
+        "points": [
+            {
+                "scenario": p.scenario.name,
+                "tps": p.tps,
+                "ttft_ms": config.ttft_for(p.tps) if config.model is None else None,
+                "repetitions": p.repetitions,
+                "modes": list(p.modes),
+            }
+            for p in config.points
+        ],
+        "concurrency": list(config.concurrency),
+        "concurrency_modes": list(config.concurrency_modes),
+        "concurrency_scenario": None
+        if config.concurrency_scenario is None
+        else config.concurrency_scenario.name,
+        "concurrency_tps": config.concurrency_tps,
+        "model_override": config.model,
+        "counting_pass": config.counting,
+        "pace_fraction": PACE_FRACTION,
+        "pace_excess": PACE_EXCESS,
+        "timeout_s": config.timeout,
+    }
+
+
+def _build_results(
+    config: BenchConfig, out: _Collected, started: float, finished: float
+) -> dict[str, Any]:
+    from ._goals import evaluate_goals
+
+    results: dict[str, Any] = {
+        "schema": SCHEMA_ID,
+        "meta": {
+            "started_at": _iso(started),
+            "finished_at": _iso(finished),
+            "duration_s": finished - started,
+            "command": list(config.argv) or [sys.argv[0]],
+            "machine": _machine(),
+            "load_average": {"start": out.load_start, "end": _loadavg()},
+            "versions": _versions(),
+            "parameters": _parameters(config),
+        },
+        "servers": [attrs.asdict(s) for s in out.servers],
+        "scenarios": [s.as_dict() for s in config.scenarios()],
+        "turns": _turn_records(config, out),
+        "rollouts": _rollout_records(config, out),
+        "concurrency": _concurrency_records(config, out),
+        "goals": [],
+        "notes": list(out.notes),
+    }
+    results["goals"] = evaluate_goals(results)
+    finite: dict[str, Any] = _finite(results)
+    return finite
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: such numbers become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

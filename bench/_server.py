@@ -1,0 +1,209 @@
+"""The servers under test: a `rollout serve` subprocess started by the benchmark, or any
+Responses server at a URL; its /metrics work counters; the subprocess's CPU and memory.
+
+CPU and peak memory come from /proc of the server subprocess (utime + stime, and VmHWM, reset
+before each run through /proc/PID/clear_refs where the kernel allows it); they are not
+available for a server given by URL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import httpx
+import trio
+
+from ._errors import ServerStartError
+
+__all__ = [
+    "Endpoint",
+    "ProcStats",
+    "free_port",
+    "open_local_server",
+    "parse_counters",
+    "parse_stage_sums",
+    "scrape_metrics",
+]
+
+# How long `rollout serve` gets to answer /healthz after it is started (it loads the o200k
+# vocabulary, about half a second, then binds).
+SERVER_START_TIMEOUT = 60.0
+# How long it gets to shut down gracefully before it is killed.
+SERVER_STOP_TIMEOUT = 20.0
+
+_COUNTER_LINE = re.compile(r'^rollout_work_total\{counter="([a-z_]+)"\}\s+(\S+)$', re.M)
+_STAGE_SUM_LINE = re.compile(r'^rollout_stage_seconds_sum\{stage="([a-z_]+)"\}\s+(\S+)$', re.M)
+
+
+@attrs.frozen(kw_only=True)
+class Endpoint:
+    """A Responses server: its HTTP base URL (`http://host:port/v1`) and how to reach it."""
+
+    label: str
+    base_url: str
+    api_key: str | None = None
+    pid: int | None = None  # the local server subprocess, for /proc statistics
+    spawned: bool = False
+
+    @property
+    def ws_url(self) -> str:
+        url = self.base_url.rstrip("/")
+        if url.startswith("https://"):
+            url = "wss://" + url.removeprefix("https://")
+        elif url.startswith("http://"):
+            url = "ws://" + url.removeprefix("http://")
+        return url + "/responses"
+
+    @property
+    def responses_url(self) -> str:
+        return self.base_url.rstrip("/") + "/responses"
+
+    @property
+    def root_url(self) -> str:
+        url = self.base_url.rstrip("/")
+        return url.removesuffix("/v1")
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def proc(self) -> ProcStats | None:
+        return ProcStats(self.pid) if self.pid is not None else None
+
+
+class ProcStats:
+    """CPU seconds and peak resident memory of a local process, from /proc."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def cpu_seconds(self) -> float | None:
+        try:
+            raw = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return None
+        # Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+        fields = raw.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / self._tick
+
+    def peak_rss_bytes(self) -> int | None:
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def reset_peak(self) -> bool:
+        """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs). False if refused."""
+        try:
+            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_counters(text: str) -> dict[str, int]:
+    return {name: int(float(value)) for name, value in _COUNTER_LINE.findall(text)}
+
+
+def parse_stage_sums(text: str) -> dict[str, float]:
+    return {name: float(value) for name, value in _STAGE_SUM_LINE.findall(text)}
+
+
+async def scrape_metrics(client: httpx.AsyncClient, endpoint: Endpoint) -> str | None:
+    """The Prometheus text of /metrics, or None when the server has none."""
+    try:
+        response = await client.get(endpoint.root_url + "/metrics", headers=endpoint.headers())
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200 or "rollout_work_total" not in response.text:
+        return None
+    return response.text
+
+
+async def _wait_healthy(url: str, process: trio.Process, log_path: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_TIMEOUT
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                tail = (await trio.Path(log_path).read_text(errors="replace"))[-2000:]
+                raise ServerStartError(
+                    f"`rollout serve` exited with status {process.returncode} before answering "
+                    f"{url}; its log ends:\n{tail}"
+                )
+            try:
+                response = await client.get(url, timeout=2.0)
+                if response.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await trio.sleep(0.1)
+    raise ServerStartError(f"`rollout serve` did not answer {url} within {SERVER_START_TIMEOUT}s")
+
+
+@asynccontextmanager
+async def open_local_server(
+    *, log_path: Path, label: str = "rollout", extra_args: tuple[str, ...] = ()
+) -> AsyncIterator[Endpoint]:
+    """Start `rollout serve` on a free loopback port with its own temporary data dir; yield
+    its endpoint; stop it (SIGTERM, then SIGKILL after a grace period)."""
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as data_dir:
+        port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "engine",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--data-dir",
+            data_dir,
+            "--log-level",
+            "warning",
+            *extra_args,
+        ]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("wb") as log:
+            process = await trio.lowlevel.open_process(argv, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                await _wait_healthy(f"http://127.0.0.1:{port}/healthz", process, log_path)
+                yield Endpoint(
+                    label=label,
+                    base_url=f"http://127.0.0.1:{port}/v1",
+                    pid=process.pid,
+                    spawned=True,
+                )
+            finally:
+                with trio.CancelScope(shield=True):
+                    await _stop(process)
+
+
+async def _stop(process: trio.Process) -> None:
+    if process.poll() is not None:
+        return
+    process.terminate()
+    with trio.move_on_after(SERVER_STOP_TIMEOUT):
+        await process.wait()
+        return
+    process.kill()
+    await process.wait()

@@ -1,0 +1,246 @@
+"""`rollout bench`: a tiny scenario through all four modes against a real `rollout serve`
+subprocess, the results checked against their JSON Schema, and the mission's point shown by
+the work counters alone (no timing is asserted anywhere here)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import bench
+from bench._cli import add_parser, build_config
+from bench._client import parse_server_timing
+from bench._server import parse_counters, parse_stage_sums
+from bench._stats import percentile, stats
+from engine._cli import main as rollout_main
+from engine._serve import ServerConfig, open_server
+
+TINY = [
+    "--scenario", "alpha-demo", "--steps", "4", "--tool-tokens", "300", "--prompt-tokens",
+    "200", "--output-tokens", "20", "--tool-latency-ms", "1", "--tps", "4000", "--ttft-ms", "5",
+    "--repetitions", "1", "--concurrency", "1,2", "--no-progress",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    capture = _Capture()
+    with capture:
+        status = rollout_main(["bench", *TINY, "--out", str(out)])
+    assert status == 0, capture.text
+    results = json.loads((out / "results.json").read_text())
+    return results, out, capture.text
+
+
+class _Capture:
+    """stdout of the CLI (a module-scoped fixture can't use capsys)."""
+
+    def __enter__(self) -> None:
+        import io
+
+        self._old = sys.stdout
+        self._buffer = io.StringIO()
+        sys.stdout = self._buffer
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stdout = self._old
+        self.text = self._buffer.getvalue()
+
+
+def test_writes_table_json_and_plots(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+    results, out, stdout = tiny_run
+    bench.validate_results(results)
+    assert json.loads((out / "results.schema.json").read_text()) == bench.RESULTS_SCHEMA
+    for name in ("overhead.png", "e2e.png", "concurrency.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "End-to-end rollout time" in stdout and "Goals" in stdout
+    summary = (out / "summary.md").read_text()
+    assert "| ws-rollout |" in summary and "Machine:" in summary
+    meta = results["meta"]
+    assert meta["machine"]["cpu_count"] and meta["machine"]["python"]
+    assert meta["versions"]["trio"]
+
+
+def test_report_of_earlier_results(
+    tiny_run: tuple[dict[str, Any], Path, str], tmp_path: Path
+) -> None:
+    _, out, _ = tiny_run
+    capture = _Capture()
+    with capture:
+        status = rollout_main(
+            ["bench", "--report", str(out / "results.json"), "--out", str(tmp_path)]
+        )
+    assert status == 0
+    assert "End-to-end time saved vs http-stateless" in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "e2e.png").exists()
+
+
+def test_all_four_modes_ran_the_same_conversation(
+    tiny_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    results, _, _ = tiny_run
+    (server,) = results["servers"]
+    assert server["spawned"] and server["metrics"] and server["rollout_extension"]
+    assert server["proc_stats"]
+    assert server["modes"] == list(bench.MODES)
+    for tps in (None, 4000.0):
+        rollouts = [r for r in results["rollouts"] if r["tps"] == tps]
+        assert sorted(r["mode"] for r in rollouts) == sorted(bench.MODES)
+        # The server saw the same conversation in every mode: the sim's output is a function
+        # of the rendered context.
+        assert len({r["transcript_digest"] for r in rollouts}) == 1
+        for r in rollouts:
+            assert r["turns"] == 5
+            assert r["server_cpu_s"] is not None and r["server_peak_rss_bytes"]
+    turns = [t for t in results["turns"] if t["tps"] == 4000.0]
+    assert {t["kind"] for t in turns if t["turn"] < 4} == {"tool_call"}
+    assert {t["kind"] for t in turns if t["turn"] == 4} == {"text"}
+    # Every mode got the server's stage timings, WebSocket ones on every turn.
+    for t in turns:
+        assert t["server_overhead_s"] is not None, (t["mode"], t["turn"])
+    (wave_1, wave_2) = sorted(results["concurrency"], key=lambda c: c["concurrency"])
+    assert (wave_1["rollouts_ok"], wave_2["rollouts_ok"]) == (1, 2)
+
+
+def _rendered(results: dict[str, Any], mode: str) -> list[int]:
+    turns = sorted(
+        (t for t in results["turns"] if t["mode"] == mode and t["tps"] == 4000.0),
+        key=lambda t: t["turn"],
+    )
+    return [t["counters"]["tokens_rendered"] for t in turns]
+
+
+def test_work_counters_show_the_mission(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+    """Tokens rendered per turn stay flat on a WebSocket connection (only the new tool output
+    is rendered) and grow with the history for a stateless client (all of it, every turn)."""
+    results, _, _ = tiny_run
+    for mode in ("ws-chain", "ws-rollout"):
+        follow_ups = _rendered(results, mode)[1:]
+        assert max(follow_ups) <= min(follow_ups) * 1.05, (mode, follow_ups)
+    flat = _rendered(results, "ws-chain")
+    for mode in ("http-stateless", "http-chain"):
+        rendered = _rendered(results, mode)
+        # The same first turn; then the whole history, re-rendered every turn.
+        assert rendered[0] == flat[0], (mode, rendered, flat)
+        assert all(b > a for a, b in itertools.pairwise(rendered)), (mode, rendered)
+        # Its last turn alone renders what the connection rendered in the whole rollout.
+        assert rendered[-1] == sum(flat), (mode, rendered, flat)
+        assert rendered[-1] > 4 * flat[-1], (mode, rendered, flat)
+    hydrations = {
+        r["mode"]: r["counters"]["hydrations"] for r in results["rollouts"] if r["tps"] == 4000.0
+    }
+    assert hydrations == {"http-stateless": 0, "http-chain": 4, "ws-chain": 0, "ws-rollout": 0}
+
+
+async def test_url_target_in_process(tmp_path: Path) -> None:
+    """--url mode against a server the benchmark did not start: no /proc statistics (noted),
+    the rollout extension probed and used."""
+    async with open_server(ServerConfig(port=0, data_dir=None)) as url:
+        config = bench.BenchConfig(
+            points=(
+                bench.SweepPoint(
+                    scenario=bench.PRESETS["alpha-demo"].with_(steps=2, tool_tokens=(50,)),
+                    tps=None,
+                    repetitions=1,
+                    modes=("ws-chain", "ws-rollout"),
+                ),
+            ),
+            servers=(bench.ServerSpec(label="inproc", url=url),),
+            out_dir=tmp_path,
+        )
+        results = await bench.run_benchmark(config)
+    bench.validate_results(results)
+    (server,) = results["servers"]
+    assert server["label"] == "inproc" and not server["spawned"]
+    assert server["rollout_extension"] and not server["proc_stats"]
+    assert any("CPU and memory not measured" in note for note in server["notes"])
+    assert {r["mode"] for r in results["rollouts"]} == {"ws-chain", "ws-rollout"}
+    assert all(r["server_cpu_s"] is None for r in results["rollouts"])
+
+
+def test_schema_file_is_the_schema() -> None:
+    path = Path(bench.__file__).parent / "results.schema.json"
+    assert json.loads(path.read_text()) == bench.RESULTS_SCHEMA
+
+
+def test_filler_text_is_exactly_n_tokens() -> None:
+    from engine._tokenizer import O200kTokenizer
+
+    tokenizer = O200kTokenizer()
+    for n, seed in ((1, "a"), (37, "b"), (4000, "c")):
+        assert len(tokenizer.encode(bench.filler_text(n, seed))) == n
+    assert bench.filler_text(50, "x") == bench.filler_text(50, "x")
+    for scenario in bench.PRESETS.values():
+        assert len(tokenizer.encode(scenario.tool_output(3))) == scenario.tool_tokens_at(3)
+
+
+def test_public_names() -> None:
+    public = {name for name in dir(bench) if not name.startswith("_")}
+    assert public == set(bench.__all__)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_plans() -> None:
+    quick = build_config(_args())
+    assert quick.preset == "quick"
+    assert {p.scenario.name for p in quick.points} == set(bench.PRESETS)
+    assert {p.tps for p in quick.points} == {None, *bench.SPEED_SWEEP}
+    assert quick.concurrency == (1, 4, 16)
+    full = build_config(_args("--full"))
+    assert full.concurrency == (1, 8, 16, 32, 64, 256)
+    assert len(full.points) == len(bench.PRESETS) * (1 + len(bench.SPEED_SWEEP))
+    assert all(set(p.modes) == set(bench.MODES) for p in full.points)
+    urls = build_config(_args("--url", "a=http://127.0.0.1:1/v1", "--url", "http://h:2/v1"))
+    assert [(s.label, s.url) for s in urls.servers] == [
+        ("a", "http://127.0.0.1:1/v1"),
+        ("url2", "http://h:2/v1"),
+    ]
+    both = build_config(_args("--url", "x=http://h/v1", "--with-local"))
+    assert [s.label for s in both.servers] == ["rollout", "x"]
+
+
+def test_parsers() -> None:
+    assert parse_server_timing("validate;dur=0.5, render;dur=1.25,classify;desc=x;dur=2") == {
+        "validate": 0.0005,
+        "render": 0.00125,
+        "classify": 0.002,
+    }
+    assert parse_server_timing(None) is None
+    text = (
+        '# HELP x\nrollout_work_total{counter="tokens_rendered"} 120\n'
+        'rollout_work_total{counter="hydrations"} 3\n'
+        'rollout_stage_seconds_sum{stage="render"} 0.25\n'
+    )
+    assert parse_counters(text) == {"tokens_rendered": 120, "hydrations": 3}
+    assert parse_stage_sums(text) == {"render": 0.25}
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    summary = stats([1.0, None, 3.0])
+    assert summary is not None and summary["n"] == 2 and summary["median"] == 2.0
+    assert stats([None]) is None
+
+
+def test_missing_matplotlib_is_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(bench.BenchError, match=r"pip install 'rollout\[bench\]'"):
+        bench.write_plots({"servers": [], "turns": [], "rollouts": [], "concurrency": []}, Path())
+
+
+async def test_server_start_failure_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(bench.ServerStartError, match="exited"):
+        async with bench.open_local_server(
+            log_path=tmp_path / "log", extra_args=("--port", "not-a-port")
+        ):
+            pass  # pragma: no cover
