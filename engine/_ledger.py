@@ -28,14 +28,14 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, TypeAlias
+from typing import Any, TypeAlias
 
 import trio
 
 from ._interfaces import UsageRecord
 from ._store import (
     DEFAULT_BUSY_TIMEOUT,
+    MemoryResource,
     Synchronous,
     _SQLiteResource,
     connect,
@@ -255,25 +255,21 @@ async def open_sqlite_ledger(
     return SQLiteUsageLedger(conn, file, synchronous=synchronous, busy_timeout=busy_timeout)
 
 
-class MemoryUsageLedger:
+class MemoryUsageLedger(MemoryResource):
     """A `UsageLedger` in a dict, with the same idempotency rule as `SQLiteUsageLedger`."""
 
-    def __init__(self) -> None:
-        self._rows: dict[tuple[str, int], UsageRecord] = {}
-        self._closed = False
+    _what = "usage ledger"
 
-    async def _checkpoint(self) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("the usage ledger is closed")
-        await trio.lowlevel.checkpoint()
+    def __init__(self) -> None:
+        super().__init__()
+        self._rows: dict[tuple[str, int], UsageRecord] = {}
 
     async def record(self, records: Sequence[UsageRecord]) -> None:
         await self._checkpoint()
         self.record_sync(records)
 
     def record_sync(self, records: Sequence[UsageRecord]) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("the usage ledger is closed")
+        self._check_open()
         for new in records:
             key = (new.response_id, new.step)
             if _supersedes(new, self._rows.get(key)):
@@ -301,18 +297,3 @@ class MemoryUsageLedger:
     async def count(self) -> int:
         await self._checkpoint()
         return len(self._rows)
-
-    async def aclose(self) -> None:
-        self._closed = True
-        await trio.lowlevel.checkpoint()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()

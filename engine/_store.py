@@ -469,18 +469,48 @@ async def open_sqlite_store(
 # --- memory ----------------------------------------------------------------------------------
 
 
-class MemoryResponseStore:
+class MemoryResource:
+    """What the in-memory store and ledger share: closing, and a checkpoint that refuses use
+    after close (as their SQLite counterparts do)."""
+
+    _what = "resource"
+
+    def __init__(self) -> None:
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError(f"the {self._what} is closed")
+
+    async def _checkpoint(self) -> None:
+        self._check_open()
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class MemoryResponseStore(MemoryResource):
     """A `ResponseStore` in a dict, with the same semantics as `SQLiteResponseStore`. Values
     are kept as given (not copied): treat stored responses as immutable."""
 
-    def __init__(self) -> None:
-        self._responses: dict[str, StoredResponse] = {}
-        self._closed = False
+    _what = "response store"
 
-    async def _checkpoint(self) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("the response store is closed")
-        await trio.lowlevel.checkpoint()
+    def __init__(self) -> None:
+        super().__init__()
+        self._responses: dict[str, StoredResponse] = {}
 
     def _visible(self, response_id: str | None, owner: str | None) -> StoredResponse | None:
         stored = self._responses.get(response_id) if response_id is not None else None
@@ -540,18 +570,3 @@ class MemoryResponseStore:
     async def count(self) -> int:
         await self._checkpoint()
         return len(self._responses)
-
-    async def aclose(self) -> None:
-        self._closed = True
-        await trio.lowlevel.checkpoint()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()

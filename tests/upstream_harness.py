@@ -28,6 +28,7 @@ from engine._defaults import default_registry
 from engine._models import ModelRegistry, ModelSpec
 from engine._serve import ServerConfig, open_server
 from engine._upstream import UpstreamBackend, UpstreamConfig
+from tests.server_harness import WEATHER_TOOLS
 
 __all__ = [
     "SIM_MODEL",
@@ -58,28 +59,8 @@ TEST_GRACEFUL_TIMEOUT = 2.0
 # A retry backoff small enough that retried faults end at once (the default is 0.2 s, doubled).
 TEST_RETRY_BACKOFF = 0.001
 
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-    {
-        "type": "function",
-        "name": "get_time",
-        "description": "The local time in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-]
+# The two function tools every server test uses (shared with tests.server_harness).
+TOOLS = WEATHER_TOOLS
 
 
 @asynccontextmanager
