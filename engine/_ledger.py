@@ -217,11 +217,7 @@ class SQLiteUsageLedger(_SQLiteResource):
         return await self._run(run)
 
     async def count(self) -> int:
-        def run(conn: sqlite3.Connection) -> int:
-            (n,) = conn.execute("SELECT count(*) FROM usage").fetchone()
-            return int(n)
-
-        return await self._run(run)
+        return await self._count_rows("usage")
 
 
 async def open_sqlite_ledger(

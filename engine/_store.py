@@ -238,6 +238,13 @@ class _SQLiteResource:
             raise trio.ClosedResourceError(f"the {self._what} at {self.path} is closed")
         return self._conn
 
+    async def _count_rows(self, table: str) -> int:
+        def run(conn: sqlite3.Connection) -> int:
+            (n,) = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
+            return int(n)
+
+        return await self._run(run)
+
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         self._check_open()
         async with self._lock:
@@ -426,12 +433,7 @@ class SQLiteResponseStore(_SQLiteResource):
 
     async def count(self) -> int:
         """How many responses are stored (all owners); for tests and metrics."""
-
-        def run(conn: sqlite3.Connection) -> int:
-            (n,) = conn.execute("SELECT count(*) FROM responses").fetchone()
-            return int(n)
-
-        return await self._run(run)
+        return await self._count_rows("responses")
 
 
 async def open_sqlite_store(
