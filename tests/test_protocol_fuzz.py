@@ -26,9 +26,7 @@ from tests.strategies import (
     sse_error_events,
 )
 
-SETTINGS = settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 Decoder = Callable[[Any], Any]
 CLIENT_CLASSES = tuple(p.CLIENT_EVENT_TYPES.values())
@@ -242,8 +240,12 @@ def test_deep_nesting_json(text: str) -> None:
     [
         _deep_msgpack(b""),
         # {"type": "response.create", "prompt": [[[...]]]}
-        _deep_msgpack(b"\x82" + msgpack.packb("type") + msgpack.packb("response.create")
-                      + msgpack.packb("prompt")),
+        _deep_msgpack(
+            b"\x82"
+            + msgpack.packb("type")
+            + msgpack.packb("response.create")
+            + msgpack.packb("prompt")
+        ),
     ],
     ids=["arrays", "inside-create"],
 )

@@ -90,11 +90,14 @@ def test_builder_events_validate_against_sdk(base: p.Response, script: Script) -
     terminal = events[-1]
     assert terminal.type in p.TERMINAL_EVENT_TYPES
     model = sdk_response(terminal.response)
-    assert model.status == {
-        "complete": "completed",
-        "incomplete": "incomplete",
-        "failed": "failed",
-    }[script.ending]
+    assert (
+        model.status
+        == {
+            "complete": "completed",
+            "incomplete": "incomplete",
+            "failed": "failed",
+        }[script.ending]
+    )
     if script.ending == "incomplete":
         assert model.incomplete_details is not None
         assert model.incomplete_details.reason == script.reason
@@ -160,11 +163,14 @@ def test_named_scripts_validate_against_sdk(name: str) -> None:
     events = run_script(p.ResponseStream(base), script)
     for event in events:
         check_with_sdk(event)
-    assert events[-1].response.status == {
-        "complete": "completed",
-        "incomplete": "incomplete",
-        "failed": "failed",
-    }[script.ending]
+    assert (
+        events[-1].response.status
+        == {
+            "complete": "completed",
+            "incomplete": "incomplete",
+            "failed": "failed",
+        }[script.ending]
+    )
 
 
 @pytest.mark.parametrize(
@@ -179,9 +185,7 @@ def test_unicode_and_empty_text_validate(deltas: list[str]) -> None:
     events.append(stream.complete(usage=p.Usage(), completed_at=1))
     for event in events:
         check_with_sdk(event)
-    assert SdkResponse.model_validate(p.to_wire(events[-1].response)).output_text == "".join(
-        deltas
-    )
+    assert SdkResponse.model_validate(p.to_wire(events[-1].response)).output_text == "".join(deltas)
 
 
 @SETTINGS
