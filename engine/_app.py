@@ -41,6 +41,7 @@ from protocol import (
     RemoteProtocolError,
     Response,
     ServerEvent,
+    as_listed,
     decode_create_body,
     encode_json,
     to_wire,
@@ -363,12 +364,6 @@ class RolloutApp:
                     code="unsupported_parameter",
                     param="rollout",
                 )
-            if request.background:
-                raise RemoteProtocolError.invalid(
-                    "Background responses are not supported by this server.",
-                    code="unsupported_parameter",
-                    param="background",
-                )
             if request.generate is not None or request.stream_id is not None:
                 param = "generate" if request.generate is not None else "stream_id"
                 raise RemoteProtocolError.invalid(
@@ -674,20 +669,8 @@ def _server_timing(timings: dict[str, float]) -> str:
 
 
 def _listed(item: Any) -> dict[str, Any]:
-    """An input item in the shape the API lists it (the SDK's `ResponseItem`): message content
-    as a list of parts (a string is one text part, which renders the same), and a status."""
-    wire: dict[str, Any] = to_wire(item)
-    kind = wire.get("type")
-    if kind == "message" and isinstance(wire.get("content"), str):
-        text = wire["content"]
-        part: dict[str, Any] = (
-            {"type": "output_text", "text": text, "annotations": []}
-            if wire.get("role") == "assistant"
-            else {"type": "input_text", "text": text}
-        )
-        wire["content"] = [part]
-    if kind in ("message", "function_call", "function_call_output"):
-        wire.setdefault("status", "completed")
+    """An input item in the shape the API lists it (see `protocol.as_listed`)."""
+    wire: dict[str, Any] = to_wire(as_listed(item))
     return wire
 
 

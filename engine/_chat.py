@@ -4,6 +4,13 @@ behind, an OpenAI-compatible `POST /v1/chat/completions` endpoint.
 - `ChatEncoder` turns a conversation's items into chat messages, incrementally: it is kept in
   the conversation's lineage (`ItemsView.derived`), so a follow-up turn encodes only its new
   items; earlier messages stay encoded as JSON bytes and are only joined into the body.
+- `ChatToolset` presents the offered tools as chat-completions function tools (chat servers
+  know only functions): a custom tool as a function taking `{"input": "..."}` (its grammar, if
+  any, quoted in the description: chat servers do not constrain to it), a client-run built-in
+  tool (`shell`, `local_shell`, `apply_patch`, `computer`) as a function named by its kind
+  whose arguments are the call's action or operation, a hosted tool the engine runs as a
+  function taking `{"query": ...}`; and maps the calls back. Items with no chat form
+  (reasoning, hosted tools' calls and results) are left out of the messages.
 - `request_from_chat` / `ChatCompletionEmitter` serve chat completions from the engine: a chat
   request becomes a `ResponseCreate` (a leading system message becomes `instructions`, exactly
   the inverse of what the encoder does), and the response's events become a chat completion or
@@ -21,7 +28,11 @@ from typing import Any
 import attrs
 
 from protocol import (
+    ComputerCallOutput,
     ContentPart,
+    CustomTool,
+    CustomToolCall,
+    CustomToolCallOutput,
     FunctionCall,
     FunctionCallOutput,
     FunctionTool,
@@ -30,7 +41,6 @@ from protocol import (
     InputText,
     Item,
     Message,
-    NamespaceTool,
     OutputText,
     Refusal,
     RemoteProtocolError,
@@ -38,17 +48,21 @@ from protocol import (
     ServerEvent,
     Tool,
     ToolChoice,
-    ToolChoiceFunction,
+    ToolChoiceAllowed,
+    call_of,
     from_wire,
+    output_of,
 )
+
+from ._render import builtin_output_text, builtin_payload
+from ._tools import CallTarget, callable_tools, resolve_choice
 
 __all__ = [
     "ChatCompletionEmitter",
     "ChatEncoder",
-    "chat_tool_choice",
-    "chat_tools",
+    "ChatTool",
+    "ChatToolset",
     "request_from_chat",
-    "split_tool_name",
 ]
 
 # Namespaced tools are flattened for chat servers, which know no namespaces.
@@ -63,12 +77,32 @@ def tool_name(name: str, namespace: str | None) -> str:
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
 
 
-def split_tool_name(name: str, namespaces: set[str]) -> tuple[str, str | None]:
-    """Inverse of `tool_name` for the namespaces a request declared."""
-    head, sep, tail = name.partition(NAMESPACE_SEPARATOR)
-    if sep and head in namespaces:
-        return tail, head
-    return name, None
+def _chat_name(call: Any) -> str:
+    """The function name a tool call item has in chat form."""
+    if isinstance(call, FunctionCall | CustomToolCall):
+        return tool_name(call.name, call.namespace)
+    found = call_of(call)
+    assert found is not None
+    return found[2]
+
+
+def _chat_arguments(call: Any) -> str:
+    if isinstance(call, FunctionCall):
+        return call.arguments
+    if isinstance(call, CustomToolCall):
+        return json.dumps({"input": call.input}, ensure_ascii=False)
+    payload = builtin_payload(call)
+    assert payload is not None
+    return payload
+
+
+def _output_text(item: Any) -> Any:
+    """A tool output's content in chat form (a string, or parts for function outputs)."""
+    if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+        return item.output if isinstance(item.output, str) else _chat_content(item.output)
+    if isinstance(item, ComputerCallOutput):
+        return "[screenshot]"
+    return builtin_output_text(item) or ""
 
 
 def _text_of(parts: Sequence[ContentPart]) -> str:
@@ -136,19 +170,17 @@ class ChatEncoder:
             self._open_calls = []
 
     def _add(self, item: Item) -> None:
-        if isinstance(item, FunctionCall):
+        if call_of(item) is not None:
             self._open_calls.append(
                 {
-                    "id": item.call_id,
+                    "id": call_of(item)[0],  # type: ignore[index]
                     "type": "function",
-                    "function": {
-                        "name": tool_name(item.name, item.namespace),
-                        "arguments": item.arguments,
-                    },
+                    "function": {"name": _chat_name(item), "arguments": _chat_arguments(item)},
                 }
             )
             return
         self._close_calls()
+        answer = output_of(item)
         if isinstance(item, Message):
             role = "system" if item.role == "developer" else item.role
             if role == "assistant":
@@ -156,13 +188,11 @@ class ChatEncoder:
                 self.messages.append(_dumps({"role": "assistant", "content": text}))
             else:
                 self.messages.append(_dumps({"role": role, "content": _chat_content(item.content)}))
-        elif isinstance(item, FunctionCallOutput):
-            output = item.output
-            text = output if isinstance(output, str) else _chat_content(output)
+        elif answer is not None:
             self.messages.append(
-                _dumps({"role": "tool", "tool_call_id": item.call_id, "content": text})
+                _dumps({"role": "tool", "tool_call_id": answer[0], "content": _output_text(item)})
             )
-        # Reasoning items have no chat form and are left out.
+        # Reasoning items and hosted tools' items have no chat form and are left out.
 
     def body_messages(self) -> list[bytes]:
         """The encoded messages so far, the open tool-call group included (not mutated)."""
@@ -174,27 +204,152 @@ class ChatEncoder:
         ]
 
 
-def chat_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for tool in tools:
-        members = tool.tools if isinstance(tool, NamespaceTool) else [tool]
-        namespace = tool.name if isinstance(tool, NamespaceTool) else None
-        for member in members:
-            function: dict[str, Any] = {"name": tool_name(member.name, namespace)}
-            if member.description is not None:
-                function["description"] = member.description
-            if member.parameters is not None:
-                function["parameters"] = member.parameters
-            if member.strict is not None:
-                function["strict"] = member.strict
-            out.append({"type": "function", "function": function})
-    return out
+# The arguments a client-run built-in tool takes in function form: its action or operation.
+_STRINGS: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+BUILTIN_FUNCTION_SCHEMAS: dict[str, dict[str, Any]] = {
+    "shell": {
+        "type": "object",
+        "properties": {
+            "commands": _STRINGS,
+            "timeout_ms": {"type": "integer"},
+            "max_output_length": {"type": "integer"},
+        },
+        "required": ["commands"],
+    },
+    "local_shell": {
+        "type": "object",
+        "properties": {
+            "command": _STRINGS,
+            "env": {"type": "object", "additionalProperties": {"type": "string"}},
+            "timeout_ms": {"type": "integer"},
+            "working_directory": {"type": "string"},
+            "user": {"type": "string"},
+        },
+        "required": ["command"],
+    },
+    "apply_patch": {
+        "type": "object",
+        "properties": {
+            "type": {"enum": ["create_file", "update_file", "delete_file"]},
+            "path": {"type": "string"},
+            "diff": {"type": "string", "description": "A V4A diff (not for delete_file)."},
+        },
+        "required": ["type", "path"],
+    },
+    "computer": {
+        "type": "object",
+        "properties": {
+            "type": {
+                "enum": [
+                    "click",
+                    "double_click",
+                    "drag",
+                    "keypress",
+                    "move",
+                    "screenshot",
+                    "scroll",
+                    "type",
+                    "wait",
+                ]
+            },
+            "x": {"type": "integer"},
+            "y": {"type": "integer"},
+            "button": {"type": "string"},
+            "keys": _STRINGS,
+            "text": {"type": "string"},
+            "scroll_x": {"type": "integer"},
+            "scroll_y": {"type": "integer"},
+            "path": {"type": "array", "items": {"type": "object"}},
+        },
+        "required": ["type"],
+    },
+}
+_BUILTIN_DESCRIPTIONS = {
+    "shell": "Run shell commands on the user's machine.",
+    "local_shell": "Run a command on the user's machine.",
+    "apply_patch": "Create, update or delete a file with a patch.",
+    "computer": "Act on the user's screen (or take a screenshot).",
+}
+_HOSTED_QUERY = {
+    "type": "object",
+    "properties": {"query": {"type": "string"}},
+    "required": ["query"],
+}
+_CUSTOM_INPUT = {
+    "type": "object",
+    "properties": {"input": {"type": "string"}},
+    "required": ["input"],
+}
 
 
-def chat_tool_choice(choice: ToolChoice, namespaces: dict[str, str]) -> Any:
-    if isinstance(choice, ToolChoiceFunction):
-        return {"type": "function", "function": {"name": namespaces.get(choice.name, choice.name)}}
-    return choice
+@attrs.frozen
+class ChatTool:
+    """A tool as a chat server sees it, and the call it stands for."""
+
+    chat_name: str
+    call: CallTarget
+
+    def definition(self) -> dict[str, Any]:
+        tool = self.call.tool
+        function: dict[str, Any] = {"name": self.chat_name}
+        if isinstance(tool, FunctionTool):
+            if tool.description is not None:
+                function["description"] = tool.description
+            if tool.parameters is not None:
+                function["parameters"] = tool.parameters
+            if tool.strict is not None:
+                function["strict"] = tool.strict
+        elif isinstance(tool, CustomTool):
+            description = tool.description or ""
+            fmt = tool.format
+            if fmt is not None and fmt.type == "grammar":
+                description += (
+                    f"\nThe input must match this {fmt.syntax} grammar:\n{fmt.definition}"
+                )
+            if description:
+                function["description"] = description.strip()
+            function["parameters"] = _CUSTOM_INPUT
+        elif self.call.kind in BUILTIN_FUNCTION_SCHEMAS:
+            function["description"] = _BUILTIN_DESCRIPTIONS[self.call.kind]
+            function["parameters"] = BUILTIN_FUNCTION_SCHEMAS[self.call.kind]
+        else:  # a hosted tool the engine runs (an executor is configured)
+            function["description"] = f"The hosted {self.call.kind} tool."
+            function["parameters"] = _HOSTED_QUERY
+        return {"type": "function", "function": function}
+
+
+class ChatToolset:
+    """The offered tools in function form, under `tool_choice`; and the way back from a chat
+    tool call to the call it stands for."""
+
+    def __init__(self, tools: Sequence[Tool], choice: ToolChoice) -> None:
+        every = callable_tools(tools)
+        self.tools = [ChatTool(self._name(c), c) for c in every]
+        self.by_name = {t.chat_name: t for t in self.tools}
+        offered = self.tools
+        self.choice: Any = choice
+        if isinstance(choice, ToolChoiceAllowed):  # only the allowed ones, in their mode
+            allowed = {id(c.tool) for c in resolve_choice(choice, tools).tools}
+            offered = [t for t in self.tools if id(t.call.tool) in allowed]
+            self.choice = choice.mode
+        elif not isinstance(choice, str):  # one forced tool
+            forced = resolve_choice(choice, tools).tools
+            chosen = [t for t in self.tools if forced and t.call.tool is forced[0].tool]
+            self.choice = (
+                {"type": "function", "function": {"name": chosen[0].chat_name}}
+                if chosen
+                else "required"
+            )
+        self.definitions = [t.definition() for t in offered]
+
+    @staticmethod
+    def _name(call: CallTarget) -> str:
+        if call.kind in ("function", "custom"):
+            return tool_name(call.name, call.namespace)
+        return call.kind
+
+    def find(self, chat_name: str) -> ChatTool | None:
+        return self.by_name.get(chat_name)
 
 
 # --- serving chat completions from the engine --------------------------------------------------

@@ -6,9 +6,11 @@ The policy (`CompactionPolicy`), applied to a conversation's items and their ren
 2. System and developer messages are *pinned*: kept verbatim.
 3. The last `keep_turns` user turns (from the `keep_turns`-th last user message on) are kept
    verbatim.
-4. Everything older becomes a *stub*: messages and tool outputs keep their first
-   `stub_chars` characters followed by " [...]"; a function call keeps its name and call id
-   with its arguments replaced by `{"truncated": true}`. A call and its output are one unit:
+4. Everything older becomes a *stub*: messages and tool outputs (function and custom outputs,
+   shell stdout and stderr, local shell output) keep their first `stub_chars` characters
+   followed by " [...]"; a function call keeps its name and call id with its arguments
+   replaced by `{"truncated": true}`; a custom tool's input and a patch's diff are cut like
+   text; other items stay as they are. A tool call and its output (of any kind) are one unit:
    they are kept, stubbed or dropped together, so the window stays valid.
 5. While the window is over `budget_tokens`: drop stub units, oldest first; then turn verbatim
    units into stubs, oldest first, and drop those; then the pinned ones likewise. The window
@@ -37,15 +39,22 @@ import attrs
 import msgpack
 
 from protocol import (
+    ApplyPatchCall,
     Compaction,
+    CustomToolCall,
+    CustomToolCallOutput,
     FunctionCall,
     FunctionCallOutput,
     Item,
+    LocalShellCallOutput,
     Message,
     OutputText,
     Reasoning,
     RemoteProtocolError,
+    ShellCallOutput,
+    call_of,
     from_wire,
+    output_of,
     to_wire,
 )
 
@@ -105,6 +114,23 @@ def _stub(item: Item, limit: int) -> Item:
         return FunctionCallOutput(
             call_id=item.call_id, output=_stub_text(_text(item.output), limit), id=new_id("fco")
         )
+    if isinstance(item, CustomToolCall):
+        return attrs.evolve(item, input=_stub_text(item.input, limit), id=new_id("ctc"))
+    if isinstance(item, CustomToolCallOutput):
+        return CustomToolCallOutput(
+            call_id=item.call_id, output=_stub_text(_text(item.output), limit), id=new_id("ctco")
+        )
+    if isinstance(item, LocalShellCallOutput):
+        return attrs.evolve(item, output=_stub_text(item.output, limit))
+    if isinstance(item, ShellCallOutput):
+        cut = [
+            attrs.evolve(o, stdout=_stub_text(o.stdout, limit), stderr=_stub_text(o.stderr, limit))
+            for o in item.output
+        ]
+        return attrs.evolve(item, output=cut, id=new_id("sho"))
+    if isinstance(item, ApplyPatchCall) and item.operation.diff is not None:
+        operation = attrs.evolve(item.operation, diff=_stub_text(item.operation.diff, limit))
+        return attrs.evolve(item, operation=operation, id=new_id("apc"))
     return item
 
 
@@ -130,14 +156,16 @@ def compact_items(
     for i, item in enumerate(items):
         if isinstance(item, Reasoning):
             continue
-        if isinstance(item, FunctionCallOutput) and item.call_id in call_units:
-            call_units[item.call_id].indices.append(i)
+        answer = output_of(item)
+        if answer is not None and answer[0] in call_units:
+            call_units[answer[0]].indices.append(i)
             continue
         pinned = isinstance(item, Message) and item.role in ("system", "developer")
         unit = _Unit([i], pinned, "verbatim" if pinned or i >= boundary else "stub")
         units.append(unit)
-        if isinstance(item, FunctionCall):
-            call_units[item.call_id] = unit
+        call = call_of(item)
+        if call is not None:
+            call_units[call[0]] = unit
 
     stubs: dict[int, tuple[Item, int]] = {}
 
@@ -277,10 +305,12 @@ def compact_state(
         verdict = pipeline.classifier.feed(state, pipeline.renderer.item_text(item), len(tokens))
         pipeline.counters.tokens_classified += len(tokens)
         state = verdict.state
-        if isinstance(item, FunctionCall):
-            open_calls[item.call_id] = item.name
-        elif isinstance(item, FunctionCallOutput):
-            open_calls.pop(item.call_id, None)
+        call = call_of(item)
+        answer = output_of(item) if call is None else None
+        if call is not None:
+            open_calls[call[0]] = call[2]
+        elif answer is not None and answer[0] is not None:
+            open_calls.pop(answer[0], None)
     encode = getattr(pipeline.classifier, "encode_state", None)
     payload = {
         "template": _template_id(pipeline.renderer),

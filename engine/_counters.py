@@ -41,6 +41,7 @@ class Counters:
     post_inference_runs: int = 0
     samplings: int = 0
     tokens_sampled: int = 0
+    hosted_calls: int = 0  # hosted tools' calls run by their executors
     responses_completed: int = 0
     responses_incomplete: int = 0
     responses_failed: int = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import typing
 from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -28,8 +29,10 @@ import attrs
 import trio
 
 from protocol import (
+    BuiltinTool,
+    CallKind,
     Compaction,
-    FunctionCall,
+    InvalidToolPayload,
     Item,
     ItemReference,
     ReasoningConfig,
@@ -42,6 +45,9 @@ from protocol import (
     ServerEvent,
     TextConfig,
     Usage,
+    as_listed,
+    call_of,
+    echo_tools,
     to_wire,
 )
 
@@ -61,6 +67,8 @@ from ._interfaces import (
     CallStart,
     Classifier,
     Finish,
+    HostedCall,
+    HostedTool,
     Renderer,
     ResponseStore,
     SampleRequest,
@@ -101,6 +109,9 @@ DEFAULT_CACHE_TOKENS = 8_000_000
 DEFAULT_ROLLOUT_SUSPEND_LIMIT = 600.0
 # Events a rollout may buffer for a reader that is slower than sampling (embedded API).
 ROLLOUT_EVENT_BUFFER = 256
+# Sampling steps one response may spend on hosted tools before its model must answer the
+# client (a model that keeps searching cannot hold a response forever).
+MAX_HOSTED_ROUNDS = 16
 
 
 def previous_response_not_found(response_id: str) -> RemoteProtocolError:
@@ -115,9 +126,9 @@ _NO_ROUTE = Route(model="", name="", params={}, context_window=0, backend=None)
 _EMPTY_PREFIX = Prefix(
     instructions=None,
     tools=(),
+    offered=(),
     tokens=array("I"),
     digest=digest_tokens(array("I")),
-    tool_index={},
     classifier_state=None,
 )
 
@@ -181,6 +192,7 @@ class _Step:
     finish: str
     usage: Usage
     pending_outputs: list[Item] = attrs.field(factory=list)
+    hosted: bool = False  # hosted tools ran: the model samples again in this response
 
 
 class Engine:
@@ -198,8 +210,11 @@ class Engine:
         wall_clock: Callable[[], float] = time.time,
         rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT,
         compaction_key: bytes | None = None,
+        hosted_tools: Sequence[HostedTool] = (),
     ) -> None:
         self.counters = Counters()
+        # Executors of hosted tools by type: those types are offered to the model.
+        self.hosted: dict[str, HostedTool] = {tool.type: tool for tool in hosted_tools}
         # Seals compaction snapshots. Without a configured key it is per process: compaction
         # items then work only with this process (`rollout serve` keeps one in its data dir).
         self.seal = SnapshotSeal(compaction_key or os.urandom(32))
@@ -216,6 +231,7 @@ class Engine:
             registry=registry,
             counters=self.counters,
             timer=self.timer,
+            hosted=frozenset(self.hosted),
         )
         self.post = PostInference(store=store, ledger=ledger, counters=self.counters)
         self.responses_by_status: dict[str, int] = {}
@@ -456,7 +472,7 @@ class Session:
             "id": new_id("resp"),
             "object": "response.compaction",
             "created_at": engine.now(),
-            "output": [to_wire(i) for i in [*window.items, item]],
+            "output": [to_wire(as_listed(i)) for i in [*window.items, item]],
             "usage": to_wire(usage),
         }
 
@@ -474,7 +490,7 @@ class Session:
         self.last_timings = timings
         new_items = normalize_input(request.input)
         parent: ResponseState | None = None
-        generate = request.generate is not False
+        generate = _generates(request)
         hydrated = False
         try:
             if request.previous_response_id is not None:
@@ -503,7 +519,7 @@ class Session:
             created_at=engine.now(),
             model=request.model,
             instructions=request.instructions,
-            tools=list(request.tools or ()),
+            tools=echo_tools(request.tools or ()),
             tool_choice=request.tool_choice or "auto",
             parallel_tool_calls=request.parallel_tool_calls is not False,
             previous_response_id=request.previous_response_id,
@@ -519,6 +535,9 @@ class Session:
             user=request.user,
             text=request.text or TextConfig(),
             reasoning=request.reasoning or ReasoningConfig(),
+            top_logprobs=request.top_logprobs or 0,
+            prompt_cache_retention=request.prompt_cache_retention,
+            client_metadata=request.client_metadata,
         )
         stream = ResponseStream(response)
         if rollout is not None:
@@ -572,6 +591,7 @@ class Session:
             # none when the parent was just hydrated (re-rendered from the store).
             cached = 0 if hydrated else prepared.cached_tokens
             step = 0
+            hosted_rounds = 0
             while True:
                 progress = _Progress()
                 try:
@@ -592,6 +612,7 @@ class Session:
                 records.append(self._record(response, step, progress, complete=True))
                 progress = _Progress()
                 total = total + result.usage
+                before = state.context_tokens
                 state = result.state
                 step += 1
                 if result.finish == "max_output_tokens":
@@ -605,6 +626,10 @@ class Session:
                     final_response = events[-1].response  # type: ignore[union-attr]
                     state = self._extend(state, result.pending_outputs + stream.output_since(first))
                     break
+                if result.hosted and not state.open_calls and hosted_rounds < MAX_HOSTED_ROUNDS:
+                    hosted_rounds += 1  # the hosted tools' results are in: sample again
+                    cached = before
+                    continue
                 if rollout is not None and state.open_calls:
                     before = state.context_tokens
                     rollout._suspend(state)  # appends are accepted from response.done on
@@ -782,7 +807,7 @@ class Session:
             context_tokens=state.context_tokens,
             items=state.items,
             instructions=state.prefix.instructions,
-            tools=state.prefix.tools,
+            tools=state.prefix.offered,
             tool_choice=request.tool_choice or "auto",
             parallel_tool_calls=request.parallel_tool_calls is not False,
             max_output_tokens=request.max_output_tokens,
@@ -793,44 +818,90 @@ class Session:
             text_format=request.text.format if request.text is not None else None,
         )
         first_output = stream.output_count
+        hosted: tuple[CallStart, list[str]] | None = None  # a hosted tool's call being made
+        ran_hosted = False
         finish = "stop"
-        measured: tuple[int | None, int | None] = (None, None)
+        measured: tuple[int | None, int | None, int | None] = (None, None, None)
         async with aclosing(state.route.backend.sample(sample_request)) as events:
             async for ev in events:
                 if isinstance(ev, TextDelta):
                     progress.output_tokens += ev.n_tokens
                     await emit(stream.text_delta(ev.text))
+                elif isinstance(ev, ArgsDelta) and hosted is not None:
+                    progress.output_tokens += ev.n_tokens
+                    hosted[1].append(ev.text)
                 elif isinstance(ev, ArgsDelta):
                     progress.output_tokens += ev.n_tokens
-                    await emit(stream.arguments_delta(ev.text))
+                    delta = stream.arguments_delta(ev.text)
+                    if delta is not None:
+                        await emit(delta)
                 elif isinstance(ev, TextStart):
                     for e in stream.begin_message(new_id("msg")):
                         await emit(e)
                 elif isinstance(ev, TextEnd):
                     for e in stream.end_message():
                         await emit(e)
+                elif isinstance(ev, CallStart) and ev.kind in engine.hosted:
+                    hosted = (ev, [])
+                elif isinstance(ev, CallEnd) and hosted is not None:
+                    for item in await self._run_hosted(state, hosted[0], "".join(hosted[1])):
+                        for e in stream.add_item(item):
+                            await emit(e)
+                    hosted, ran_hosted = None, True
                 elif isinstance(ev, CallStart):
+                    kind = typing.cast(CallKind, ev.kind)
                     for e in stream.begin_call(
-                        new_id("fc"), new_id("call", 12), ev.name, namespace=ev.namespace
+                        new_id(_CALL_ITEM_PREFIX[kind]),
+                        new_id("call", 12),
+                        ev.name,
+                        kind=kind,
+                        namespace=ev.namespace,
                     ):
                         await emit(e)
                 elif isinstance(ev, CallEnd):
-                    for e in stream.end_call():
+                    try:
+                        ended = stream.end_call()
+                    except InvalidToolPayload as exc:
+                        raise BackendError(f"The model made an invalid tool call: {exc}.") from None
+                    for e in ended:
                         await emit(e)
                 elif isinstance(ev, Finish):
                     finish = ev.reason
-                    measured = (ev.input_tokens, ev.output_tokens)
+                    measured = (ev.input_tokens, ev.output_tokens, ev.cached_tokens)
         engine.counters.tokens_sampled += progress.output_tokens
         if measured[1] is not None:
             progress.output_tokens = measured[1]
         if measured[0] is not None:
+            progress.cached_tokens = _upstream_cached(
+                measured[0], measured[2], cached, state.context_tokens
+            )
             progress.input_tokens = measured[0]
         outputs = stream.output_since(first_output)
         usage = _usage_of(progress)
         if finish == "max_output_tokens":
             # The caller closes the open item as incomplete, then extends the state.
             return _Step(state=state, finish=finish, usage=usage, pending_outputs=outputs)
-        return _Step(state=self._extend(state, outputs), finish=finish, usage=usage)
+        extended = self._extend(state, outputs)
+        return _Step(state=extended, finish=finish, usage=usage, hosted=ran_hosted)
+
+    async def _run_hosted(
+        self, state: ResponseState, call: CallStart, arguments: str
+    ) -> Sequence[Item]:
+        """Run a hosted tool's call with its configured executor; its items join the output."""
+        executor = self.engine.hosted[call.kind]
+        tool = next(
+            (t for t in state.prefix.offered if isinstance(t, BuiltinTool) and t.type == call.kind),
+            BuiltinTool(type=call.kind),
+        )
+        self.engine.counters.hosted_calls += 1
+        try:
+            return await executor.run(
+                HostedCall(tool=tool, arguments=arguments, call_id=new_id("call", 12))
+            )
+        except Exception as exc:  # an executor's failure fails the response, never the server
+            raise BackendError(
+                f"The hosted tool {call.kind!r} failed: {type(exc).__name__}: {exc}"
+            ) from None
 
     def _extend(self, state: ResponseState, outputs: Sequence[Item]) -> ResponseState:
         """The state with the model's output items rendered and classified into it. Completed
@@ -848,9 +919,40 @@ class Session:
             validate=False,
         )
         for item in outputs:
-            if isinstance(item, FunctionCall) and item.status == "completed":
-                staged.open_calls[item.call_id] = item.name
+            call = call_of(item)
+            if call is not None and getattr(item, "status", None) == "completed":
+                staged.open_calls[call[0]] = call[2]
         return pipeline.commit(state, staged)
+
+
+# Id prefixes of the tool-call items the model makes, by call kind.
+_CALL_ITEM_PREFIX: dict[CallKind, str] = {
+    "function": "fc",
+    "custom": "ctc",
+    "local_shell": "lsh",
+    "shell": "sh",
+    "apply_patch": "apc",
+    "computer": "cu",
+}
+
+
+def _generates(request: ResponseCreate) -> bool:
+    """Whether a request samples: not with `generate: false` (a warm-up), nor with
+    `prompt_cache_options.prewarm: true`, which overrides `generate` to false."""
+    options = request.prompt_cache_options or {}
+    return request.generate is not False and options.get("prewarm") is not True
+
+
+def _upstream_cached(input_tokens: int, reported: int | None, reused: int, rendered: int) -> int:
+    """Cached tokens when a backend counted the input itself (an upstream server, whose
+    tokenizer and template differ from rollout's): its own cached figure when it reports one,
+    else the share of its prompt that rollout reused without rendering for this request
+    (`reused` of `rendered` context tokens, scaled). Never more than the input."""
+    if reported is not None:
+        return max(0, min(reported, input_tokens))
+    if rendered <= 0:
+        return 0
+    return min(input_tokens, input_tokens * reused // rendered)
 
 
 def _input_offset(request: ResponseCreate) -> int:
@@ -963,10 +1065,9 @@ class Rollout:
             param="input",
             timings=self.timings,
         )
-        new_calls = {i.call_id for i in items if isinstance(i, FunctionCall)}
-        if new_calls:
+        if any(call_of(i) is not None for i in items):
             raise invalid(
-                "response.append carries tool outputs and messages, not function calls.",
+                "response.append carries tool outputs and messages, not tool calls.",
                 param="input",
             )
         self._state = engine.pipeline.commit(state, staged)
@@ -1007,6 +1108,7 @@ async def open_engine(
     wall_clock: Callable[[], float] = time.time,
     rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT,
     compaction_key: bytes | None = None,
+    hosted_tools: Sequence[HostedTool] = (),
 ) -> AsyncIterator[Engine]:
     """Open an engine. Defaults: the built-in `sim` models, the o200k chat-template
     renderer, the default classifiers, no store and no ledger (pass SQLite ones, see
@@ -1020,12 +1122,14 @@ async def open_engine(
         registry=registry or default_registry(),
         renderer=renderer or ChatTemplateRenderer(O200kTokenizer()),
         classifier=classifier or default_classifiers(),
-        validator=validator or ConversationValidator(),
+        validator=validator
+        or ConversationValidator(hosted=frozenset(tool.type for tool in hosted_tools)),
         store=store,
         ledger=ledger,
         wall_clock=wall_clock,
         rollout_suspend_limit=rollout_suspend_limit,
         compaction_key=compaction_key,
+        hosted_tools=hosted_tools,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.post.run)

@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 import attrs
 
-from protocol import Item, Response, Tool, ToolChoice
+from protocol import BuiltinTool, Item, Response, Tool, ToolChoice
 
 __all__ = [
     "ArgsDelta",
@@ -24,6 +24,8 @@ __all__ = [
     "ClassifierVerdict",
     "Finish",
     "Flag",
+    "HostedCall",
+    "HostedTool",
     "Renderer",
     "ResponseStore",
     "SampleEvent",
@@ -129,7 +131,7 @@ class SampleRequest:
     context_tokens: int
     items: Sequence[Item]  # the whole conversation so far (a view; do not copy on hot paths)
     instructions: str | None
-    tools: Sequence[Tool]
+    tools: Sequence[Tool]  # the tools offered to the model
     tool_choice: ToolChoice
     parallel_tool_calls: bool
     max_output_tokens: int | None
@@ -158,12 +160,24 @@ class TextEnd:
 
 @attrs.frozen
 class CallStart:
+    """A tool call begins. `kind` is the tool's kind: a function or custom tool (`name` is
+    its name, `namespace` its namespace), or a client-run built-in tool (`name` is its type)."""
+
     name: str
     namespace: str | None = None
+    # "function", "custom", a client-run built-in kind ("shell", ...), or the type of a hosted
+    # tool the engine runs itself (one with a configured `HostedTool`)
+    kind: str = "function"
 
 
 @attrs.frozen
 class ArgsDelta:
+    """More of the open call: JSON arguments (function), free-form input (custom), or the
+    JSON action / operation of a built-in tool's call (`shell`: `{"commands": [...]}`,
+    `local_shell`: `{"type": "exec", "command": [...]}`, `apply_patch`: `{"type":
+    "create_file" | "update_file" | "delete_file", "path", "diff"}`, `computer`: one action
+    such as `{"type": "screenshot"}`)."""
+
     text: str
     n_tokens: int = 1
 
@@ -179,6 +193,7 @@ class Finish:
     # Token counts the backend measured (an upstream server's usage); None: render and count.
     input_tokens: int | None = None
     output_tokens: int | None = None
+    cached_tokens: int | None = None  # of input_tokens, served from the upstream's own cache
 
 
 SampleEvent: TypeAlias = TextStart | TextDelta | TextEnd | CallStart | ArgsDelta | CallEnd | Finish
@@ -191,6 +206,31 @@ class Backend(Protocol):
     inside, on trio's clock."""
 
     def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]: ...
+
+
+# --- hosted tools ----------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class HostedCall:
+    """A call the model made to a hosted tool: its declaration, the model's arguments (JSON
+    text, e.g. `{"query": "..."}`), and the call id the engine gave it."""
+
+    tool: BuiltinTool
+    arguments: str
+    call_id: str
+
+
+class HostedTool(Protocol):
+    """Runs a hosted tool (`web_search`, `file_search`, `code_interpreter`, `mcp`, ...) on
+    the server, inside the response: the model's call is not sent to the client; the items
+    `run` returns (e.g. a completed `web_search_call`) go out as output items and the model
+    samples again. A hosted tool type is offered to the model only when one is configured.
+    Failures raise (the response fails with `server_error`)."""
+
+    type: str
+
+    async def run(self, call: HostedCall) -> Sequence[Item]: ...
 
 
 # --- post-inference: store and ledger --------------------------------------------------------

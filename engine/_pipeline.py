@@ -12,34 +12,32 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import typing
 from array import array
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
-import jsonschema
 
 from protocol import (
-    FunctionCall,
-    FunctionCallOutput,
-    FunctionTool,
     InputFile,
     InputImage,
     Item,
     ItemReference,
     Message,
-    NamespaceTool,
     RemoteProtocolError,
     ResponseCreate,
     Tool,
-    ToolChoiceFunction,
+    call_of,
+    output_of,
 )
 
 from ._counters import Counters, StageTimer
 from ._ids import new_id
 from ._interfaces import Classifier, Flag, Renderer
 from ._models import ModelRegistry
-from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens
+from ._state import CallRecord, Lineage, Prefix, ResponseState, Route, digest_tokens
+from ._tools import check_tools, offered_tools
 
 __all__ = [
     "ConversationValidator",
@@ -68,8 +66,8 @@ def normalize_input(value: str | list[Item] | None) -> list[Item]:
 class ConversationView(Protocol):
     """What validation may ask about the conversation so far."""
 
-    def call(self, call_id: str) -> str | None:
-        """The name of the function call with this id, or None if there is none."""
+    def call(self, call_id: str) -> CallRecord | None:
+        """The tool call with this id, or None if there is none."""
         ...
 
 
@@ -78,9 +76,8 @@ class _LineageView:
     lineage: Lineage
     n_items: int
 
-    def call(self, call_id: str) -> str | None:
-        found = self.lineage.call(call_id, self.n_items)
-        return found.name if found else None
+    def call(self, call_id: str) -> CallRecord | None:
+        return self.lineage.call(call_id, self.n_items)
 
 
 class Validator(Protocol):
@@ -106,12 +103,17 @@ class Validator(Protocol):
 class ConversationValidator:
     """The built-in validator.
 
-    Request level: a model is named; tools have unique names and valid JSON schemas; a named
-    `tool_choice` names a declared tool; unsupported features are refused by name.
-    Item level: every `function_call_output` answers a function call of the conversation that
-    has no output yet; a function call's `call_id` is new; item references are resolved before
-    validation (by the caller) and refused if any remain.
+    Request level: a model is named; tools have unique names, valid JSON schemas and bounded
+    grammars; a named `tool_choice` names a declared tool; features rollout cannot honour
+    (and whose silent omission would mislead) are refused by name.
+    Item level: every tool output answers a call of the same kind (function, custom, shell,
+    ...) in the conversation that has no output yet; a call's `call_id` is new; item
+    references are resolved before validation (by the caller) and refused if any remain.
+    `hosted` names the hosted tool types an executor is configured for.
     """
+
+    def __init__(self, *, hosted: frozenset[str] = frozenset()) -> None:
+        self.hosted = hosted
 
     def validate_request(self, request: ResponseCreate, *, tools_known: bool = False) -> None:
         if not request.model:
@@ -120,40 +122,37 @@ class ConversationValidator:
                 code="missing_required_parameter",
                 param="model",
             )
-        if request.conversation is not None:
-            raise invalid(
+        for param, why in (
+            (
+                "conversation",
                 "Conversations are not supported by this server; use previous_response_id.",
-                code="unsupported_parameter",
-                param="conversation",
-            )
-        names: set[str] = set()
-        for i, tool in enumerate(request.tools or ()):
-            members = tool.tools if isinstance(tool, NamespaceTool) else [tool]
-            for j, member in enumerate(members):
-                where = f"tools[{i}]" + (f".tools[{j}]" if isinstance(tool, NamespaceTool) else "")
-                qualified = _qualified(tool, member)
-                if qualified in names:
-                    raise invalid(f"Duplicate tool name: '{qualified}'.", param=f"{where}.name")
-                names.add(qualified)
-                if member.parameters is not None and not tools_known:
-                    try:
-                        jsonschema.validators.validator_for(member.parameters).check_schema(
-                            member.parameters
-                        )
-                    except jsonschema.SchemaError as exc:
-                        raise invalid(
-                            f"Invalid schema for function '{member.name}': {exc.message}.",
-                            code="invalid_function_parameters",
-                            param=f"{where}.parameters",
-                        ) from None
-        choice = request.tool_choice
-        if isinstance(choice, ToolChoiceFunction) and not any(
-            q == choice.name or q.rsplit(".", 1)[-1] == choice.name for q in names
+            ),
+            (
+                "prompt",
+                "Prompt templates are not supported by this server; send the "
+                "instructions and input themselves.",
+            ),
         ):
+            if getattr(request, param) is not None:
+                raise invalid(why, code="unsupported_parameter", param=param)
+        if request.background:
             raise invalid(
-                f"Tool choice '{choice.name}' not found in 'tools' parameter.",
-                param="tool_choice",
+                "Background responses are not supported by this server.",
+                code="unsupported_parameter",
+                param="background",
             )
+        if request.multi_agent is not None and request.multi_agent.get("enabled"):
+            raise invalid(
+                "Multi-agent responses are not supported by this server yet.",
+                code="unsupported_parameter",
+                param="multi_agent",
+            )
+        check_tools(
+            request.tools or (),
+            request.tool_choice,
+            hosted=self.hosted,
+            schemas_known=tools_known,
+        )
 
     def validate_items(
         self,
@@ -164,7 +163,7 @@ class ConversationValidator:
         param: str,
         offset: int = 0,
     ) -> None:
-        new_calls: set[str] = set()
+        new_calls: dict[str, str] = {}  # call_id -> kind, calls made by these items
         for k, item in enumerate(items):
             where = f"{param}[{offset + k}]"
             parts = getattr(item, "content", None)
@@ -176,28 +175,20 @@ class ConversationValidator:
             if isinstance(parts, list):
                 for j, part in enumerate(parts):
                     check_part(part, f"{where}.{field}[{j}]")
-            if isinstance(item, FunctionCall):
-                if item.call_id in new_calls or conversation.call(item.call_id) is not None:
-                    raise invalid(
-                        f"Duplicate function call id '{item.call_id}'.",
-                        param=f"{where}.call_id",
-                    )
-                new_calls.add(item.call_id)
-                if item.status != "incomplete":
+            call = call_of(item)
+            answer = output_of(item) if call is None else None
+            if call is not None:
+                call_id, kind, name = call
+                if call_id in new_calls or conversation.call(call_id) is not None:
+                    raise invalid(f"Duplicate tool call id '{call_id}'.", param=f"{where}.call_id")
+                new_calls[call_id] = kind
+                if getattr(item, "status", None) != "incomplete":
                     # A call cut off by max_output_tokens was never made and waits for no
                     # output: the same rule as for the model's own output (Session._extend),
                     # so stateless input and hydration agree with the cached state.
-                    open_calls[item.call_id] = item.name
-            elif isinstance(item, FunctionCallOutput):
-                if item.call_id not in open_calls:
-                    known = item.call_id in new_calls or conversation.call(item.call_id)
-                    why = "already has an output" if known else "was not found"
-                    raise invalid(
-                        f"No tool call found for function call output with call_id "
-                        f"'{item.call_id}': the call {why}.",
-                        param=f"{where}.call_id",
-                    )
-                del open_calls[item.call_id]
+                    open_calls[call_id] = name
+            elif answer is not None:
+                _check_answer(answer, where, new_calls, conversation, open_calls)
             elif isinstance(item, ItemReference):
                 raise invalid(
                     f"Item reference '{item.id}' could not be resolved.",
@@ -206,11 +197,53 @@ class ConversationValidator:
                 )
 
 
+def _check_answer(
+    answer: tuple[str | None, str],
+    where: str,
+    new_calls: dict[str, str],
+    conversation: ConversationView,
+    open_calls: dict[str, str],
+) -> None:
+    """A tool output answers an open call of its own kind; it then closes that call."""
+    call_id, kind = answer
+    id_param = f"{where}.id" if kind == "local_shell" else f"{where}.call_id"
+    if call_id is None:
+        raise invalid(
+            "Missing required parameter: 'call_id' (the call this output answers).",
+            code="missing_required_parameter",
+            param=id_param,
+        )
+    record = conversation.call(call_id)
+    called = new_calls.get(call_id) or (record.kind if record is not None else None)
+    if call_id not in open_calls:
+        why = "already has an output" if called is not None else "was not found"
+        raise invalid(
+            f"No tool call found for {kind} call output with call_id '{call_id}': the call {why}.",
+            param=id_param,
+        )
+    if called != kind:
+        raise invalid(
+            f"The {kind} call output with call_id '{call_id}' answers a {called} call.",
+            param=f"{where}.type",
+        )
+    del open_calls[call_id]
+
+
+# Id prefixes of the input items that get an id when they come without one.
 _ID_PREFIX = {
     "message": "msg",
     "function_call": "fc",
     "function_call_output": "fco",
     "reasoning": "rs",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+    "local_shell_call": "lsh",
+    "shell_call": "sh",
+    "shell_call_output": "sho",
+    "apply_patch_call": "apc",
+    "apply_patch_call_output": "apco",
+    "computer_call": "cu",
+    "computer_call_output": "cuo",
 }
 
 
@@ -218,7 +251,7 @@ def _with_id(item: Item) -> Item:
     prefix = _ID_PREFIX.get(item.type)
     if prefix is None or getattr(item, "id", None) is not None:
         return item
-    return attrs.evolve(item, id=new_id(prefix))
+    return typing.cast(Item, attrs.evolve(typing.cast(Any, item), id=new_id(prefix)))
 
 
 # Limits on inline content (decoded bytes). OpenAI accepts images up to 20 MB and files up to
@@ -315,21 +348,6 @@ def check_part(part: Any, where: str) -> None:
             )
 
 
-def _qualified(tool: Tool, member: FunctionTool) -> str:
-    return f"{tool.name}.{member.name}" if isinstance(tool, NamespaceTool) else member.name
-
-
-def tool_index(tools: Sequence[Tool]) -> dict[str, FunctionTool]:
-    out: dict[str, FunctionTool] = {}
-    for tool in tools:
-        if isinstance(tool, NamespaceTool):
-            for member in tool.tools:
-                out[_qualified(tool, member)] = member
-        else:
-            out[tool.name] = tool
-    return out
-
-
 @attrs.frozen(kw_only=True, eq=False)
 class Staged:
     """Items validated, rendered and classified, not yet committed to a lineage."""
@@ -364,7 +382,9 @@ class Pipeline:
         registry: ModelRegistry,
         counters: Counters,
         timer: StageTimer,
+        hosted: frozenset[str] = frozenset(),
     ) -> None:
+        self.hosted = hosted  # hosted tool types with an executor (offered to the model)
         self.validator = validator
         self.renderer = renderer
         self.classifier = classifier
@@ -393,22 +413,23 @@ class Pipeline:
     ) -> Prefix:
         if parent is not None and parent.prefix.same_as(instructions, tools):
             return parent.prefix
+        offered = offered_tools(tools, self.hosted)
         with self.timer.measure("render", timings):
-            tokens = self.renderer.render_prefix(instructions, tools)
+            tokens = self.renderer.render_prefix(instructions, offered)
             self.counters.tokens_rendered += len(tokens)
         with self.timer.measure("classify", timings):
             verdict = self.classifier.feed(
                 self.classifier.initial(),
-                self.renderer.prefix_text(instructions, tools),
+                self.renderer.prefix_text(instructions, offered),
                 len(tokens),
             )
             self.counters.tokens_classified += len(tokens)
         return Prefix(
             instructions=instructions,
             tools=tuple(tools),
+            offered=offered,
             tokens=tokens,
             digest=digest_tokens(tokens),
-            tool_index=tool_index(tools),
             classifier_state=verdict.state,
             flags=verdict.flags,
         )

@@ -11,8 +11,9 @@ Prefix (`render_prefix`), each part only when non-empty::
     <|start|>"developer"<|message|>"# Tools\\n"{tools JSON}<|end|>
 
 where the tools JSON is canonical: ``json.dumps(to_wire(tools), sort_keys=True,
-separators=(",", ":"), ensure_ascii=False)``, so the key order of a tool's input dict does not
-matter.
+separators=(",", ":"), ensure_ascii=False)`` without a typed tool's null fields (a function
+tool's absent `description`, `parameters` and `strict` are on the wire as nulls), so the key
+order of a tool's input dict does not matter, nor does an explicit null.
 
 Items (`render_item`), one shape per item type::
 
@@ -23,9 +24,26 @@ Items (`render_item`), one shape per item type::
                                          {namespace + "." if namespace}{name}
                                          <|constrain|>"json"<|message|>{arguments}<|call|>
     function_call_output             <|start|>"tool"<|message|>{output}<|end|>
+    custom_tool_call                 <|start|>"assistant"<|channel|>"commentary to="
+                                         {namespace + "." if namespace}{name}
+                                         <|message|>{input}<|call|>
+    custom_tool_call_output          <|start|>"tool"<|message|>{output}<|end|>
+    shell_call, local_shell_call,    <|start|>"assistant"<|channel|>"commentary to="{kind}
+    apply_patch_call, computer_call      <|constrain|>"json"<|message|>{payload JSON}<|call|>
+    their outputs                    <|start|>"tool"<|message|>{output}<|end|>
     reasoning                        <|start|>"assistant"<|channel|>"analysis"
                                          <|message|>{reasoning text}<|end|>
+    any other item (web_search_call, <|start|>{type}<|message|>{item JSON}<|end|>
+        mcp_call, ...)
     item_reference                   ValueError: references are resolved before rendering
+
+A built-in call's payload is its `action` (shell, local shell; a computer call's `action`, or
+`{"actions": [...]}`) or `operation` (apply_patch), as canonical JSON. Outputs: a local shell's
+`output` string; a shell's `output` list and an apply_patch output's `{"status", "output"}` as
+canonical JSON; a computer call's screenshot as an `input_image` part (`detail: auto`). Any
+other item renders as canonical JSON of its keys but `id`, `call_id`, `status` and
+`created_by`. Canonical JSON is ``json.dumps(x, sort_keys=True, separators=(",", ":"),
+ensure_ascii=False)``.
 
 Content (a message's `content`, a call output's `output`) is a string, or a list of parts
 rendered in order. Consecutive text pieces are joined into one string before encoding:
@@ -61,7 +79,15 @@ from array import array
 from collections.abc import Sequence
 
 from protocol import (
+    ApplyPatchCall,
+    ApplyPatchCallOutput,
+    BuiltinTool,
+    ComputerCall,
+    ComputerCallOutput,
     ContentPart,
+    CustomTool,
+    CustomToolCall,
+    CustomToolCallOutput,
     FunctionCall,
     FunctionCallOutput,
     FunctionTool,
@@ -70,11 +96,16 @@ from protocol import (
     InputText,
     Item,
     ItemReference,
+    LocalShellCall,
+    LocalShellCallOutput,
     Message,
     NamespaceTool,
+    OpaqueItem,
     OutputText,
     Reasoning,
     Refusal,
+    ShellCall,
+    ShellCallOutput,
     Tool,
     to_wire,
 )
@@ -94,6 +125,9 @@ __all__ = [
     "SPECIAL_TOKENS",
     "START",
     "ChatTemplateRenderer",
+    "builtin_output_text",
+    "builtin_payload",
+    "canonical_json",
     "canonical_tools_json",
 ]
 
@@ -136,9 +170,57 @@ _TEXT_MEDIA_TYPES = ("application/json", "application/xml")
 
 def canonical_tools_json(tools: Sequence[Tool]) -> str:
     """The tools as canonical JSON: sorted keys, no whitespace, non-ASCII kept."""
-    return json.dumps(
-        to_wire(list(tools)), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    )
+    return canonical_json([_without_nulls(tool) for tool in tools])
+
+
+def _without_nulls(tool: Tool) -> object:
+    if isinstance(tool, BuiltinTool):
+        return to_wire(tool)  # carried exactly as given
+    wire = {k: v for k, v in to_wire(tool).items() if v is not None}
+    if isinstance(tool, NamespaceTool):
+        wire["tools"] = [_without_nulls(member) for member in tool.tools]
+    return wire
+
+
+def canonical_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+# Keys of an item that never render (ids and bookkeeping): the same conversation renders the
+# same whatever ids were generated.
+_UNRENDERED_KEYS = frozenset({"id", "call_id", "status", "created_by"})
+
+
+def builtin_payload(item: Item) -> str | None:
+    """The canonical JSON payload of a built-in tool's call (see the module docstring)."""
+    if isinstance(item, ShellCall | LocalShellCall):
+        return canonical_json(to_wire(item.action))
+    if isinstance(item, ApplyPatchCall):
+        return canonical_json(to_wire(item.operation))
+    if isinstance(item, ComputerCall):
+        if item.actions is not None:
+            return canonical_json({"actions": item.actions})
+        return canonical_json(item.action or {})
+    return None
+
+
+def builtin_output_text(item: Item) -> str | None:
+    """The text of a built-in tool's output (a computer screenshot has none: it is an image)."""
+    if isinstance(item, LocalShellCallOutput):
+        return item.output
+    if isinstance(item, ShellCallOutput):
+        return canonical_json(to_wire(item.output))
+    if isinstance(item, ApplyPatchCallOutput):
+        return canonical_json({"status": item.status, "output": item.output})
+    return None
+
+
+def _opaque_json(item: OpaqueItem) -> str:
+    return canonical_json({k: v for k, v in item.data.items() if k not in _UNRENDERED_KEYS})
+
+
+def _screenshot(item: ComputerCallOutput) -> InputImage:
+    return InputImage(image_url=item.output.image_url, file_id=item.output.file_id)
 
 
 def _digest(source: str) -> str:
@@ -208,7 +290,7 @@ class ChatTemplateRenderer:
         }
         self._call_head = [START, *assistant, CHANNEL, *enc("commentary to=")]
         self._call_tail = [CONSTRAIN, *enc("json"), MESSAGE]
-        self._call_heads: dict[tuple[str | None, str], list[int]] = {}
+        self._call_heads: dict[tuple[str | None, str, bool], list[int]] = {}
         self._tool_head = [START, *enc("tool"), MESSAGE]
         self._reasoning_head = [START, *assistant, CHANNEL, *enc("analysis"), MESSAGE]
         self._file_footer = enc(_FILE_FOOTER)
@@ -243,9 +325,25 @@ class ChatTemplateRenderer:
             out = list(self._call_header(item.namespace, item.name))
             out += self._encode(item.arguments)
             out.append(CALL)
-        elif isinstance(item, FunctionCallOutput):
+        elif isinstance(item, CustomToolCall):
+            out = list(self._call_header(item.namespace, item.name, constrain=False))
+            out += self._encode(item.input)
+            out.append(CALL)
+        elif isinstance(item, FunctionCallOutput | CustomToolCallOutput):
             out = list(self._tool_head)
             out += self._content(item.output)
+            out.append(END)
+        elif (payload := builtin_payload(item)) is not None:
+            out = list(self._call_header(None, item.type.removesuffix("_call")))
+            out += self._encode(payload)
+            out.append(CALL)
+        elif (text := builtin_output_text(item)) is not None:
+            out = [*self._tool_head, *self._encode(text), END]
+        elif isinstance(item, ComputerCallOutput):
+            out = [*self._tool_head, *self._content([_screenshot(item)]), END]
+        elif isinstance(item, OpaqueItem):
+            out = [START, *self._encode(item.type), MESSAGE]
+            out += self._encode(_opaque_json(item))
             out.append(END)
         elif isinstance(item, Reasoning):
             out = list(self._reasoning_head)
@@ -290,12 +388,17 @@ class ChatTemplateRenderer:
         enc = self._encode
         return [START, *enc("assistant"), CHANNEL, *enc(phase or "final"), MESSAGE]
 
-    def _call_header(self, namespace: str | None, name: str) -> list[int]:
-        key = (namespace, name)
+    def _call_header(
+        self, namespace: str | None, name: str, *, constrain: bool = True
+    ) -> list[int]:
+        """The header of a call: JSON-constrained (functions, built-in tools) or free-form
+        (custom tools)."""
+        key = (namespace, name, constrain)
         head = self._call_heads.get(key)
         if head is None:
             target = f"{namespace}.{name}" if namespace else name
-            head = [*self._call_head, *self._encode(target), *self._call_tail]
+            tail = self._call_tail if constrain else [MESSAGE]
+            head = [*self._call_head, *self._encode(target), *tail]
             if len(self._call_heads) >= MAX_CACHED_CALL_HEADERS:
                 self._call_heads.clear()
             self._call_heads[key] = head
@@ -347,6 +450,8 @@ class ChatTemplateRenderer:
                 lines.append(f"{tool.name}: {tool.description}")
                 for member in tool.tools:
                     _describe_function(lines, member, f"{tool.name}.")
+            elif isinstance(tool, BuiltinTool):
+                lines.append(canonical_json(to_wire(tool)))
             else:
                 _describe_function(lines, tool, "")
         return "\n".join(lines)
@@ -358,8 +463,18 @@ class ChatTemplateRenderer:
             return _content_text(item.content)
         if isinstance(item, FunctionCall):
             return item.arguments
-        if isinstance(item, FunctionCallOutput):
+        if isinstance(item, CustomToolCall):
+            return item.input
+        if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
             return _content_text(item.output)
+        if (payload := builtin_payload(item)) is not None:
+            return payload
+        if (text := builtin_output_text(item)) is not None:
+            return text
+        if isinstance(item, ComputerCallOutput):
+            return ""
+        if isinstance(item, OpaqueItem):
+            return _opaque_json(item)
         if isinstance(item, Reasoning):
             return self._reasoning_text(item, encrypted=False)
         if isinstance(item, ItemReference):
@@ -379,13 +494,13 @@ class ChatTemplateRenderer:
         return "\n".join(texts)
 
 
-def _describe_function(lines: list[str], tool: FunctionTool, qualifier: str) -> None:
+def _describe_function(lines: list[str], tool: FunctionTool | CustomTool, qualifier: str) -> None:
     head = f"{qualifier}{tool.name}"
     lines.append(f"{head}: {tool.description}" if tool.description else head)
-    if tool.parameters is not None:
-        lines.append(
-            json.dumps(tool.parameters, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        )
+    if isinstance(tool, FunctionTool) and tool.parameters is not None:
+        lines.append(canonical_json(tool.parameters))
+    elif isinstance(tool, CustomTool) and tool.format is not None:
+        lines.append(canonical_json(to_wire(tool.format)))
 
 
 def _content_text(content: str | Sequence[ContentPart]) -> str:

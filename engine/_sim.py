@@ -22,11 +22,19 @@ A text answer to a user turn with images or files starts by acknowledging them
 With `text.format` of type `json_schema` (or `json_object`), a text answer is a JSON document
 valid for the schema (structured outputs), whatever `tokens` says.
 It honours `tool_choice` like a real model (`none`: text; `required`: always call a tool;
-a named function: always call that function; `auto`: the `steps` rule), `parallel_tool_calls:
-false`, and `max_output_tokens` (the turn stops there and the response ends `incomplete`).
-Function-call arguments are generated from the tool's JSON schema and validate against it for
-the common keywords (type, properties, required, enum, const, items, min/max, lengths,
-anyOf/oneOf/allOf taking the first branch).
+a named tool or a forced built-in type: always call that tool; `allowed_tools`: only those;
+`auto`: the `steps` rule), `parallel_tool_calls: false`, and `max_output_tokens` (the turn
+stops there and the response ends `incomplete`).
+
+It calls every kind of tool a client runs:
+- function tools: arguments generated from the tool's JSON schema, valid for the common
+  keywords (type, properties, required, enum, const, items, min/max, lengths, anyOf/oneOf/allOf
+  taking the first branch);
+- custom tools: a few words (`text` format), or a string the tool's lark or regex grammar
+  accepts (`engine._grammar`; a grammar it cannot generate from leaves the tool uncalled);
+- `shell` (`{"commands": ["echo ..."]}`), `local_shell` (`echo` with arguments),
+  `apply_patch` (creates `notes/<word>.txt`) and `computer` (a screenshot or a click);
+- hosted tools, when the engine offers them (an executor is configured): `{"query": ...}`.
 """
 
 from __future__ import annotations
@@ -39,13 +47,9 @@ from typing import Any
 
 import trio
 
-from protocol import (
-    FunctionTool,
-    NamespaceTool,
-    RemoteProtocolError,
-    ToolChoiceFunction,
-)
+from protocol import CustomTool, FunctionTool, RemoteProtocolError
 
+from ._grammar import GrammarError, check_grammar, grammar_instance
 from ._interfaces import (
     ArgsDelta,
     CallEnd,
@@ -57,6 +61,7 @@ from ._interfaces import (
     TextEnd,
     TextStart,
 )
+from ._tools import CallTarget, resolve_choice
 
 __all__ = ["SIM_PARAMS", "SimBackend", "SimParams", "schema_instance"]
 
@@ -131,16 +136,6 @@ def _float(params: Mapping[str, str], key: str, default: float) -> float:
     return value
 
 
-def _declared(tools: Any) -> list[tuple[str | None, FunctionTool]]:
-    out: list[tuple[str | None, FunctionTool]] = []
-    for tool in tools:
-        if isinstance(tool, NamespaceTool):
-            out.extend((tool.name, member) for member in tool.tools)
-        else:
-            out.append((None, tool))
-    return out
-
-
 class SimBackend:
     """The `sim` family. Stateless: everything comes from the SampleRequest."""
 
@@ -197,12 +192,10 @@ class SimBackend:
             return
 
         used = 0
-        for namespace, tool in calls:
-            arguments = json.dumps(
-                schema_instance(tool.parameters or {"type": "object"}, rng), ensure_ascii=False
-            )
-            yield CallStart(tool.name, namespace)
-            pieces = [arguments[i : i + 4] for i in range(0, len(arguments), 4)] or [""]
+        for call in calls:
+            payload = _payload(call, rng)
+            yield CallStart(call.name, call.namespace, call.kind)
+            pieces = [payload[i : i + 4] for i in range(0, len(payload), 4)] or [""]
             i = 0
             while i < len(pieces):
                 size = 1 if used == 0 else max(1, clock.per_interval(p))
@@ -223,23 +216,67 @@ class SimBackend:
         yield Finish("tool_calls")
 
     @staticmethod
-    def _plan_calls(
-        request: SampleRequest, p: SimParams, rng: random.Random
-    ) -> list[tuple[str | None, FunctionTool]]:
-        declared = _declared(request.tools)
-        choice = request.tool_choice
-        if not declared or choice == "none":
+    def _plan_calls(request: SampleRequest, p: SimParams, rng: random.Random) -> list[CallTarget]:
+        choice = resolve_choice(request.tool_choice, request.tools)
+        candidates = [c for c in choice.tools if _callable(c)]
+        if not candidates or choice.mode == "none":
             return []
         per_turn = p.parallel if request.parallel_tool_calls else 1
-        if isinstance(choice, ToolChoiceFunction):
-            named = [d for d in declared if d[1].name == choice.name]
-            return named[:1] * per_turn if named else []
-        if choice == "auto":
-            remaining = p.steps - request.calls_since_user
-            if remaining <= 0:
-                return []
-            per_turn = min(per_turn, remaining)
-        return [rng.choice(declared) for _ in range(per_turn)]
+        if isinstance(request.tool_choice, str) or choice.mode != "required":
+            if choice.mode == "auto":
+                remaining = p.steps - request.calls_since_user
+                if remaining <= 0:
+                    return []
+                per_turn = min(per_turn, remaining)
+            return [rng.choice(candidates) for _ in range(per_turn)]
+        if len(candidates) == 1:  # a named tool or a forced built-in type
+            return candidates * per_turn
+        return [rng.choice(candidates) for _ in range(per_turn)]
+
+
+def _callable(call: CallTarget) -> bool:
+    """Can sim make this call? Any offered tool (client-run, or hosted with an executor), but
+    a custom tool's grammar must be one it can generate from."""
+    tool = call.tool
+    if isinstance(tool, CustomTool) and tool.format is not None and tool.format.type == "grammar":
+        try:
+            check_grammar(tool.format.syntax or "lark", tool.format.definition or "")
+        except GrammarError:
+            return False
+    return True
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(_VOCAB) for _ in range(n)).strip()
+
+
+def _payload(call: CallTarget, rng: random.Random) -> str:
+    """The arguments, input or payload of one call (see the module docstring)."""
+    tool = call.tool
+    if isinstance(tool, FunctionTool):
+        return json.dumps(
+            schema_instance(tool.parameters or {"type": "object"}, rng), ensure_ascii=False
+        )
+    if isinstance(tool, CustomTool):
+        fmt = tool.format
+        if fmt is not None and fmt.type == "grammar":
+            seed = rng.getrandbits(64)
+            return str(grammar_instance(fmt.syntax or "lark", fmt.definition or "", seed))
+        return _words(rng, 6)
+    word = rng.choice(_WORDS[1:])
+    if call.kind == "shell":
+        return json.dumps({"commands": [f"echo {_words(rng, 3)}"]})
+    if call.kind == "local_shell":
+        return json.dumps({"type": "exec", "command": ["echo", *_words(rng, 3).split()]})
+    if call.kind == "apply_patch":
+        diff = f"+{_words(rng, 6)}\n"
+        return json.dumps({"type": "create_file", "path": f"notes/{word}.txt", "diff": diff})
+    if call.kind != "computer":  # a hosted tool: a query
+        return json.dumps({"query": _words(rng, 4)})
+    if rng.random() < 0.5:
+        return json.dumps({"type": "screenshot"})
+    x, y = rng.randint(0, 1023), rng.randint(0, 767)
+    return json.dumps({"type": "click", "button": "left", "x": x, "y": y})
 
 
 def _acknowledgement(images: int, files: int) -> list[str]:

@@ -21,9 +21,17 @@ from typing import Any, overload
 
 import attrs
 
-from protocol import FunctionCall, FunctionCallOutput, FunctionTool, Item, Message, Response, Tool
+from protocol import CallKind, Item, Message, OpaqueItem, Response, Tool, call_of
 
-__all__ = ["ItemsView", "Lineage", "Prefix", "ResponseState", "Route", "digest_tokens"]
+__all__ = [
+    "CallRecord",
+    "ItemsView",
+    "Lineage",
+    "Prefix",
+    "ResponseState",
+    "Route",
+    "digest_tokens",
+]
 
 _EMPTY_DIGEST = hashlib.blake2b(b"rollout-context", digest_size=16).digest()
 
@@ -37,9 +45,12 @@ def _chain(previous: bytes, item_digest: bytes) -> bytes:
 
 
 @attrs.define(eq=False)
-class _Call:
-    name: str
-    added_at: int  # index of the function_call item in the lineage
+class CallRecord:
+    """A tool call of the conversation (any kind: function, custom, shell, ...)."""
+
+    kind: CallKind
+    name: str  # the tool's name (a built-in tool's call: its kind)
+    added_at: int  # index of the call item in the lineage
 
 
 class Lineage:
@@ -65,10 +76,10 @@ class Lineage:
         self.tokens: array[int] = array("I")
         self._ends: array[int] = array("Q")  # cumulative token count after each item
         self._digests: list[bytes] = []  # chained context digest after each item
-        self._csu: array[int] = array("I")  # function calls since the last user message
+        self._csu: array[int] = array("I")  # tool calls since the last user message
         # (images, files) in content since the last user message, that message included
         self._media: list[tuple[int, int]] = []
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, CallRecord] = {}
         self._ids: dict[str, int] = {}  # item id -> index (for item_reference)
 
     def __len__(self) -> int:
@@ -90,8 +101,8 @@ class Lineage:
         start = self._ends[index - 1] if index else 0
         return self.tokens[start : self._ends[index]]
 
-    def call(self, call_id: str, n_items: int) -> _Call | None:
-        """The function call with `call_id` among the first `n_items` items, if any."""
+    def call(self, call_id: str, n_items: int) -> CallRecord | None:
+        """The tool call with `call_id` among the first `n_items` items, if any."""
         found = self._calls.get(call_id)
         if found is None or found.added_at >= n_items:
             return None
@@ -113,12 +124,15 @@ class Lineage:
         self._digests.append(_chain(self.digest(index), digest_tokens(item_tokens)))
         csu = self.calls_since_user(index)
         images, files = self.media_since_user(index)
+        call = call_of(item)
         if isinstance(item, Message) and item.role == "user":
             csu = 0
             images = files = 0
-        elif isinstance(item, FunctionCall):
+        elif call is not None:
             csu += 1
-            self._calls[item.call_id] = _Call(item.name, index)
+            self._calls[call[0]] = CallRecord(call[1], call[2], index)
+        elif isinstance(item, OpaqueItem) and item.type.endswith("_call"):
+            csu += 1  # a hosted tool's call (web_search_call, mcp_call, ...)
         self._csu.append(csu)
         more_images, more_files = _parts_media(item)
         self._media.append((images + more_images, files + more_files))
@@ -144,11 +158,10 @@ class Lineage:
         new._digests = digests
         new._csu = csu
         new._media = _media_counts(items)
-        new._calls = {
-            item.call_id: _Call(item.name, i)
-            for i, item in enumerate(items)
-            if isinstance(item, FunctionCall)
-        }
+        for i, item in enumerate(items):
+            call = call_of(item)
+            if call is not None:
+                new._calls[call[0]] = CallRecord(call[1], call[2], i)
         for i, item in enumerate(items):
             item_id = getattr(item, "id", None)
             if item_id is not None:
@@ -184,8 +197,8 @@ def _parts_media(item: Item) -> tuple[int, int]:
         parts = getattr(item, "output", None)
     if not isinstance(parts, list):
         return (0, 0)
-    images = sum(1 for part in parts if part.type == "input_image")
-    files = sum(1 for part in parts if part.type == "input_file")
+    images = sum(1 for part in parts if getattr(part, "type", None) == "input_image")
+    files = sum(1 for part in parts if getattr(part, "type", None) == "input_file")
     return (images, files)
 
 
@@ -245,7 +258,8 @@ class Prefix:
     tools: tuple[Tool, ...]
     tokens: array[int]
     digest: bytes
-    tool_index: dict[str, FunctionTool]  # qualified name ("ns.name" or "name") -> tool
+    # The tools offered to the model: `tools` without the hosted ones no executor can run.
+    offered: tuple[Tool, ...]
     classifier_state: Any
     flags: tuple[Any, ...] = ()  # classifier flags raised by the prefix (fail the response)
 
@@ -336,7 +350,3 @@ class ResponseState:
             and self.route.name == other.route.name
             and self.route.params == other.route.params
         )
-
-
-def answered_call_ids(items: Sequence[Item]) -> set[str]:
-    return {i.call_id for i in items if isinstance(i, FunctionCallOutput)}

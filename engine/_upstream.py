@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import typing
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +26,9 @@ import attrs
 import httpx
 import trio
 
-from ._chat import ChatEncoder, chat_tool_choice, chat_tools, split_tool_name, tool_name
+from protocol import RESPONSE_ERROR_CODES, CallKind
+
+from ._chat import NAMESPACE_SEPARATOR, ChatEncoder, ChatTool, ChatToolset
 from ._errors import BackendError
 from ._interfaces import (
     ArgsDelta,
@@ -135,14 +138,10 @@ class UpstreamBackend:
         head: dict[str, Any] = {"model": cfg.model, "stream": True}
         if cfg.include_usage:
             head["stream_options"] = {"include_usage": True}
-        if request.tools:
-            qualified = {}
-            for tool in request.tools:
-                for member in getattr(tool, "tools", [tool]):
-                    ns = tool.name if member is not tool else None
-                    qualified[member.name] = tool_name(member.name, ns)
-            head["tools"] = chat_tools(request.tools)
-            head["tool_choice"] = chat_tool_choice(request.tool_choice, qualified)
+        toolset = ChatToolset(request.tools, request.tool_choice)
+        if toolset.definitions:
+            head["tools"] = toolset.definitions
+            head["tool_choice"] = toolset.choice
             head["parallel_tool_calls"] = request.parallel_tool_calls
         if request.temperature != 1.0:
             head["temperature"] = request.temperature
@@ -163,7 +162,7 @@ class UpstreamBackend:
     async def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]:
         body = self.body(request)
         self.counters.bytes_sent += len(body)
-        namespaces = {t.name for t in request.tools if hasattr(t, "tools")}
+        toolset = ChatToolset(request.tools, request.tool_choice)
         cfg = self.config
         attempt = 0
         while True:
@@ -178,12 +177,12 @@ class UpstreamBackend:
                         if resp.status_code >= 500 and attempt < cfg.retries:
                             raise _Retry(message)
                         self.counters.failures += 1
+                        shown = f"{resp.status_code} ({code})" if code else str(resp.status_code)
                         raise BackendError(
-                            f"The upstream model server answered {resp.status_code}: {message}",
-                            code=code
-                            or ("server_error" if resp.status_code >= 500 else "invalid_prompt"),
+                            f"The upstream model server answered {shown}: {message}",
+                            code=_response_code(code, resp.status_code),
                         )
-                    async for event in _parse_stream(resp, namespaces):
+                    async for event in _parse_stream(resp, toolset):
                         started = True
                         yield event
                     return
@@ -225,6 +224,17 @@ class UpstreamBackend:
         await trio.sleep(self.config.retry_backoff * (2**attempt))
 
 
+def _response_code(code: str | None, status: int) -> str:
+    """The `ResponseError.code` for an upstream failure: the upstream's own code when it is one
+    the Responses API defines (rate limits, image errors, ...), else by status (the upstream's
+    code stays in the message)."""
+    if code in RESPONSE_ERROR_CODES:
+        return code
+    if status == 429:
+        return "rate_limit_exceeded"
+    return "server_error" if status >= 500 else "invalid_prompt"
+
+
 class _Retry(Exception):
     pass
 
@@ -246,10 +256,46 @@ async def _error_of(resp: httpx.Response) -> tuple[str, str | None]:
         return text, None
 
 
-async def _parse_stream(resp: httpx.Response, namespaces: set[str]) -> AsyncIterator[SampleEvent]:
+class _OpenCall:
+    """A tool call being received: custom tools' input arrives wrapped in JSON
+    (`{"input": ...}`) and is unwrapped when the call ends."""
+
+    def __init__(self, tool: ChatTool | None) -> None:
+        self.tool = tool
+        self.buffered: list[str] | None = (
+            [] if tool is not None and tool.call.kind == "custom" else None
+        )
+
+    def start(self, chat_name: str) -> CallStart:
+        if self.tool is None:  # a name the request did not declare: passed on as a function
+            head, sep, tail = chat_name.partition(NAMESPACE_SEPARATOR)
+            return CallStart(tail, head) if sep else CallStart(chat_name)
+        call = self.tool.call
+        return CallStart(call.name, call.namespace, typing.cast(CallKind, call.kind))
+
+    def delta(self, text: str) -> ArgsDelta | None:
+        if self.buffered is None:
+            return ArgsDelta(text, 1)
+        self.buffered.append(text)
+        return None
+
+    def end(self) -> list[SampleEvent]:
+        if self.buffered is None:
+            return [CallEnd()]
+        raw = "".join(self.buffered)
+        try:
+            wrapped = json.loads(raw)
+            text = wrapped["input"] if isinstance(wrapped, dict) else raw
+        except (ValueError, KeyError):
+            text = raw
+        return [ArgsDelta(str(text), len(self.buffered)), CallEnd()]
+
+
+async def _parse_stream(resp: httpx.Response, toolset: ChatToolset) -> AsyncIterator[SampleEvent]:
     """Chat-completion chunks -> sample events. Raises BackendError on malformed chunks or a
     stream that ends before a finish reason."""
     open_kind: str | None = None  # "text" | "call"
+    call: _OpenCall | None = None
     call_index: int | None = None
     finish: str | None = None
     usage: dict[str, Any] | None = None
@@ -267,9 +313,10 @@ async def _parse_stream(resp: httpx.Response, namespaces: set[str]) -> AsyncIter
             chunk = json.loads(data)
             if chunk.get("error"):
                 error = chunk["error"]
+                code = error.get("code") if isinstance(error, dict) else None
                 raise BackendError(
                     f"The upstream failed mid-stream: {error.get('message', error)}",
-                    code=error.get("code") or "server_error",
+                    code=_response_code(code if isinstance(code, str) else None, 500),
                 )
             if chunk.get("usage"):
                 usage = chunk["usage"]
@@ -280,27 +327,32 @@ async def _parse_stream(resp: httpx.Response, namespaces: set[str]) -> AsyncIter
             delta = choice.get("delta") or {}
             content = delta.get("content")
             if content:
-                if open_kind == "call":
-                    yield CallEnd()
-                    open_kind = None
+                if call is not None:
+                    for event in call.end():
+                        yield event
+                    call, open_kind = None, None
                 if open_kind is None:
                     yield TextStart()
                     open_kind = "text"
                 yield TextDelta(content, 1)
-            for call in delta.get("tool_calls") or []:
-                index = call.get("index", 0)
-                function = call.get("function") or {}
+            for piece in delta.get("tool_calls") or []:
+                index = piece.get("index", 0)
+                function = piece.get("function") or {}
                 if index != call_index:
                     if open_kind == "text":
                         yield TextEnd()
-                    elif open_kind == "call":
-                        yield CallEnd()
-                    name, namespace = split_tool_name(str(function.get("name", "")), namespaces)
-                    yield CallStart(name, namespace)
+                    elif call is not None:
+                        for event in call.end():
+                            yield event
+                    chat_name = str(function.get("name", ""))
+                    call = _OpenCall(toolset.find(chat_name))
+                    yield call.start(chat_name)
                     open_kind, call_index = "call", index
                 arguments = function.get("arguments")
-                if arguments:
-                    yield ArgsDelta(arguments, 1)
+                if arguments and call is not None:
+                    more = call.delta(arguments)
+                    if more is not None:
+                        yield more
             if choice.get("finish_reason"):
                 finish = choice["finish_reason"]
         except BackendError:
@@ -315,11 +367,15 @@ async def _parse_stream(resp: httpx.Response, namespaces: set[str]) -> AsyncIter
         )
     if open_kind == "text":
         yield TextEnd()
-    elif open_kind == "call":
-        yield CallEnd()
+    elif call is not None:
+        for event in call.end():
+            yield event
     reason = {"length": "max_output_tokens", "tool_calls": "tool_calls"}.get(finish, "stop")
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     yield Finish(
         reason,  # type: ignore[arg-type]
         input_tokens=usage.get("prompt_tokens") if usage else None,
         output_tokens=usage.get("completion_tokens") if usage else None,
+        cached_tokens=cached if isinstance(cached, int) else None,
     )

@@ -11,7 +11,12 @@ What it guarantees, whatever the caller does legally:
   `id` (never a `call_id`); `content_index` is the part's index in the message;
 - concatenated text deltas equal `output_text.done.text`, the `content_part.done` part, the
   item in `output_item.done` and the item in the terminal response's `output`; likewise for
-  function-call argument deltas.
+  function-call argument deltas and custom-tool input deltas.
+
+Tool calls of every kind stream through one state (IN_CALL): a function call's arguments and a
+custom tool's input go out as deltas; a built-in tool's call (`shell`, `local_shell`,
+`apply_patch`, `computer`) is built from its JSON payload (the action or operation) and goes out
+whole, `output_item.added` then `output_item.done`, when it ends.
 
 It holds no clock and no randomness: timestamps and ids are arguments.
 """
@@ -19,14 +24,19 @@ It holds no clock and no randomness: timestamps and ids are arguments.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import attrs
 
-from ._errors import LocalProtocolError
+from ._codec import from_wire
+from ._errors import LocalProtocolError, RemoteProtocolError
 from ._events import (
     ContentPartAdded,
     ContentPartDone,
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
     OutputItemAdded,
@@ -41,10 +51,30 @@ from ._events import (
     ResponseInProgress,
     ServerEvent,
 )
-from ._items import FunctionCall, Item, ItemStatus, Message, OutputText
+from ._items import (
+    ApplyPatchCall,
+    ApplyPatchOperation,
+    CallKind,
+    ComputerCall,
+    CustomToolCall,
+    FunctionCall,
+    Item,
+    ItemStatus,
+    LocalShellAction,
+    LocalShellCall,
+    Message,
+    OutputText,
+    ShellAction,
+    ShellCall,
+)
 from ._response import IncompleteDetails, Response, ResponseError, ResponseStatus, Usage
 
-__all__ = ["BuilderState", "ResponseStream", "iter_chunks"]
+__all__ = ["BuilderState", "InvalidToolPayload", "ResponseStream", "iter_chunks"]
+
+
+class InvalidToolPayload(LocalProtocolError):
+    """A built-in tool call's payload is not the JSON its item needs (a model's mistake). The
+    stream is left as it was: the caller can still end the response (`fail`)."""
 
 
 class BuilderState(enum.Enum):
@@ -95,7 +125,10 @@ class _Open:
     item_id: str
     output_index: int
     parts: list[str]
-    call: FunctionCall | None = None
+    kind: CallKind | None = None  # None: a message
+    call_id: str = ""
+    name: str = ""
+    namespace: str | None = None
 
 
 class ResponseStream:
@@ -211,52 +244,133 @@ class ResponseStream:
         ]
 
     def begin_call(
-        self, item_id: str, call_id: str, name: str, *, namespace: str | None = None
+        self,
+        item_id: str,
+        call_id: str,
+        name: str,
+        *,
+        kind: CallKind = "function",
+        namespace: str | None = None,
     ) -> list[ServerEvent]:
+        """Open a tool call. Function and custom calls are announced now; a built-in tool's
+        call when it ends (its item needs the whole payload)."""
         self._go("begin_call")
         index = len(self._output)
-        call = FunctionCall(
-            id=item_id,
+        self._open = _Open(
+            item_id=item_id,
+            output_index=index,
+            parts=[],
+            kind=kind,
             call_id=call_id,
             name=name,
-            arguments="",
-            status="in_progress",
             namespace=namespace,
         )
-        self._open = _Open(item_id=item_id, output_index=index, parts=[], call=call)
-        return [OutputItemAdded(sequence_number=self._n(), output_index=index, item=call)]
+        if kind not in ("function", "custom"):
+            return []
+        item = self._call_item(self._open, "", "in_progress")
+        return [OutputItemAdded(sequence_number=self._n(), output_index=index, item=item)]
 
-    def arguments_delta(self, delta: str) -> ServerEvent:
+    def arguments_delta(self, delta: str) -> ServerEvent | None:
+        """More of the open call: function arguments or custom input (an event), or a built-in
+        call's payload (kept until the call ends: None)."""
         self._go("arguments_delta")
-        assert self._open is not None
-        self._open.parts.append(delta)
-        return FunctionCallArgumentsDelta(
-            sequence_number=self._n(),
-            item_id=self._open.item_id,
-            output_index=self._open.output_index,
-            delta=delta,
-        )
-
-    def end_call(self, *, status: ItemStatus = "completed") -> list[ServerEvent]:
-        self._go("end_call")
-        return self._close_call(status)
-
-    def _close_call(self, status: ItemStatus) -> list[ServerEvent]:
-        assert self._open is not None and self._open.call is not None
-        o, self._open = self._open, None
-        call: FunctionCall = o.call  # type: ignore[assignment]
-        arguments = "".join(o.parts)
-        item = attrs.evolve(call, arguments=arguments, status=status)
-        self._output.append(item)
-        return [
-            FunctionCallArgumentsDone(
+        o = self._open
+        assert o is not None
+        o.parts.append(delta)
+        if o.kind == "function":
+            return FunctionCallArgumentsDelta(
                 sequence_number=self._n(),
                 item_id=o.item_id,
                 output_index=o.output_index,
-                arguments=arguments,
-            ),
-            OutputItemDone(sequence_number=self._n(), output_index=o.output_index, item=item),
-        ]
+                delta=delta,
+            )
+        if o.kind == "custom":
+            return CustomToolCallInputDelta(
+                sequence_number=self._n(),
+                item_id=o.item_id,
+                output_index=o.output_index,
+                delta=delta,
+            )
+        return None
+
+    def end_call(self, *, status: ItemStatus = "completed") -> list[ServerEvent]:
+        """Close the open call. A built-in call whose payload is not valid raises
+        `InvalidToolPayload` and leaves the stream as it was."""
+        o = self._open
+        if (
+            self._state is BuilderState.IN_CALL
+            and o is not None
+            and o.kind
+            not in (
+                "function",
+                "custom",
+            )
+        ):
+            self._call_item(o, "".join(o.parts), status)  # check before changing state
+        self._go("end_call")
+        return self._close_call(status)
+
+    def _call_item(self, o: _Open, text: str, status: ItemStatus) -> Item:
+        """The item of the open call with `text` as its arguments, input or payload."""
+        common: dict[str, Any] = {"id": o.item_id, "call_id": o.call_id}
+        if o.kind == "function":
+            return FunctionCall(
+                **common, name=o.name, arguments=text, status=status, namespace=o.namespace
+            )
+        if o.kind == "custom":
+            return CustomToolCall(
+                **common, name=o.name, input=text, status=status, namespace=o.namespace
+            )
+        try:
+            payload = json.loads(text)
+            if o.kind == "shell":
+                return ShellCall(**common, action=from_wire(payload, ShellAction), status=status)
+            if o.kind == "local_shell":
+                action: LocalShellAction = from_wire(payload, LocalShellAction)
+                return LocalShellCall(**common, action=action, status=status)
+            if o.kind == "apply_patch":
+                operation: ApplyPatchOperation = from_wire(payload, ApplyPatchOperation)
+                done: Literal["in_progress", "completed"] = (
+                    "completed" if status == "completed" else "in_progress"
+                )
+                return ApplyPatchCall(**common, operation=operation, status=done)
+            if not isinstance(payload, dict):
+                raise ValueError("a computer action must be an object")
+            return ComputerCall(**common, action=payload, status=status)
+        except (ValueError, RemoteProtocolError) as exc:
+            raise InvalidToolPayload(
+                f"the payload of a {o.kind} call is not valid: {exc}"
+            ) from None
+
+    def _close_call(self, status: ItemStatus) -> list[ServerEvent]:
+        assert self._open is not None and self._open.kind is not None
+        o, self._open = self._open, None
+        text = "".join(o.parts)
+        item = self._call_item(o, text, status)
+        self._output.append(item)
+        done = OutputItemDone(sequence_number=0, output_index=o.output_index, item=item)
+        if o.kind == "function":
+            return [
+                FunctionCallArgumentsDone(
+                    sequence_number=self._n(),
+                    item_id=o.item_id,
+                    output_index=o.output_index,
+                    arguments=text,
+                ),
+                attrs.evolve(done, sequence_number=self._n()),
+            ]
+        if o.kind == "custom":
+            return [
+                CustomToolCallInputDone(
+                    sequence_number=self._n(),
+                    item_id=o.item_id,
+                    output_index=o.output_index,
+                    input=text,
+                ),
+                attrs.evolve(done, sequence_number=self._n()),
+            ]
+        added = OutputItemAdded(sequence_number=self._n(), output_index=o.output_index, item=item)
+        return [added, attrs.evolve(done, sequence_number=self._n())]
 
     def add_item(self, item: Item) -> list[ServerEvent]:
         """A finished item that is not streamed (e.g. a `compaction` item): added, then done."""
@@ -289,14 +403,19 @@ class ResponseStream:
         )
 
     def incomplete(self, *, reason: str, usage: Usage, completed_at: int) -> list[ServerEvent]:
-        """End early (e.g. `max_output_tokens`): an open item is closed as `incomplete`."""
+        """End early (e.g. `max_output_tokens`): an open message, function or custom call is
+        closed as `incomplete`; an open built-in call (never announced: its payload is cut
+        off) is dropped."""
         was = self._state
         self._go("incomplete")
         events: list[ServerEvent] = []
         if was is BuilderState.IN_MESSAGE:
             events += self._close_message("incomplete")
         elif was is BuilderState.IN_CALL:
-            events += self._close_call("incomplete")
+            assert self._open is not None
+            if self._open.kind in ("function", "custom"):
+                events += self._close_call("incomplete")
+            self._open = None
         response = attrs.evolve(
             self.final("incomplete", usage, completed_at),
             incomplete_details=IncompleteDetails(reason=reason),  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ from cattrs.errors import (
     IterableValidationNote,
     StructureHandlerNotFoundError,
 )
-from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from ._errors import ErrorBody, LocalProtocolError, RemoteProtocolError
 from ._events import (
@@ -49,14 +49,14 @@ from ._events import (
 from ._items import (
     CONTENT_PART_TYPES,
     ITEM_TYPES,
-    TOOL_TYPES,
+    KEEP_NULL,
+    WIRE_NAME,
     ContentPart,
     Item,
-    Tool,
-    ToolChoice,
-    ToolChoiceFunction,
+    OpaqueItem,
 )
 from ._response import (
+    OMIT_IF_NONE,
     IncompleteDetails,
     InputTokensDetails,
     OutputTokensDetails,
@@ -65,6 +65,16 @@ from ._response import (
     ResponseError,
     TextConfig,
     Usage,
+)
+from ._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES, check_shape
+from ._tools import (
+    TOOL_CHOICE_TYPES,
+    TOOL_TYPES,
+    BuiltinTool,
+    CustomTool,
+    FunctionTool,
+    Tool,
+    ToolChoice,
 )
 from ._validate import MAX_QUOTED_CHARS, InvalidField, clip, describe
 
@@ -228,7 +238,11 @@ def _make_converter(strict: bool) -> cattrs.Converter:
 
     def attrs_factory(cls: type[Any]) -> Callable[[Any, Any], Any]:
         inner = make_dict_structure_fn(
-            cls, conv, _cattrs_forbid_extra_keys=strict, _cattrs_detailed_validation=True
+            cls,
+            conv,
+            _cattrs_forbid_extra_keys=strict,
+            _cattrs_detailed_validation=True,
+            **_renames(cls),
         )
 
         def hook(value: Any, _: Any) -> Any:
@@ -266,12 +280,42 @@ def _make_converter(strict: bool) -> cattrs.Converter:
     def no_default(_: dict[str, Any]) -> None:
         return None
 
-    def message_if_role(value: dict[str, Any]) -> str | None:
-        return "message" if "role" in value else None
+    def untyped_item(value: dict[str, Any]) -> str | None:
+        # The SDK's short forms: a message without `type`, and `{"id": ...}` for a reference.
+        if "role" in value:
+            return "message"
+        return "item_reference" if "id" in value else None
 
-    conv.register_structure_hook(Item, tagged(ITEM_TYPES, default=message_if_role))
+    def opaque(cls: type[Any], shapes: dict[str, Any], field: str) -> Callable[[Any, Any], Any]:
+        """OpaqueItem / BuiltinTool: `type` plus the other keys, checked against their shape
+        (nulls kept: they are carried exactly as given)."""
+
+        def hook(value: Any, _: Any) -> Any:
+            if not isinstance(value, dict):
+                raise InvalidField.wrong_type("an object", value)
+            kind = value.get("type")
+            shape = shapes.get(kind) if isinstance(kind, str) else None
+            if shape is None:
+                raise InvalidField.bad_value(kind, list(shapes), "type")
+            rest = {k: v for k, v in value.items() if k != "type"}
+            if strict:
+                check_shape(shape, rest)
+            return cls(**{"type": kind, field: rest})
+
+        return hook
+
+    conv.register_structure_hook(OpaqueItem, opaque(OpaqueItem, OPAQUE_ITEM_SHAPES, "data"))
+    conv.register_structure_hook(BuiltinTool, opaque(BuiltinTool, BUILTIN_TOOL_SHAPES, "settings"))
+    conv.register_unstructure_hook(OpaqueItem, lambda obj: {"type": obj.type, **obj.data})
+    conv.register_unstructure_hook(BuiltinTool, lambda obj: {"type": obj.type, **obj.settings})
+
+    conv.register_structure_hook(Item, tagged(ITEM_TYPES, default=untyped_item))
     conv.register_structure_hook(ContentPart, tagged(CONTENT_PART_TYPES, default=no_default))
     conv.register_structure_hook(Tool, tagged(TOOL_TYPES, default=no_default))
+    conv.register_structure_hook(
+        FunctionTool | CustomTool,
+        tagged({"function": FunctionTool, "custom": CustomTool}, default=no_default),
+    )
 
     def text_or(expected: str, items_t: Any) -> Callable[[Any, Any], Any]:
         def hook(value: Any, _: Any) -> Any:
@@ -291,6 +335,7 @@ def _make_converter(strict: bool) -> cattrs.Converter:
     )
 
     modes = ["none", "auto", "required"]
+    choices = tagged(TOOL_CHOICE_TYPES, default=no_default)
 
     def tool_choice(value: Any, _: Any) -> ToolChoice:
         if isinstance(value, str):
@@ -298,18 +343,33 @@ def _make_converter(strict: bool) -> cattrs.Converter:
                 return typing.cast(ToolChoice, value)
             raise InvalidField.bad_value(value, modes)
         if isinstance(value, dict):
-            return conv.structure(value, ToolChoiceFunction)
+            return typing.cast(ToolChoice, choices(value, None))
         raise InvalidField.wrong_type("a string or an object", value)
 
     conv.register_structure_hook(ToolChoice, tool_choice)
     conv.register_structure_hook(ToolChoice | None, tool_choice)
 
+    def id_or_object(value: Any, _: Any) -> Any:  # `conversation`: an id or {"id": ...}
+        if isinstance(value, str | dict):
+            return value
+        raise InvalidField.wrong_type("a string or an object", value)
+
+    conv.register_structure_hook(str | dict[str, Any] | None, id_or_object)
+
     # --- unstructuring: drop absent optionals except where clients expect nulls ---
     def unstructure_factory(cls: type[Any]) -> Callable[[Any], Any]:
-        inner = make_dict_unstructure_fn(cls, conv)
+        inner = make_dict_unstructure_fn(cls, conv, **_renames(cls))
+        fields = attrs.fields(cls)
         if cls in _KEEP_NULLS:
+            optional = frozenset(a.name for a in fields if a.metadata.get(OMIT_IF_NONE))
+        else:
+            optional = frozenset(
+                a.metadata.get(WIRE_NAME, a.name)
+                for a in fields
+                if a.default is None and not a.metadata.get(KEEP_NULL)
+            )
+        if not optional:
             return inner
-        optional = frozenset(a.name for a in attrs.fields(cls) if a.default is None)
 
         def hook(obj: Any) -> dict[str, Any]:
             out: dict[str, Any] = inner(obj)
@@ -322,6 +382,15 @@ def _make_converter(strict: bool) -> cattrs.Converter:
 
     conv.register_unstructure_hook_factory(attrs.has, unstructure_factory)
     return conv
+
+
+def _renames(cls: type[Any]) -> dict[str, Any]:
+    """cattrs overrides for fields whose wire key differs from their name (`async_`)."""
+    return {
+        a.name: override(rename=a.metadata[WIRE_NAME])
+        for a in attrs.fields(cls)
+        if WIRE_NAME in a.metadata
+    }
 
 
 def make_converter(*, strict: bool = True) -> cattrs.Converter:

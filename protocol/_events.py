@@ -8,19 +8,21 @@ Server events are the Responses streaming events, the nested WebSocket `error`, 
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any, ClassVar, Literal, TypeAlias
 
 import attrs
 
 from ._errors import ErrorBody
-from ._items import ContentPart, Item, NamespaceTool, Tool, ToolChoice
+from ._items import ContentPart, Item
 from ._response import ReasoningConfig, Response, TextConfig
+from ._tools import Tool, ToolChoice, check_tool
 from ._validate import InvalidField
 
 __all__ = [
     "CLIENT_EVENT_TYPES",
+    "MAX_CLIENT_METADATA_KEY_CHARS",
+    "MAX_CLIENT_METADATA_PAIRS",
+    "MAX_CLIENT_METADATA_VALUE_CHARS",
     "MAX_METADATA_KEY_CHARS",
     "MAX_METADATA_PAIRS",
     "MAX_METADATA_VALUE_CHARS",
@@ -29,6 +31,8 @@ __all__ = [
     "ClientEvent",
     "ContentPartAdded",
     "ContentPartDone",
+    "CustomToolCallInputDelta",
+    "CustomToolCallInputDone",
     "ErrorEvent",
     "FunctionCallArgumentsDelta",
     "FunctionCallArgumentsDone",
@@ -47,15 +51,18 @@ __all__ = [
     "ResponseQueued",
     "ServerEvent",
     "SseErrorEvent",
-    "check_tool",
 ]
 
 # OpenAI's documented limits on `metadata`: 16 pairs, 64-char keys, 512-char values.
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
-# Function names as the OpenAI API accepts them.
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Bounds on `client_metadata` (not in the SDK; Codex sends installation, window, session,
+# thread and turn ids, and a JSON turn-metadata value of ~1 KB that grows with paths): a few
+# string pairs, stored with the response. Generous per value, bounded in all (~130 KB).
+MAX_CLIENT_METADATA_PAIRS = 32
+MAX_CLIENT_METADATA_KEY_CHARS = 128
+MAX_CLIENT_METADATA_VALUE_CHARS = 4096
 
 
 # --- validators (run at construction; the codec turns their errors into `param` paths) ----------
@@ -85,52 +92,33 @@ def _range(lo: float | None = None, hi: float | None = None, *, integer: bool) -
     return check
 
 
-def _check_metadata(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        return
-    if len(value) > MAX_METADATA_PAIRS:
-        raise InvalidField(
-            "object_above_max_properties",
-            f"Invalid '{{param}}': too many properties. Expected at most {MAX_METADATA_PAIRS}, "
-            f"but got {len(value)} instead.",
-            attribute.name,
-        )
-    for key, val in value.items():
-        if len(key) > MAX_METADATA_KEY_CHARS or len(val) > MAX_METADATA_VALUE_CHARS:
+def _pairs_check(pairs: int, key_chars: int, value_chars: int) -> Any:
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        if len(value) > pairs:
             raise InvalidField(
-                "string_above_max_length",
-                f"Invalid '{{param}}': metadata keys are limited to {MAX_METADATA_KEY_CHARS} "
-                f"characters and values to {MAX_METADATA_VALUE_CHARS}.",
-                f"{attribute.name}.{key}",
+                "object_above_max_properties",
+                f"Invalid '{{param}}': too many properties. Expected at most {pairs}, "
+                f"but got {len(value)} instead.",
+                attribute.name,
             )
+        for key, val in value.items():
+            if len(key) > key_chars or len(val) > value_chars:
+                raise InvalidField(
+                    "string_above_max_length",
+                    f"Invalid '{{param}}': {attribute.name} keys are limited to {key_chars} "
+                    f"characters and values to {value_chars}.",
+                    f"{attribute.name}.{key}",
+                )
+
+    return check
 
 
-def check_tool(tool: Tool, where: str = "") -> None:
-    """Structural checks of one tool definition (names, parameter schema shape)."""
-    if isinstance(tool, NamespaceTool):
-        _check_name(tool.name, f"{where}name")
-        for j, member in enumerate(tool.tools):
-            check_tool(member, f"{where}tools[{j}].")
-        return
-    _check_name(tool.name, f"{where}name")
-    params = tool.parameters
-    if params is not None and params.get("type", "object") != "object":
-        raise InvalidField(
-            "invalid_function_parameters",
-            f"Invalid schema for function '{tool.name}': schema must be a JSON Schema of "
-            f"'type: \"object\"', got 'type: {json.dumps(params.get('type'))}'.",
-            f"{where}parameters",
-        )
-
-
-def _check_name(name: str, where: str) -> None:
-    if not _TOOL_NAME.match(name):
-        raise InvalidField(
-            "invalid_value",
-            "Invalid '{param}': string does not match pattern. Expected a string that "
-            "matches the pattern '^[a-zA-Z0-9_-]{1,64}$'.",
-            where,
-        )
+_check_metadata = _pairs_check(MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS)
+_check_client_metadata = _pairs_check(
+    MAX_CLIENT_METADATA_PAIRS, MAX_CLIENT_METADATA_KEY_CHARS, MAX_CLIENT_METADATA_VALUE_CHARS
+)
 
 
 def _check_tools(_inst: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -147,9 +135,13 @@ def _check_tools(_inst: Any, _attribute: attrs.Attribute[Any], value: Any) -> No
 class ResponseCreate:
     """`response.create`: the whole body of `POST /v1/responses` plus WebSocket-only fields.
 
-    Fields rollout does not act on are kept as opaque JSON so a request round-trips. `stream`,
-    `stream_options` and `background` are accepted and ignored over WebSocket. `rollout: true`
-    opts in to the rollout extension (one long-lived response across tool calls).
+    Every field of the `openai` SDK's `ResponseCreateParams` and WebSocket `response.create`
+    event is accepted (README.md's request-field table says what rollout does with each).
+    Fields rollout does not act on are kept as opaque JSON so a request round-trips.
+    Extensions: `client_metadata` (string pairs Codex sends, stored with the response),
+    `presence_penalty` / `frequency_penalty` (passed to chat-completions upstreams), and
+    `rollout: true`, which opts in to the rollout extension (one long-lived response across
+    tool calls).
     """
 
     type: Literal["response.create"] = "response.create"
@@ -189,12 +181,16 @@ class ResponseCreate:
     user: str | None = None
     stream_id: str | None = None
     context_management: list[dict[str, Any]] | None = None
-    conversation: Any = None
-    prompt: Any = None
-    moderation: Any = None
-    access_programs: Any = None
-    image: Any = None
-    background_options: Any = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
+    background_options: dict[str, Any] | None = None
+    multi_agent: dict[str, Any] | None = None
+    client_metadata: dict[str, str] | None = attrs.field(
+        default=None, validator=_check_client_metadata
+    )
     rollout: bool | None = None
 
 
@@ -349,6 +345,24 @@ class FunctionCallArgumentsDone:
 
 
 @attrs.frozen(kw_only=True)
+class CustomToolCallInputDelta:
+    type: Literal["response.custom_tool_call_input.delta"] = "response.custom_tool_call_input.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+@attrs.frozen(kw_only=True)
+class CustomToolCallInputDone:
+    type: Literal["response.custom_tool_call_input.done"] = "response.custom_tool_call_input.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    input: str
+
+
+@attrs.frozen(kw_only=True)
 class ErrorEvent:
     """The WebSocket `error` event, nested: `{"type": "error", "status", "error": {...}}`."""
 
@@ -387,6 +401,8 @@ ServerEvent: TypeAlias = (
     | OutputTextDone
     | FunctionCallArgumentsDelta
     | FunctionCallArgumentsDone
+    | CustomToolCallInputDelta
+    | CustomToolCallInputDone
     | ErrorEvent
 )
 
@@ -415,6 +431,8 @@ SERVER_EVENT_TYPES: dict[str, type[Any]] = {
         OutputTextDone,
         FunctionCallArgumentsDelta,
         FunctionCallArgumentsDone,
+        CustomToolCallInputDelta,
+        CustomToolCallInputDone,
         ErrorEvent,
     )
 }

@@ -1,53 +1,93 @@
-"""Wire types for conversation items, content parts and tools.
+"""Wire types for conversation items and content parts.
 
 Every class is one wire `type`, immutable, keyword-only. `None` always means "absent": the
 codec drops explicit JSON `null`s before structuring, so a field is either required, optional
 with a `None` default, or has a concrete default. Field order follows the OpenAI SDK's types.
+
+Items fall in three groups:
+- conversation items rollout reads: messages, reasoning, item references, compaction;
+- tool calls and their outputs, one class each, for every tool a client runs (function and
+  custom tools; the built-in `local_shell`, `shell`, `apply_patch` and `computer` tools): the
+  engine pairs each call with its output through `CALL_KINDS`;
+- every other kind the API knows (hosted tools' calls and results, MCP traffic, programmatic
+  tool calling, ...): one `OpaqueItem`, checked against `_shapes.OPAQUE_ITEM_SHAPES`, carried,
+  stored and rendered as it came.
 """
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias
 
 import attrs
 
+from ._shapes import OPAQUE_ITEM_SHAPES
 from ._validate import InvalidField
 
 __all__ = [
+    "CALL_KINDS",
     "CONTENT_PART_TYPES",
     "INPUT_PART_TYPES",
     "ITEM_TYPES",
     "OUTPUT_PART_TYPES",
-    "TOOL_TYPES",
+    "WIRE_NAME",
+    "ApplyPatchCall",
+    "ApplyPatchCallOutput",
+    "ApplyPatchOperation",
+    "CallKind",
     "Compaction",
+    "ComputerCall",
+    "ComputerCallOutput",
+    "ComputerScreenshot",
     "ContentPart",
+    "CustomToolCall",
+    "CustomToolCallOutput",
     "FunctionCall",
     "FunctionCallOutput",
-    "FunctionTool",
     "InputFile",
     "InputImage",
     "InputText",
     "Item",
     "ItemReference",
     "ItemStatus",
+    "LocalShellAction",
+    "LocalShellCall",
+    "LocalShellCallOutput",
     "Message",
-    "NamespaceTool",
+    "OpaqueItem",
     "OutputText",
     "Reasoning",
     "ReasoningText",
     "Refusal",
     "Role",
+    "ShellAction",
+    "ShellCall",
+    "ShellCallOutput",
+    "ShellOutput",
     "SummaryText",
-    "Tool",
-    "ToolChoice",
-    "ToolChoiceFunction",
-    "ToolChoiceMode",
+    "ToolCall",
+    "ToolOutput",
+    "as_listed",
+    "call_of",
+    "output_of",
 ]
 
 JSONObject: TypeAlias = dict[str, Any]
 Role: TypeAlias = Literal["user", "system", "developer", "assistant"]
 ItemStatus: TypeAlias = Literal["in_progress", "completed", "incomplete"]
 Phase: TypeAlias = Literal["commentary", "final_answer"]
+
+# attrs field metadata naming the wire key of a field whose name is a Python keyword
+# (`async`): the codec renames it in both directions.
+WIRE_NAME = "wire_name"
+# attrs field metadata: encode the field even when absent (as null), in objects whose absent
+# fields are otherwise left out.
+KEEP_NULL = "keep_null"
+
+
+def _wire(name: str) -> dict[str, str]:
+    return {WIRE_NAME: name}
 
 
 # --- content parts ---------------------------------------------------------------------------
@@ -57,6 +97,7 @@ Phase: TypeAlias = Literal["commentary", "final_answer"]
 class InputText:
     type: Literal["input_text"] = "input_text"
     text: str
+    prompt_cache_breakpoint: JSONObject | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -64,9 +105,10 @@ class InputImage:
     """An image given by URL (https or a `data:` URL) or by file id."""
 
     type: Literal["input_image"] = "input_image"
-    detail: Literal["auto", "low", "high"] = "auto"
+    detail: Literal["auto", "low", "high", "original"] = "auto"
     image_url: str | None = None
     file_id: str | None = None
+    prompt_cache_breakpoint: JSONObject | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -78,6 +120,8 @@ class InputFile:
     file_id: str | None = None
     file_url: str | None = None
     filename: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+    prompt_cache_breakpoint: JSONObject | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -116,7 +160,7 @@ OUTPUT_PART_TYPES: dict[str, type[Any]] = {"output_text": OutputText, "refusal":
 CONTENT_PART_TYPES: dict[str, type[Any]] = {**INPUT_PART_TYPES, **OUTPUT_PART_TYPES}
 
 
-# --- items -----------------------------------------------------------------------------------
+# --- conversation items ----------------------------------------------------------------------
 
 
 @attrs.frozen(kw_only=True)
@@ -142,26 +186,6 @@ class Message:
 
 
 @attrs.frozen(kw_only=True)
-class FunctionCall:
-    type: Literal["function_call"] = "function_call"
-    call_id: str
-    name: str
-    arguments: str
-    id: str | None = None
-    status: ItemStatus | None = None
-    namespace: str | None = None
-
-
-@attrs.frozen(kw_only=True)
-class FunctionCallOutput:
-    type: Literal["function_call_output"] = "function_call_output"
-    call_id: str
-    output: str | list[ContentPart]
-    id: str | None = None
-    status: ItemStatus | None = None
-
-
-@attrs.frozen(kw_only=True)
 class Reasoning:
     type: Literal["reasoning"] = "reasoning"
     id: str | None = None
@@ -173,7 +197,8 @@ class Reasoning:
 
 @attrs.frozen(kw_only=True)
 class ItemReference:
-    """A reference to an item of a stored response, resolved by the engine."""
+    """A reference to an item of a stored response, resolved by the engine. On input `type`
+    may be left out (`{"id": ...}`)."""
 
     type: Literal["item_reference"] = "item_reference"
     id: str
@@ -191,51 +216,326 @@ class Compaction:
     created_by: str | None = None
 
 
+# --- tool calls and outputs ------------------------------------------------------------------
+# `caller` ({"type": "direct"} or {"type": "program", "caller_id"}) is programmatic tool
+# calling's bookkeeping: carried as given.
+
+
+@attrs.frozen(kw_only=True)
+class FunctionCall:
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: ItemStatus | None = None
+    namespace: str | None = None
+    caller: JSONObject | None = None
+    async_: bool | None = attrs.field(default=None, metadata=_wire("async"))
+
+
+@attrs.frozen(kw_only=True)
+class FunctionCallOutput:
+    """The output of a function call. `call_id` is optional in the SDK's type; the engine
+    requires it (it names the call answered) and says so with its own error."""
+
+    type: Literal["function_call_output"] = "function_call_output"
+    call_id: str | None = None
+    output: str | list[ContentPart]
+    id: str | None = None
+    status: ItemStatus | None = None
+    name: str | None = None
+    namespace: str | None = None
+    caller: JSONObject | None = None
+    created_by: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CustomToolCall:
+    """A call of a custom tool: free-form `input` (constrained by the tool's grammar, if any).
+    `status` is rollout's addition (the SDK's type has none), present on what it emits."""
+
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    call_id: str
+    name: str
+    input: str
+    id: str | None = None
+    status: ItemStatus | None = None
+    namespace: str | None = None
+    caller: JSONObject | None = None
+    async_: bool | None = attrs.field(default=None, metadata=_wire("async"))
+
+
+@attrs.frozen(kw_only=True)
+class CustomToolCallOutput:
+    type: Literal["custom_tool_call_output"] = "custom_tool_call_output"
+    call_id: str
+    output: str | list[ContentPart]
+    id: str | None = None
+    status: ItemStatus | None = None
+    caller: JSONObject | None = None
+    created_by: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class LocalShellAction:
+    type: Literal["exec"] = "exec"
+    command: list[str]
+    env: dict[str, str] = attrs.field(factory=dict)
+    timeout_ms: int | None = None
+    user: str | None = None
+    working_directory: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class LocalShellCall:
+    type: Literal["local_shell_call"] = "local_shell_call"
+    call_id: str
+    action: LocalShellAction
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+@attrs.frozen(kw_only=True)
+class LocalShellCallOutput:
+    """The output of a local shell call: `id` is the call's `call_id` (the SDK's naming)."""
+
+    type: Literal["local_shell_call_output"] = "local_shell_call_output"
+    id: str
+    output: str
+    status: ItemStatus | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ShellAction:
+    commands: list[str]
+    max_output_length: int | None = None
+    timeout_ms: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ShellCall:
+    type: Literal["shell_call"] = "shell_call"
+    call_id: str
+    action: ShellAction
+    id: str | None = None
+    status: ItemStatus | None = None
+    environment: JSONObject | None = None
+    caller: JSONObject | None = None
+    created_by: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ShellOutput:
+    """One command's result: `outcome` is `{"type": "exit", "exit_code"}` or
+    `{"type": "timeout"}`."""
+
+    stdout: str
+    stderr: str
+    outcome: JSONObject
+    created_by: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ShellCallOutput:
+    type: Literal["shell_call_output"] = "shell_call_output"
+    call_id: str
+    output: list[ShellOutput]
+    id: str | None = None
+    status: ItemStatus | None = None
+    max_output_length: int | None = None
+    caller: JSONObject | None = None
+    created_by: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ApplyPatchOperation:
+    """`create_file` and `update_file` carry a `diff`; `delete_file` does not."""
+
+    type: Literal["create_file", "update_file", "delete_file"]
+    path: str
+    diff: str | None = attrs.field(default=None)
+
+    @diff.validator
+    def _check_diff(self, _attribute: attrs.Attribute[Any], value: str | None) -> None:
+        if value is None and self.type != "delete_file":
+            raise InvalidField.missing("diff")
+
+
+@attrs.frozen(kw_only=True)
+class ApplyPatchCall:
+    type: Literal["apply_patch_call"] = "apply_patch_call"
+    call_id: str
+    operation: ApplyPatchOperation
+    status: Literal["in_progress", "completed"] = "completed"
+    id: str | None = None
+    caller: JSONObject | None = None
+    created_by: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ApplyPatchCallOutput:
+    type: Literal["apply_patch_call_output"] = "apply_patch_call_output"
+    call_id: str
+    status: Literal["completed", "failed"]
+    output: str | None = None
+    id: str | None = None
+    caller: JSONObject | None = None
+    created_by: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ComputerCall:
+    """A computer-use call: one `action` or a batch of `actions` (each `{"type": "click",
+    ...}`, `"screenshot"`, `"type"`, ...: carried as given)."""
+
+    type: Literal["computer_call"] = "computer_call"
+    call_id: str
+    pending_safety_checks: list[JSONObject] = attrs.field(factory=list)
+    action: JSONObject | None = None
+    actions: list[JSONObject] | None = None
+    id: str | None = None
+    status: ItemStatus | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ComputerScreenshot:
+    type: Literal["computer_screenshot"] = "computer_screenshot"
+    image_url: str | None = None
+    file_id: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ComputerCallOutput:
+    type: Literal["computer_call_output"] = "computer_call_output"
+    call_id: str
+    output: ComputerScreenshot
+    acknowledged_safety_checks: list[JSONObject] | None = None
+    id: str | None = None
+    status: ItemStatus | None = None
+    created_by: str | None = None
+
+
+# --- everything else -------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class OpaqueItem:
+    """An item of a kind rollout carries without acting on it (see `_shapes`): its `type` and
+    its other keys exactly as given (nulls included)."""
+
+    type: str
+    data: Mapping[str, Any]
+
+    def __attrs_post_init__(self) -> None:
+        if self.type not in OPAQUE_ITEM_SHAPES:
+            raise InvalidField.bad_value(self.type, list(OPAQUE_ITEM_SHAPES), "type")
+
+    @property
+    def id(self) -> str | None:
+        value = self.data.get("id")
+        return value if isinstance(value, str) else None
+
+    @property
+    def status(self) -> str | None:
+        value = self.data.get("status")
+        return value if isinstance(value, str) else None
+
+
+ToolCall: TypeAlias = (
+    FunctionCall | CustomToolCall | LocalShellCall | ShellCall | ApplyPatchCall | ComputerCall
+)
+ToolOutput: TypeAlias = (
+    FunctionCallOutput
+    | CustomToolCallOutput
+    | LocalShellCallOutput
+    | ShellCallOutput
+    | ApplyPatchCallOutput
+    | ComputerCallOutput
+)
 Item: TypeAlias = (
-    Message | FunctionCall | FunctionCallOutput | Reasoning | ItemReference | Compaction
+    Message | Reasoning | ItemReference | Compaction | ToolCall | ToolOutput | OpaqueItem
 )
 ITEM_TYPES: dict[str, type[Any]] = {
     "message": Message,
-    "function_call": FunctionCall,
-    "function_call_output": FunctionCallOutput,
     "reasoning": Reasoning,
     "item_reference": ItemReference,
     "compaction": Compaction,
+    "function_call": FunctionCall,
+    "function_call_output": FunctionCallOutput,
+    "custom_tool_call": CustomToolCall,
+    "custom_tool_call_output": CustomToolCallOutput,
+    "local_shell_call": LocalShellCall,
+    "local_shell_call_output": LocalShellCallOutput,
+    "shell_call": ShellCall,
+    "shell_call_output": ShellCallOutput,
+    "apply_patch_call": ApplyPatchCall,
+    "apply_patch_call_output": ApplyPatchCallOutput,
+    "computer_call": ComputerCall,
+    "computer_call_output": ComputerCallOutput,
+    **dict.fromkeys(OPAQUE_ITEM_SHAPES, OpaqueItem),
 }
 
-
-# --- tools -----------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class FunctionTool:
-    type: Literal["function"] = "function"
-    name: str
-    description: str | None = None
-    parameters: JSONObject | None = None
-    strict: bool | None = None
+CallKind: TypeAlias = Literal[
+    "function", "custom", "local_shell", "shell", "apply_patch", "computer"
+]
 
 
-@attrs.frozen(kw_only=True)
-class NamespaceTool:
-    """A named group of function tools; calls to its members carry `namespace`."""
-
-    type: Literal["namespace"] = "namespace"
-    name: str
-    description: str
-    tools: list[FunctionTool]
+@attrs.frozen
+class _CallKind:
+    kind: CallKind
+    call: type[Any]
+    output: type[Any]
 
 
-Tool: TypeAlias = FunctionTool | NamespaceTool
-TOOL_TYPES: dict[str, type[Any]] = {"function": FunctionTool, "namespace": NamespaceTool}
+# Every tool a client runs: its call item and the output item that answers it (by call id).
+CALL_KINDS: dict[CallKind, _CallKind] = {
+    k.kind: k
+    for k in (
+        _CallKind("function", FunctionCall, FunctionCallOutput),
+        _CallKind("custom", CustomToolCall, CustomToolCallOutput),
+        _CallKind("local_shell", LocalShellCall, LocalShellCallOutput),
+        _CallKind("shell", ShellCall, ShellCallOutput),
+        _CallKind("apply_patch", ApplyPatchCall, ApplyPatchCallOutput),
+        _CallKind("computer", ComputerCall, ComputerCallOutput),
+    )
+}
+CALL_TYPES: dict[type[Any], CallKind] = {k.call: k.kind for k in CALL_KINDS.values()}
+OUTPUT_TYPES: dict[type[Any], CallKind] = {k.output: k.kind for k in CALL_KINDS.values()}
 
-ToolChoiceMode: TypeAlias = Literal["none", "auto", "required"]
+
+def as_listed(item: Item) -> Item:
+    """An item in the shape the API lists and returns items (the SDK's `ResponseItem`): a
+    message's string content as one text part (which renders the same), and `status`
+    `completed` where the item has a status and none was given."""
+    if isinstance(item, Message) and isinstance(item.content, str):
+        part: ContentPart = (
+            OutputText(text=item.content)
+            if item.role == "assistant"
+            else InputText(text=item.content)
+        )
+        item = attrs.evolve(item, content=[part])
+    if isinstance(item, OpaqueItem) or getattr(item, "status", "") is not None:
+        return item
+    if "status" in attrs.fields_dict(type(item)):
+        return typing.cast(Item, attrs.evolve(typing.cast(Any, item), status="completed"))
+    return item
 
 
-@attrs.frozen(kw_only=True)
-class ToolChoiceFunction:
-    type: Literal["function"] = "function"
-    name: str
+def call_of(item: Any) -> tuple[str, CallKind, str] | None:
+    """(call_id, kind, name) of a tool call item (a built-in tool's call is named by its kind);
+    None for any other item."""
+    kind = CALL_TYPES.get(type(item))
+    if kind is None:
+        return None
+    name = item.name if kind in ("function", "custom") else kind
+    return item.call_id, kind, name
 
 
-ToolChoice: TypeAlias = ToolChoiceMode | ToolChoiceFunction
+def output_of(item: Any) -> tuple[str | None, CallKind] | None:
+    """(call_id, kind) of the call a tool output answers (`local_shell_call_output` names the
+    call in `id`; a function output may lack it); None for any other item."""
+    kind = OUTPUT_TYPES.get(type(item))
+    if kind is None:
+        return None
+    return (item.id if kind == "local_shell" else item.call_id), kind

@@ -8,9 +8,12 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from ._items import Item, Tool, ToolChoice
+from ._items import Item
+from ._tools import Tool, ToolChoice
 
 __all__ = [
+    "OMIT_IF_NONE",
+    "RESPONSE_ERROR_CODES",
     "IncompleteDetails",
     "InputTokensDetails",
     "OutputTokensDetails",
@@ -21,6 +24,10 @@ __all__ = [
     "TextConfig",
     "Usage",
 ]
+
+# attrs field metadata: encode the field only when it is set, in objects whose other absent
+# fields are encoded as explicit nulls (rollout's additions to the Response object).
+OMIT_IF_NONE = "omit_if_none"
 
 ResponseStatus: TypeAlias = Literal[
     "queued", "in_progress", "completed", "incomplete", "failed", "cancelled"
@@ -76,6 +83,34 @@ class Usage:
         )
 
 
+# `ResponseError.code` values the SDK's type accepts (a failed response must use one of them).
+RESPONSE_ERROR_CODES = frozenset(
+    {
+        "server_error",
+        "rate_limit_exceeded",
+        "invalid_prompt",
+        "data_residency_mismatch",
+        "bio_policy",
+        "misalignment_policy_violation",
+        "vector_store_timeout",
+        "invalid_image",
+        "invalid_image_format",
+        "invalid_base64_image",
+        "invalid_image_url",
+        "image_too_large",
+        "image_too_small",
+        "image_parse_error",
+        "image_content_policy_violation",
+        "invalid_image_mode",
+        "image_file_too_large",
+        "unsupported_image_media_type",
+        "empty_image_file",
+        "failed_to_download_image",
+        "image_file_not_found",
+    }
+)
+
+
 @attrs.frozen(kw_only=True)
 class ResponseError:
     """Why a response failed. `code` is one of the SDK's `ResponseError.code` values
@@ -95,8 +130,14 @@ class IncompleteDetails:
 
 @attrs.frozen(kw_only=True)
 class ReasoningConfig:
+    """`reasoning`: `effort` and `summary` are echoed; `generate_summary` (the older name of
+    `summary`), `context` and `mode` are accepted and echoed only when given."""
+
     effort: str | None = None
     summary: str | None = None
+    generate_summary: str | None = attrs.field(default=None, metadata={OMIT_IF_NONE: True})
+    context: str | None = attrs.field(default=None, metadata={OMIT_IF_NONE: True})
+    mode: str | None = attrs.field(default=None, metadata={OMIT_IF_NONE: True})
 
 
 def _text_format_default() -> dict[str, Any]:
@@ -105,8 +146,11 @@ def _text_format_default() -> dict[str, Any]:
 
 @attrs.frozen(kw_only=True)
 class TextConfig:
+    """`text`: the output format, and `verbosity` (optional on the wire, never null; OpenAI
+    answers with `medium` when none is asked for)."""
+
     format: dict[str, Any] = attrs.field(factory=_text_format_default)
-    verbosity: Literal["low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] = "medium"
 
 
 @attrs.frozen(kw_only=True)
@@ -143,3 +187,8 @@ class Response:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    prompt_cache_retention: str | None = attrs.field(default=None, metadata={OMIT_IF_NONE: True})
+    # rollout extension: the request's client_metadata, kept with the response
+    client_metadata: dict[str, str] | None = attrs.field(
+        default=None, metadata={OMIT_IF_NONE: True}
+    )

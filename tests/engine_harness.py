@@ -4,6 +4,8 @@ and hypothesis strategies for such scripts. Shared by the engine's property test
 from __future__ import annotations
 
 import json
+import re
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,19 +19,25 @@ from engine import Engine, ResponseState
 
 @attrs.frozen
 class Script:
-    """An agent rollout: a model string, tools, instructions, the user turns, and how the
-    client answers tool calls (output text = f(call, counter))."""
+    """An agent rollout: a model string, tools (of every kind a client runs), instructions,
+    the user turns, and how the client answers tool calls (output = f(call, counter))."""
 
     model: str
-    tools: tuple[p.FunctionTool, ...]
+    tools: tuple[p.Tool, ...]
     instructions: str | None
     user_turns: tuple[str, ...]
     tool_outputs: tuple[str, ...]  # used in order, cycling
     max_output_tokens: int | None = None
 
-    def output_for(self, call: p.FunctionCall, n: int) -> str:
+    def output_for(self, call: p.ToolCall, n: int) -> str:
         base = self.tool_outputs[n % len(self.tool_outputs)] if self.tool_outputs else ""
-        return f"{call.name}:{base}"
+        found = p.call_of(call)
+        assert found is not None
+        return f"{found[2]}:{base}"
+
+    def answer(self, call: p.ToolCall, n: int) -> p.Item:
+        """The output item a client sends back for `call` (of the call's own kind)."""
+        return answer_item(call, self.output_for(call, n), n)
 
     def create(self, **kw: Any) -> p.ResponseCreate:
         return p.ResponseCreate(
@@ -39,6 +47,25 @@ class Script:
             max_output_tokens=self.max_output_tokens,
             **kw,
         )
+
+
+def answer_item(call: p.ToolCall, text: str, n: int = 0) -> p.Item:
+    """An output of `call`'s own kind carrying `text`."""
+    if isinstance(call, p.FunctionCall):
+        return p.FunctionCallOutput(call_id=call.call_id, output=text)
+    if isinstance(call, p.CustomToolCall):
+        return p.CustomToolCallOutput(call_id=call.call_id, output=text)
+    if isinstance(call, p.ShellCall):
+        outcome = {"type": "exit", "exit_code": n % 3}
+        result = p.ShellOutput(stdout=text, stderr="", outcome=outcome)
+        return p.ShellCallOutput(call_id=call.call_id, output=[result])
+    if isinstance(call, p.LocalShellCall):
+        return p.LocalShellCallOutput(id=call.call_id, output=text)
+    if isinstance(call, p.ApplyPatchCall):
+        return p.ApplyPatchCallOutput(call_id=call.call_id, status="completed", output=text)
+    assert isinstance(call, p.ComputerCall)
+    shot = p.ComputerScreenshot(image_url=f"https://example.com/shot-{n}.png")
+    return p.ComputerCallOutput(call_id=call.call_id, output=shot)
 
 
 @attrs.define
@@ -75,15 +102,29 @@ def same_items(a: Sequence[p.Item], b: Sequence[p.Item]) -> bool:
     return [strip_ids(i) for i in a] == [strip_ids(i) for i in b]
 
 
-def _calls(items: Sequence[p.Item]) -> list[p.FunctionCall]:
-    return [i for i in items if isinstance(i, p.FunctionCall) and i.status == "completed"]
+def pending_calls(items: Sequence[p.Item]) -> list[p.ToolCall]:
+    """The tool calls (of every kind) that wait for an output."""
+    return [
+        typing.cast(p.ToolCall, i)
+        for i in items
+        if p.call_of(i) is not None and getattr(i, "status", None) == "completed"
+    ]
 
 
 def check_arguments(script: Script, items: Sequence[p.Item]) -> None:
-    tools = {t.name: t for t in script.tools}
-    for call in _calls(items):
-        schema = tools[call.name].parameters or {"type": "object"}
-        jsonschema.validate(json.loads(call.arguments), schema)
+    """Function arguments are valid for their schema; custom input for its grammar."""
+    tools = {t.name: t for t in script.tools if isinstance(t, p.FunctionTool | p.CustomTool)}
+    for call in pending_calls(items):
+        if isinstance(call, p.FunctionCall):
+            tool = tools[call.name]
+            assert isinstance(tool, p.FunctionTool)
+            jsonschema.validate(json.loads(call.arguments), tool.parameters or {"type": "object"})
+        elif isinstance(call, p.CustomToolCall):
+            tool = tools[call.name]
+            assert isinstance(tool, p.CustomTool)
+            fmt = tool.format
+            if fmt is not None and fmt.syntax == "regex":
+                assert re.fullmatch(fmt.definition or "", call.input), call.input
 
 
 MAX_TURNS = 40  # a safety net: no script should need more responses than this
@@ -110,13 +151,12 @@ async def run_chain(engine: Engine, script: Script, *, store: bool = False) -> R
             run.responses.append(state.response)
             run.outputs.extend(state.response.output)
             prev = state.id
-            calls = _calls(state.response.output)
+            calls = pending_calls(state.response.output)
             if not calls or state.response.status != "completed":
                 break
             new = []
             for call in calls:
-                output = script.output_for(call, n)
-                new.append(p.FunctionCallOutput(call_id=call.call_id, output=output))
+                new.append(script.answer(call, n))
                 n += 1
     return run
 
@@ -136,13 +176,11 @@ async def run_stateless(engine: Engine, script: Script) -> Run:
             run.responses.append(state.response)
             run.outputs.extend(state.response.output)
             history.extend(state.response.output)
-            calls = _calls(state.response.output)
+            calls = pending_calls(state.response.output)
             if not calls or state.response.status != "completed":
                 break
             for call in calls:
-                history.append(
-                    p.FunctionCallOutput(call_id=call.call_id, output=script.output_for(call, n))
-                )
+                history.append(script.answer(call, n))
                 n += 1
     return run
 
@@ -168,13 +206,9 @@ async def run_rollout(engine: Engine, script: Script) -> Run:
                 if rollout.response.status != "in_progress":
                     break
                 outputs: list[p.Item] = []
-                by_id = {c.call_id: c for c in _calls(rollout.response.output)}
+                by_id = {c.call_id: c for c in pending_calls(rollout.response.output)}
                 for call_id, _name in rollout.pending_calls:
-                    outputs.append(
-                        p.FunctionCallOutput(
-                            call_id=call_id, output=script.output_for(by_id[call_id], n)
-                        )
-                    )
+                    outputs.append(script.answer(by_id[call_id], n))
                     n += 1
                 rollout.append(outputs)
         response = rollout.response
@@ -183,7 +217,7 @@ async def run_rollout(engine: Engine, script: Script) -> Run:
         assert state is not None
         run.states.append(state)
         run.responses.append(response)
-        run.outputs.extend(i for i in response.output if not isinstance(i, p.FunctionCallOutput))
+        run.outputs.extend(i for i in response.output if p.output_of(i) is None)
         prev = response.id
     return run
 
@@ -239,17 +273,82 @@ def object_schemas(depth: int = 1) -> st.SearchStrategy[dict[str, Any]]:
     return build()
 
 
+# Grammars of custom tools (the sim writes input each accepts).
+GRAMMARS: list[p.CustomToolFormat] = [
+    p.CustomToolFormat(type="text"),
+    p.CustomToolFormat(type="grammar", syntax="regex", definition=r"[a-z]{3,8}( [0-9]{1,3})?"),
+    p.CustomToolFormat(
+        type="grammar",
+        syntax="lark",
+        definition='start: "run " WORD ("," WORD)*\nWORD: /[a-z]+/\n',
+    ),
+]
+# One tool of each kind a client runs besides functions (named `t0` where a name is needed).
+EVERY_KIND: dict[str, p.Tool] = {}
+BUILTIN_TOOLS = [
+    p.BuiltinTool(type="shell", settings={"environment": {"type": "local"}}),
+    p.BuiltinTool(type="local_shell"),
+    p.BuiltinTool(type="apply_patch"),
+    p.BuiltinTool(type="computer"),
+]
+EVERY_KIND.update(
+    {f"custom-{g.syntax or g.type}": p.CustomTool(name="t0", format=g) for g in GRAMMARS}
+)
+EVERY_KIND.update({t.type: t for t in BUILTIN_TOOLS})
+
+
 @st.composite
-def scripts(draw: st.DrawFn, *, max_user_turns: int = 2) -> Script:
+def script_tools(draw: st.DrawFn, n_tools: int) -> tuple[p.Tool, ...]:
+    """Tools of every kind a client runs: function tools (most), custom tools (text, regex or
+    lark), and the built-in shell, local shell, apply_patch and computer tools."""
+    tool_names = draw(st.lists(names, min_size=n_tools, max_size=n_tools, unique=True))
+    tools: list[p.Tool] = []
+    for name in tool_names:
+        kind = draw(st.sampled_from(["function", "custom", "builtin", "function"]))
+        if kind == "custom":
+            tools.append(
+                p.CustomTool(
+                    name=name,
+                    description=draw(unicode_text),
+                    format=draw(st.sampled_from(GRAMMARS)),
+                )
+            )
+        elif kind == "builtin" and (builtin := draw(st.sampled_from(BUILTIN_TOOLS))) not in tools:
+            tools.append(builtin)
+        else:
+            tools.append(
+                p.FunctionTool(
+                    name=name, description=draw(unicode_text), parameters=draw(object_schemas())
+                )
+            )
+    return tuple(tools)
+
+
+@st.composite
+def scripts(
+    draw: st.DrawFn,
+    *,
+    max_user_turns: int = 2,
+    functions_only: bool = False,
+    with_tool: p.Tool | None = None,
+) -> Script:
+    """Agent scripts. `with_tool`: that tool always among the tools, and at least one step."""
     # sampled_from rather than ranges: hypothesis favours small values, and a rollout
     # without tool calls is the least interesting case.
     n_tools = draw(st.sampled_from([1, 2, 3, 0]))
-    tool_names = draw(st.lists(names, min_size=n_tools, max_size=n_tools, unique=True))
-    tools = tuple(
-        p.FunctionTool(name=name, description=draw(unicode_text), parameters=draw(object_schemas()))
-        for name in tool_names
-    )
-    steps = draw(st.sampled_from([2, 1, 3, 4, 0]))
+    if with_tool is not None:
+        tools: tuple[p.Tool, ...] = (with_tool,)
+    elif functions_only:
+        tool_names = draw(st.lists(names, min_size=n_tools, max_size=n_tools, unique=True))
+        tools = tuple(
+            p.FunctionTool(
+                name=name, description=draw(unicode_text), parameters=draw(object_schemas())
+            )
+            for name in tool_names
+        )
+    else:
+        tools = draw(script_tools(n_tools))
+    steps = draw(st.sampled_from([2, 1, 3, 4] if with_tool is not None else [2, 1, 3, 4, 0]))
     parallel = draw(st.integers(1, 3))
     tokens = draw(st.integers(0, 24))
     model = f"sim:steps={steps},parallel={parallel},tokens={tokens}"

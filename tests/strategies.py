@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from openai.types.responses.responses_server_event import ResponsesServerEvent
 
 import protocol as p
+from protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
 
 T = TypeVar("T")
 Strategy = st.SearchStrategy
@@ -69,8 +70,7 @@ json_scalars: Strategy[Any] = (
 #: Any JSON value that both JSON and msgpack carry exactly.
 json_values: Strategy[Any] = st.recursive(
     json_scalars,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(texts, children, max_size=4),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(texts, children, max_size=4),
     max_leaves=12,
 )
 json_objects: Strategy[dict[str, Any]] = st.dictionaries(texts, json_values, max_size=4)
@@ -85,23 +85,35 @@ msgpack_scalars: Strategy[Any] = (
 )
 msgpack_values: Strategy[Any] = st.recursive(
     msgpack_scalars,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(texts | st.binary(max_size=4), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(texts | st.binary(max_size=4), children, max_size=4)
+    ),
     max_leaves=12,
 )
 
 
 # --- content parts ---------------------------------------------------------------------------
 
-input_texts = st.builds(p.InputText, text=texts)
+cache_breakpoints = opt(
+    st.fixed_dictionaries({"mode": st.just("explicit")}, optional={"ttl": st.just("30m")})
+)
+input_texts = st.builds(p.InputText, text=texts, prompt_cache_breakpoint=cache_breakpoints)
 input_images = st.builds(
     p.InputImage,
-    detail=st.sampled_from(["auto", "low", "high"]),
+    detail=st.sampled_from(["auto", "low", "high", "original"]),
     image_url=opt(texts),
     file_id=opt(ids),
+    prompt_cache_breakpoint=cache_breakpoints,
 )
 input_files = st.builds(
-    p.InputFile, file_data=opt(texts), file_id=opt(ids), file_url=opt(texts), filename=opt(texts)
+    p.InputFile,
+    file_data=opt(texts),
+    file_id=opt(ids),
+    file_url=opt(texts),
+    filename=opt(texts),
+    detail=opt(st.sampled_from(["auto", "low", "high"])),
+    prompt_cache_breakpoint=cache_breakpoints,
 )
 output_texts = st.builds(
     p.OutputText,
@@ -142,6 +154,10 @@ def _messages(roles: list[str], parts: Strategy[Any]) -> Strategy[p.Message]:
 input_messages = _messages(["user", "system", "developer"], input_parts)
 assistant_messages = _messages(["assistant"], output_parts)
 messages = input_messages | assistant_messages
+callers = opt(
+    st.just({"type": "direct"})
+    | st.fixed_dictionaries({"type": st.just("program"), "caller_id": ids})
+)
 function_calls = st.builds(
     p.FunctionCall,
     call_id=ids,
@@ -150,6 +166,8 @@ function_calls = st.builds(
     id=opt(ids),
     status=opt(statuses),
     namespace=opt(tool_names),
+    caller=callers,
+    async_=opt(st.booleans()),
 )
 function_call_outputs = st.builds(
     p.FunctionCallOutput,
@@ -157,7 +175,145 @@ function_call_outputs = st.builds(
     output=texts | st.lists(content_parts, max_size=3),
     id=opt(ids),
     status=opt(statuses),
+    name=opt(tool_names),
+    namespace=opt(tool_names),
+    caller=callers,
 )
+tool_outputs = texts | st.lists(input_parts, max_size=3)
+custom_tool_calls = st.builds(
+    p.CustomToolCall,
+    call_id=ids,
+    name=tool_names,
+    input=texts,
+    id=opt(ids),
+    status=opt(statuses),
+    namespace=opt(tool_names),
+    caller=callers,
+    async_=opt(st.booleans()),
+)
+custom_tool_call_outputs = st.builds(
+    p.CustomToolCallOutput,
+    call_id=ids,
+    output=tool_outputs,
+    id=opt(ids),
+    status=opt(statuses),
+    caller=callers,
+)
+local_shell_calls = st.builds(
+    p.LocalShellCall,
+    call_id=ids,
+    action=st.builds(
+        p.LocalShellAction,
+        command=st.lists(texts, min_size=1, max_size=3),
+        env=st.dictionaries(texts, texts, max_size=2),
+        timeout_ms=opt(counts),
+        user=opt(texts),
+        working_directory=opt(texts),
+    ),
+    id=opt(ids),
+    status=opt(statuses),
+)
+local_shell_call_outputs = st.builds(
+    p.LocalShellCallOutput, id=ids, output=texts, status=opt(statuses)
+)
+shell_calls = st.builds(
+    p.ShellCall,
+    call_id=ids,
+    action=st.builds(
+        p.ShellAction,
+        commands=st.lists(texts, min_size=1, max_size=3),
+        max_output_length=opt(counts),
+        timeout_ms=opt(counts),
+    ),
+    id=opt(ids),
+    status=opt(statuses),
+    environment=opt(st.just({"type": "local"})),
+    caller=callers,
+)
+shell_outcomes = st.just({"type": "timeout"}) | st.fixed_dictionaries(
+    {"type": st.just("exit"), "exit_code": st.integers(-128, 255)}
+)
+shell_call_outputs = st.builds(
+    p.ShellCallOutput,
+    call_id=ids,
+    output=st.lists(
+        st.builds(p.ShellOutput, stdout=texts, stderr=texts, outcome=shell_outcomes),
+        max_size=2,
+    ),
+    id=opt(ids),
+    status=opt(statuses),
+    max_output_length=opt(counts),
+    caller=callers,
+)
+patch_operations = st.builds(
+    p.ApplyPatchOperation,
+    type=st.sampled_from(["create_file", "update_file"]),
+    path=texts,
+    diff=texts,
+) | st.builds(p.ApplyPatchOperation, type=st.just("delete_file"), path=texts)
+apply_patch_calls = st.builds(
+    p.ApplyPatchCall,
+    call_id=ids,
+    operation=patch_operations,
+    status=st.sampled_from(["in_progress", "completed"]),
+    id=opt(ids),
+    caller=callers,
+)
+apply_patch_call_outputs = st.builds(
+    p.ApplyPatchCallOutput,
+    call_id=ids,
+    status=st.sampled_from(["completed", "failed"]),
+    output=opt(texts),
+    id=opt(ids),
+    caller=callers,
+)
+computer_actions = st.sampled_from(
+    [{"type": "screenshot"}, {"type": "wait"}, {"type": "click", "button": "left", "x": 1, "y": 2}]
+)
+computer_calls = st.builds(
+    p.ComputerCall,
+    call_id=ids,
+    pending_safety_checks=st.lists(st.fixed_dictionaries({"id": ids}), max_size=1),
+    action=opt(computer_actions),
+    actions=opt(st.lists(computer_actions, max_size=2)),
+    id=opt(ids),
+    status=opt(statuses),
+)
+computer_call_outputs = st.builds(
+    p.ComputerCallOutput,
+    call_id=ids,
+    output=st.builds(p.ComputerScreenshot, image_url=opt(texts), file_id=opt(ids)),
+    acknowledged_safety_checks=opt(st.lists(st.fixed_dictionaries({"id": ids}), max_size=1)),
+    id=opt(ids),
+    status=opt(statuses),
+)
+
+_KIND_STRATEGIES: dict[str, Strategy[Any]] = {
+    "string": texts,
+    "integer": counts,
+    "number": floats(-1e6, 1e6),
+    "boolean": st.booleans(),
+    "object": json_objects,
+    "array": st.lists(json_values, max_size=3),
+    "null": st.none(),
+    "any": json_values,
+}
+
+
+def shaped(shape: Any) -> Strategy[dict[str, Any]]:
+    """Objects of a `protocol._shapes` shape: every required key, any optional ones."""
+    required: dict[str, Strategy[Any]] = {}
+    optional: dict[str, Strategy[Any]] = {}
+    for key, kinds in shape.items():
+        value = st.one_of(*(_KIND_STRATEGIES[k] for k in kinds.split("|")))
+        (optional if key.endswith("?") else required)[key.rstrip("?")] = value
+    return st.fixed_dictionaries(required, optional=optional)
+
+
+OPAQUE_ITEM_STRATEGIES: dict[str, Strategy[Any]] = {
+    kind: shaped(shape).map(lambda data, kind=kind: p.OpaqueItem(type=kind, data=data))
+    for kind, shape in OPAQUE_ITEM_SHAPES.items()
+}
 reasonings = st.builds(
     p.Reasoning,
     id=opt(ids),
@@ -167,17 +323,26 @@ reasonings = st.builds(
     status=opt(statuses),
 )
 item_references = st.builds(p.ItemReference, id=ids)
-compactions = st.builds(
-    p.Compaction, encrypted_content=texts, id=opt(ids), created_by=opt(texts)
-)
+compactions = st.builds(p.Compaction, encrypted_content=texts, id=opt(ids), created_by=opt(texts))
 
 ITEM_STRATEGIES: dict[str, Strategy[Any]] = {
     "message": messages,
     "function_call": function_calls,
     "function_call_output": function_call_outputs,
+    "custom_tool_call": custom_tool_calls,
+    "custom_tool_call_output": custom_tool_call_outputs,
+    "local_shell_call": local_shell_calls,
+    "local_shell_call_output": local_shell_call_outputs,
+    "shell_call": shell_calls,
+    "shell_call_output": shell_call_outputs,
+    "apply_patch_call": apply_patch_calls,
+    "apply_patch_call_output": apply_patch_call_outputs,
+    "computer_call": computer_calls,
+    "computer_call_output": computer_call_outputs,
     "reasoning": reasonings,
     "item_reference": item_references,
     "compaction": compactions,
+    **OPAQUE_ITEM_STRATEGIES,
 }
 items: Strategy[p.Item] = st.one_of(*ITEM_STRATEGIES.values())
 
@@ -188,34 +353,76 @@ items: Strategy[p.Item] = st.one_of(*ITEM_STRATEGIES.values())
 parameter_schemas: Strategy[dict[str, Any]] = st.fixed_dictionaries(
     {"type": st.just("object"), "properties": st.dictionaries(ids, json_objects, max_size=3)}
 ) | json_objects.filter(lambda d: "type" not in d)
+allowed_callers = opt(st.lists(st.sampled_from(["direct", "programmatic"]), max_size=2))
 function_tools = st.builds(
     p.FunctionTool,
     name=tool_names,
     description=opt(texts),
     parameters=opt(parameter_schemas),
     strict=opt(st.booleans()),
+    defer_loading=opt(st.booleans()),
+    allowed_callers=allowed_callers,
+    output_schema=opt(json_objects),
+    async_=opt(st.booleans()),
+)
+custom_formats = st.builds(p.CustomToolFormat, type=st.just("text")) | st.builds(
+    p.CustomToolFormat,
+    type=st.just("grammar"),
+    syntax=st.sampled_from(["lark", "regex"]),
+    definition=texts,
+)
+custom_tools = st.builds(
+    p.CustomTool,
+    name=tool_names,
+    description=opt(texts),
+    format=opt(custom_formats),
+    defer_loading=opt(st.booleans()),
+    allowed_callers=allowed_callers,
+    async_=opt(st.booleans()),
 )
 namespace_tools = st.builds(
     p.NamespaceTool,
     name=tool_names,
     description=texts,
-    tools=st.lists(function_tools, max_size=3),
+    tools=st.lists(function_tools | custom_tools, max_size=3),
 )
+BUILTIN_TOOL_STRATEGIES: dict[str, Strategy[Any]] = {
+    kind: shaped(shape).map(lambda data, kind=kind: p.BuiltinTool(type=kind, settings=data))
+    for kind, shape in BUILTIN_TOOL_SHAPES.items()
+}
 TOOL_STRATEGIES: dict[str, Strategy[Any]] = {
     "function": function_tools,
+    "custom": custom_tools,
     "namespace": namespace_tools,
+    **BUILTIN_TOOL_STRATEGIES,
 }
-tools: Strategy[p.Tool] = function_tools | namespace_tools
-tool_choices: Strategy[p.ToolChoice] = st.sampled_from(["none", "auto", "required"]) | st.builds(
-    p.ToolChoiceFunction, name=tool_names
+tools: Strategy[p.Tool] = st.one_of(*TOOL_STRATEGIES.values())
+tool_choices: Strategy[p.ToolChoice] = (
+    st.sampled_from(["none", "auto", "required"])
+    | st.builds(p.ToolChoiceFunction, name=tool_names)
+    | st.builds(p.ToolChoiceCustom, name=tool_names)
+    | st.builds(
+        p.ToolChoiceAllowed,
+        mode=st.sampled_from(["auto", "required"]),
+        tools=st.lists(json_objects, max_size=2),
+    )
+    | st.builds(p.ToolChoiceMcp, server_label=ids, name=opt(ids))
+    | st.builds(p.ToolChoiceBuiltin, type=st.sampled_from(["shell", "apply_patch", "computer"]))
 )
 metadatas = st.dictionaries(st.text(max_size=64), st.text(max_size=40), max_size=16)
 text_configs = st.builds(
     p.TextConfig,
     format=st.just({"type": "text"}) | json_objects,
-    verbosity=opt(st.sampled_from(["low", "medium", "high"])),
+    verbosity=st.sampled_from(["low", "medium", "high"]),
 )
-reasoning_configs = st.builds(p.ReasoningConfig, effort=opt(texts), summary=opt(texts))
+reasoning_configs = st.builds(
+    p.ReasoningConfig,
+    effort=opt(texts),
+    summary=opt(texts),
+    generate_summary=opt(texts),
+    context=opt(texts),
+    mode=opt(texts),
+)
 
 
 # --- client events ---------------------------------------------------------------------------
@@ -254,17 +461,17 @@ response_creates = st.builds(
     user=opt(texts),
     stream_id=opt(ids),
     context_management=opt(st.lists(json_objects, max_size=2)),
-    conversation=json_values,
-    prompt=json_values,
-    moderation=json_values,
-    access_programs=json_values,
-    image=json_values,
-    background_options=json_values,
+    conversation=opt(ids | st.fixed_dictionaries({"id": ids})),
+    prompt=opt(json_objects),
+    moderation=opt(json_objects),
+    access_programs=opt(json_objects),
+    image=opt(json_objects),
+    background_options=opt(json_objects),
+    multi_agent=opt(json_objects),
+    client_metadata=opt(st.dictionaries(st.text(max_size=64), st.text(max_size=64), max_size=8)),
     rollout=opt(st.booleans()),
 )
-response_appends = st.builds(
-    p.ResponseAppend, response_id=ids, input=st.lists(items, max_size=4)
-)
+response_appends = st.builds(p.ResponseAppend, response_id=ids, input=st.lists(items, max_size=4))
 CLIENT_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
     "response.create": response_creates,
     "response.append": response_appends,
@@ -295,9 +502,7 @@ def literal_values(tp: Any) -> list[Any]:
 
 
 INCOMPLETE_REASONS = literal_values(typing.get_type_hints(p.IncompleteDetails)["reason"])
-incomplete_details = st.builds(
-    p.IncompleteDetails, reason=opt(st.sampled_from(INCOMPLETE_REASONS))
-)
+incomplete_details = st.builds(p.IncompleteDetails, reason=opt(st.sampled_from(INCOMPLETE_REASONS)))
 RESPONSE_STATUSES = ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
 responses = st.builds(
@@ -333,6 +538,8 @@ responses = st.builds(
     presence_penalty=floats(-2, 2),
     frequency_penalty=floats(-2, 2),
     user=opt(texts),
+    prompt_cache_retention=opt(texts),
+    client_metadata=opt(st.dictionaries(texts, texts, max_size=3)),
 )
 
 # Values from the SDK's own Literal types, so `openai.types.responses.Response` accepts them.
@@ -407,9 +614,7 @@ def sdk_responses(*, output: Strategy[list[p.Item]] | None = None) -> Strategy[p
         ),
         store=st.booleans(),
         temperature=floats(0, 2),
-        text=st.builds(
-            p.TextConfig, verbosity=opt(st.sampled_from(["low", "medium", "high"]))
-        ),
+        text=st.builds(p.TextConfig, verbosity=st.sampled_from(["low", "medium", "high"])),
         tool_choice=tool_choices,
         tools=st.lists(sdk_function_tools | sdk_namespace_tools, max_size=2),
         top_p=floats(0, 1),
@@ -430,9 +635,7 @@ def sdk_responses(*, output: Strategy[list[p.Item]] | None = None) -> Strategy[p
 
 # --- server events ---------------------------------------------------------------------------
 
-error_bodies = st.builds(
-    p.ErrorBody, type=texts, code=opt(texts), message=texts, param=opt(texts)
-)
+error_bodies = st.builds(p.ErrorBody, type=texts, code=opt(texts), message=texts, param=opt(texts))
 
 
 def _lifecycle(cls: type[Any]) -> Strategy[Any]:
@@ -471,6 +674,20 @@ SERVER_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
     "response.output_item.done": _item_event(p.OutputItemDone),
     "response.content_part.added": _part_event(p.ContentPartAdded),
     "response.content_part.done": _part_event(p.ContentPartDone),
+    "response.custom_tool_call_input.delta": st.builds(
+        p.CustomToolCallInputDelta,
+        sequence_number=counts,
+        item_id=ids,
+        output_index=counts,
+        delta=texts,
+    ),
+    "response.custom_tool_call_input.done": st.builds(
+        p.CustomToolCallInputDone,
+        sequence_number=counts,
+        item_id=ids,
+        output_index=counts,
+        input=texts,
+    ),
     "response.output_text.delta": st.builds(
         p.OutputTextDelta,
         sequence_number=counts,

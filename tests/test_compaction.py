@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 import protocol as p
 from engine import Engine, MemoryResponseStore, ResponseState, Session, open_engine
 from engine._compact import SnapshotSeal
-from tests.engine_harness import MAX_TURNS, Script, same_items, scripts
+from tests.engine_harness import MAX_TURNS, Script, pending_calls, same_items, scripts
 from tests.server_harness import open_test_server, open_ws, run_in_thread
 
 DEADLINE = 20
@@ -168,9 +168,13 @@ async def test_compact_endpoint_and_new_chains() -> None:
     assert by_id["output"][-1]["encrypted_content"]
     assert by_id["usage"]["output_tokens"] <= budget
     assert by_id["usage"]["input_tokens"] == got["source_tokens"] > budget
-    # Reasoning is dropped; the last two user turns are kept verbatim.
+    # Reasoning is dropped; the last two user turns are kept verbatim (listed as the API lists
+    # items: one text part, and a status).
     users = [i for i in window if i.get("role") == "user"]
-    assert [u["content"] for u in users[-2:]] == TURNS[-2:]
+    assert [u["content"] for u in users[-2:]] == [
+        [{"type": "input_text", "text": turn}] for turn in TURNS[-2:]
+    ]
+    assert all(i["status"] == "completed" for i in window if i["type"] == "message")
     # New chains from the window: equal to the slow path, reusing the window's tokens.
     fast, slow = got["from_window"], got["slow"]
     assert answer(fast) == answer(got["from_item"]) == answer(slow)
@@ -323,17 +327,10 @@ async def drive(
             outputs.extend(state.response.output)
             history.extend(state.response.output)
             prev = state.id
-            calls = [
-                o
-                for o in state.response.output
-                if isinstance(o, p.FunctionCall) and o.status == "completed"
-            ]
+            calls = pending_calls(state.response.output)
             if not calls or state.response.status != "completed":
                 break
-            new = [
-                p.FunctionCallOutput(call_id=c.call_id, output=script.output_for(c, n + i))
-                for i, c in enumerate(calls)
-            ]
+            new = [script.answer(c, n + i) for i, c in enumerate(calls)]
             n += len(calls)
             history.extend(new)
     return outputs, states

@@ -1,19 +1,25 @@
 """The three ways of running a rollout are the same rollout.
 
-Over generated agent scripts (random tools with random JSON schemas, unicode user text, random
-`steps`/`parallel`, random tool outputs), the stateless mode (whole history per request), the
-previous_response_id chain and the rollout coroutine produce the same output items in the same
-order (equal modulo generated ids), the same final rendered context and the same usage totals;
-and their work counters show the point of the design.
+Over generated agent scripts (random tools of every kind a client runs: function tools with
+random JSON schemas, custom tools with text, regex and lark formats, shell, local shell,
+apply_patch and computer; unicode user text, random `steps`/`parallel`, random tool
+outputs), the stateless mode (whole history per request), the previous_response_id chain and
+the rollout coroutine produce the same output items in the same order (equal modulo
+generated ids), the same final rendered context and the same usage totals; and their work
+counters show the point of the design.
 """
 
 from __future__ import annotations
 
+import pytest
 import trio
 from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
+import protocol as p
 from engine import open_engine
 from tests.engine_harness import (
+    EVERY_KIND,
     Script,
     check_arguments,
     run_chain,
@@ -29,6 +35,22 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 @SETTINGS
 @given(script=scripts())
 async def test_three_modes_produce_the_same_rollout(script: Script) -> None:
+    await check_three_modes(script)
+
+
+@pytest.mark.parametrize("kind", sorted(EVERY_KIND))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+async def test_three_modes_agree_for_every_tool_kind(kind: str, data: st.DataObject) -> None:
+    """Every script makes calls of this kind (custom text, regex and lark; shell, local
+    shell, apply_patch, computer), answered with outputs of the same kind."""
+    script = data.draw(scripts(with_tool=EVERY_KIND[kind]))
+    made = await check_three_modes(script)
+    assert made, f"no {kind} call was made"
+
+
+async def check_three_modes(script: Script) -> set[str]:
+    """Run the script three ways, check they agree; returns the call types made."""
     with trio.fail_after(60):
         async with open_engine() as engine:
             before = engine.counters.snapshot()
@@ -42,8 +64,10 @@ async def test_three_modes_produce_the_same_rollout(script: Script) -> None:
             await engine.post.flushed()
             after_rollout = engine.counters.snapshot()
 
-    n_calls = sum(1 for i in chain.outputs if i.type == "function_call")
-    event(f"function calls: {min(n_calls, 5)}{'+' if n_calls > 5 else ''}")
+    n_calls = sum(1 for i in chain.outputs if p.call_of(i) is not None)
+    event(f"tool calls: {min(n_calls, 5)}{'+' if n_calls > 5 else ''}")
+    for kind in sorted({i.type for i in chain.outputs if p.call_of(i) is not None}):
+        event(f"made a {kind}")
     event(f"responses in chain: {min(len(chain.responses), 5)}")
 
     # Same output items, in the same order, modulo ids.
@@ -75,3 +99,4 @@ async def test_three_modes_produce_the_same_rollout(script: Script) -> None:
     # Routing is resolved once per chain and per rollout, every time for stateless.
     assert (after_chain - after_stateless).route_resolutions == 1
     assert stateless_work.route_resolutions == len(stateless.responses)
+    return {i.type for i in chain.outputs if p.call_of(i) is not None and i.type != "function_call"}

@@ -44,7 +44,14 @@ from engine import (
     open_engine,
     open_sqlite_store,
 )
-from tests.engine_harness import Script, run_chain, same_items, scripts
+from tests.engine_harness import (
+    Script,
+    answer_item,
+    pending_calls,
+    run_chain,
+    same_items,
+    scripts,
+)
 
 DEADLINE = 30
 SETTINGS = settings(
@@ -81,9 +88,9 @@ async def open_store(kind: str) -> AsyncIterator[ResponseStore]:
 
 def continuation(state: ResponseState, text: str = "and then?") -> list[p.Item]:
     """Outputs for every call the state waits for, then a user message."""
+    calls = {c.call_id: c for c in pending_calls(list(state.items))}
     items: list[p.Item] = [
-        p.FunctionCallOutput(call_id=call_id, output=f"result of {name}")
-        for call_id, name in state.open_calls
+        answer_item(calls[call_id], f"result of {name}") for call_id, name in state.open_calls
     ]
     items.append(p.Message(role="user", content=text))
     return items

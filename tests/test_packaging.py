@@ -53,16 +53,18 @@ EXPECTED_PROTOCOL_NAMES = {
     "RemoteProtocolError",
     # builder
     "BuilderState",
+    "InvalidToolPayload",
     "ResponseStream",
     "iter_chunks",
     # client events
     "ClientEvent",
     "ResponseAppend",
     "ResponseCreate",
-    "check_tool",
     # server events
     "ContentPartAdded",
     "ContentPartDone",
+    "CustomToolCallInputDelta",
+    "CustomToolCallInputDone",
     "ErrorEvent",
     "FunctionCallArgumentsDelta",
     "FunctionCallArgumentsDone",
@@ -100,6 +102,41 @@ EXPECTED_PROTOCOL_NAMES = {
     "Tool",
     "ToolChoice",
     "ToolChoiceFunction",
+    # tool calls of every kind, the items rollout carries, built-in tools
+    "CALL_KINDS",
+    "CallKind",
+    "ToolCall",
+    "ToolOutput",
+    "CustomToolCall",
+    "CustomToolCallOutput",
+    "LocalShellAction",
+    "LocalShellCall",
+    "LocalShellCallOutput",
+    "ShellAction",
+    "ShellCall",
+    "ShellCallOutput",
+    "ShellOutput",
+    "ApplyPatchOperation",
+    "ApplyPatchCall",
+    "ApplyPatchCallOutput",
+    "ComputerCall",
+    "ComputerCallOutput",
+    "ComputerScreenshot",
+    "OpaqueItem",
+    "as_listed",
+    "call_of",
+    "output_of",
+    "CLIENT_BUILTIN_TOOLS",
+    "BuiltinTool",
+    "CustomTool",
+    "CustomToolFormat",
+    "ToolChoiceAllowed",
+    "ToolChoiceBuiltin",
+    "ToolChoiceCustom",
+    "ToolChoiceMcp",
+    "builtin_call_kind",
+    "check_tool",
+    "echo_tools",
     # the Response object
     "IncompleteDetails",
     "InputTokensDetails",
@@ -109,6 +146,7 @@ EXPECTED_PROTOCOL_NAMES = {
     "ResponseError",
     "TextConfig",
     "Usage",
+    "RESPONSE_ERROR_CODES",
 }
 
 
@@ -222,9 +260,7 @@ def test_wheel_contents(wheel: Path) -> None:
 
 def test_wheel_installs_and_imports_away_from_checkout(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
-    result = run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", target, wheel]
-    )
+    result = run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", target, wheel])
     assert result.returncode == 0, result.stdout + result.stderr
     venv_site = next(Path(p) for p in sys.path if p.endswith("site-packages"))
     # -I: no PYTHONPATH, no user site, no script dir; -S: no site-packages processing, so the

@@ -13,7 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import protocol as p
-from protocol._items import CONTENT_PART_TYPES, ITEM_TYPES, TOOL_TYPES
+from protocol._items import CONTENT_PART_TYPES, ITEM_TYPES
+from protocol._response import OMIT_IF_NONE
+from protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
+from protocol._tools import TOOL_TYPES
 from tests.strategies import (
     CLIENT_EVENT_STRATEGIES,
     CONTENT_PART_STRATEGIES,
@@ -124,12 +127,40 @@ def roundtrip(value: Any, cls: Any) -> None:
     assert p.from_wire(msgpack.unpackb(p.encode_msgpack(value)), cls) == value
 
 
+# Fields holding opaque JSON, carried as given (nulls included).
+OPAQUE_FIELDS = frozenset(
+    {
+        "parameters",
+        "output_schema",
+        "annotations",
+        "logprobs",
+        "caller",
+        "environment",
+        "outcome",
+        "action",
+        "actions",
+        "pending_safety_checks",
+        "acknowledged_safety_checks",
+        "tools",
+    }
+)
+
+
 def assert_no_nulls(wire: Any) -> None:
-    """Items, parts and tools leave absent optionals off the wire."""
+    """Typed items, parts and tools leave absent optionals off the wire (opaque items and
+    built-in tools carry their keys exactly as given: not checked)."""
     if isinstance(wire, dict):
+        if wire.get("type") in OPAQUE_ITEM_SHAPES or wire.get("type") in BUILTIN_TOOL_SHAPES:
+            return
         for key, value in wire.items():
-            assert value is not None, key
-            if key not in ("parameters", "annotations", "logprobs"):  # opaque JSON
+            # A function tool's description, parameters and strict are always present.
+            present = wire.get("type") == "function" and key in (
+                "description",
+                "parameters",
+                "strict",
+            )
+            assert value is not None or present, key
+            if key not in OPAQUE_FIELDS:
                 assert_no_nulls(value)
     elif isinstance(wire, list):
         for value in wire:
@@ -214,8 +245,14 @@ def test_tool_choice_roundtrip(choice: p.ToolChoice) -> None:
 @given(response=responses)
 def test_response_roundtrip(response: p.Response) -> None:
     roundtrip(response, p.Response)
-    # The Response object keeps explicit nulls: every field is present.
-    assert set(p.to_wire(response)) == {a.name for a in attrs.fields(p.Response)}
+    # The Response object keeps explicit nulls: every field is present, except rollout's
+    # additions, which appear only when set.
+    omitted = {
+        a.name
+        for a in attrs.fields(p.Response)
+        if a.metadata.get(OMIT_IF_NONE) and getattr(response, a.name) is None
+    }
+    assert set(p.to_wire(response)) == {a.name for a in attrs.fields(p.Response)} - omitted
 
 
 @SETTINGS

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 
 import protocol as p
 from engine import MemoryResponseStore, open_engine
-from tests.engine_harness import MAX_TURNS, Script, scripts
+from tests.engine_harness import MAX_TURNS, Script, pending_calls, scripts
 from tests.server_harness import (
     WEATHER_TOOLS,
     fetch_counters,
@@ -189,20 +189,12 @@ async def test_count_is_exact_at_every_turn(script: Script) -> None:
                     assert state.response.usage.input_tokens == cached_count == stateless_count
                     prev = state.id
                     history.extend(state.response.output)
-                    calls = [
-                        o
-                        for o in state.response.output
-                        if isinstance(o, p.FunctionCall) and o.status == "completed"
-                    ]
+                    calls = pending_calls(state.response.output)
                     if not calls or state.response.status != "completed":
                         break
                     new = []
                     for call in calls:
-                        new.append(
-                            p.FunctionCallOutput(
-                                call_id=call.call_id, output=script.output_for(call, n)
-                            )
-                        )
+                        new.append(script.answer(call, n))
                         n += 1
 
 
