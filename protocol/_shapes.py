@@ -4,12 +4,15 @@ The Responses API has many kinds of items (hosted tools' calls and results, MCP 
 programmatic tool calling, ...) and built-in tool declarations that rollout accepts, stores,
 echoes and renders, but never interprets. Rather than one class each, they are one generic
 value (`OpaqueItem`, `BuiltinTool`) checked against this table: the kind is known, every
-required key is present, no unknown key is present, and each value has the JSON kind the
-OpenAI SDK's types give it. Nested values are kept as they came (plain JSON, already bounded
-by the message size and checked to be plain data by the codec).
+required key is present, and each known key's value has the JSON kind the OpenAI SDK's types
+give it. Keys the table does not know are carried as given, not refused: the live API takes
+fields before the SDK's types list them (Codex sends `web_search` with
+`search_content_types`), and rollout does not act on these kinds. Nested values are kept as
+they came (plain JSON, already bounded by the message size and checked to be plain data by
+the codec).
 
-The tables follow the `openai` SDK's TypedDicts (`ResponseInputItemParam`, `ToolParam`); a test
-compares them key by key, so a new SDK field shows up as a failing test, never as a refusal.
+The tables follow the `openai` SDK's TypedDicts (`ResponseInputItemParam`, `ToolParam`); the
+surface tests build an instance of every SDK type and decode it.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ OPAQUE_ITEM_SHAPES: dict[str, Shape] = {
 
 _WEB_SEARCH: Shape = {
     "external_web_access?": "boolean",
+    "search_content_types?": "array",
     "filters?": "object|null",
     "search_context_size?": "string",
     "user_location?": "object|null",
@@ -197,7 +201,7 @@ def _kinds(value: Any) -> tuple[str, ...]:
 
 def check_shape(shape: Shape, data: Mapping[str, Any]) -> None:
     """Check `data` (an object without its `type`) against `shape`. Raises `InvalidField`
-    naming the key: missing, unknown, or of the wrong JSON kind."""
+    naming the key: missing, or of the wrong JSON kind (unknown keys pass)."""
     known: dict[str, tuple[str, bool]] = {}
     for key, kinds in shape.items():
         name = key.rstrip("?")
@@ -208,7 +212,7 @@ def check_shape(shape: Shape, data: Mapping[str, Any]) -> None:
     for name, value in data.items():
         spec = known.get(name)
         if spec is None:
-            raise InvalidField("unknown_parameter", "Unknown parameter: '{param}'.", name)
+            continue
         allowed = spec[0].split("|")
         if "any" in allowed or any(k in allowed for k in _kinds(value)):
             continue

@@ -46,9 +46,11 @@ CODEX_VERSION = "0.171.0"
 CODEX_TIMEOUT = 60.0
 # rollout logs a WebSocket connection when it closes; Codex drops its socket as it exits.
 WS_CLOSE_TIMEOUT = 10.0
-# The model name Codex asks for (unknown to Codex: it uses its fallback model metadata, which is
-# its default tool set with `exec_command` as the shell) and rollout routes to the upstream.
+# The model names Codex asks for, each routed by rollout to the upstream: one unknown to Codex
+# (it uses its fallback metadata: the default tools, `web_search` among them) and one it knows
+# (it adds its `apply_patch` custom tool with a lark grammar, and `tool_search`).
 MODEL = "rollout-codex-test"
+KNOWN_MODEL = "gpt-5.5"
 API_KEY_ENV = "ROLLOUT_CODEX_TEST_KEY"
 SHELL_TOOL = "exec_command"
 
@@ -63,9 +65,9 @@ def codex_bin() -> Path:
     return binary
 
 
-def codex_config(base_url: str, *, websocket: bool) -> str:
+def codex_config(base_url: str, *, websocket: bool, model: str) -> str:
     return f"""\
-model = "{MODEL}"
+model = "{model}"
 model_provider = "rollout"
 
 [model_providers.rollout]
@@ -89,9 +91,9 @@ enabled = false
 """
 
 
-def models_toml(upstream_url: str) -> str:
+def models_toml(upstream_url: str, model: str) -> str:
     return f"""\
-[models.{json.dumps(MODEL)}]
+[models.{json.dumps(model)}]
 upstream = "{upstream_url}"
 model = "scripted"
 retries = 0          # a failure must show, not be retried into an extra upstream request
@@ -155,11 +157,11 @@ def ws_connections(server: RolloutProcess) -> list[dict[str, Any]]:
 
 
 async def run_codex(
-    codex: Path, tmp_path: Path, base_url: str, *, websocket: bool, prompt: str
+    codex: Path, tmp_path: Path, base_url: str, *, websocket: bool, prompt: str, model: str
 ) -> ClientResult:
     home = tmp_path / "codex-home"
     home.mkdir()
-    (home / "config.toml").write_text(codex_config(base_url, websocket=websocket))
+    (home / "config.toml").write_text(codex_config(base_url, websocket=websocket, model=model))
     repo = make_git_repo(tmp_path / "repo")
     env = {k: v for k, v in client_env().items() if not k.startswith(("CODEX_", "OPENAI_"))}
     env.update({"CODEX_HOME": str(home), API_KEY_ENV: "sk-rollout-codex-test"})
@@ -176,20 +178,21 @@ async def run_codex(
     return await run_client(command, cwd=repo, env=env, time_limit=CODEX_TIMEOUT)
 
 
+@pytest.mark.parametrize("model", [MODEL, KNOWN_MODEL])
 @pytest.mark.parametrize("transport", ["http", "websocket"])
 async def test_codex_exec_runs_a_tool_turn_through_rollout(
-    codex_bin: Path, tmp_path: Path, transport: str
+    codex_bin: Path, tmp_path: Path, transport: str, model: str
 ) -> None:
     websocket = transport == "websocket"
     script = Script()
     prompt = "Run the command you are given and tell me what it printed."
     async with open_fake_upstream(script) as (upstream_url, upstream):
         models = tmp_path / "models.toml"
-        models.write_text(models_toml(upstream_url))
+        models.write_text(models_toml(upstream_url, model))
         data_dir = tmp_path / "rollout-data"
         async with open_rollout_process(data_dir=data_dir, models=models) as server:
             result = await run_codex(
-                codex_bin, tmp_path, server.url, websocket=websocket, prompt=prompt
+                codex_bin, tmp_path, server.url, websocket=websocket, prompt=prompt, model=model
             )
             if websocket and result.returncode == 0:
                 with trio.move_on_after(WS_CLOSE_TIMEOUT):
@@ -204,6 +207,9 @@ async def test_codex_exec_runs_a_tool_turn_through_rollout(
     assert upstream.hits == 2, (upstream.bodies, context)
     first, second = upstream.bodies
     assert not tool_messages(first) and SHELL_TOOL in tool_names(first), first
+    if model == KNOWN_MODEL:  # Codex's grammar-constrained apply_patch reached the model
+        patch = next(t for t in first["tools"] if t["function"]["name"] == "apply_patch")
+        assert "lark grammar" in patch["function"]["description"], patch
     outputs = tool_messages(second)
     assert len(outputs) == 1, second
     assert script.marker in message_text(outputs[0].get("content")), outputs

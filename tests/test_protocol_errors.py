@@ -150,13 +150,11 @@ BAD_CLIENT_MESSAGES: list[tuple[str, str | bytes, dict[str, Any], str, str | Non
         "input[0].action.commands",
     ),
     (
-        "hosted-item-with-unknown-key",
-        with_input(
-            {"type": "web_search_call", "id": "w", "status": "completed", "action": {}, "x": 1}
-        ),
+        "hosted-item-with-wrong-kind",
+        with_input({"type": "web_search_call", "id": "w", "status": "completed", "action": []}),
         {},
-        "unknown_parameter",
-        "input[0].x",
+        "invalid_type",
+        "input[0].action",
     ),
     (
         "hosted-item-missing-key",

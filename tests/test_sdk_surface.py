@@ -104,6 +104,17 @@ def test_every_create_field_decodes(field: str) -> None:
     assert getattr(decoded, field) is not None
 
 
+def test_keys_of_carried_kinds_the_sdk_does_not_list_are_kept() -> None:
+    """Codex (against the live API) sends `web_search` with `search_content_types`, which the
+    SDK's type lacks: built-in tools and opaque items carry unknown keys as given."""
+    tool = {"type": "web_search", "search_content_types": ["text", "image"], "new_knob": 1}
+    item = {"type": "mcp_call", "id": "m", "name": "n", "server_label": "s", "arguments": "{}"}
+    request = _decode({"model": "m", "tools": [tool], "input": [{**item, "new_field": True}]})
+    assert request.tools is not None and p.to_wire(request.tools[0]) == tool
+    assert isinstance(request.input, list)
+    assert p.to_wire(request.input[0]) == {**item, "new_field": True}
+
+
 def test_the_lists_are_the_sdks() -> None:
     """Guards against an empty or stale derivation: the unions hold what we know is there."""
     item_tags = {t for td in INPUT_ITEM_TYPES for t in type_tags(td)}
