@@ -446,3 +446,25 @@ async def test_an_output_must_answer_a_call_of_its_kind() -> None:
     assert missing.status_code == 400
     assert missing.json()["error"]["code"] == "missing_required_parameter"
     assert missing.json()["error"]["param"] == "input[0].call_id"
+
+
+async def test_client_metadata_is_kept_with_the_response() -> None:
+    """Codex's `client_metadata` (not in the SDK): stored with the response, bounded."""
+    metadata = {"x-codex-turn-metadata": json.dumps({"turn": 1, "cwd": "/" + "a" * 900})}
+    body = {"model": MODEL, "input": "Hello", "client_metadata": metadata}
+    with trio.fail_after(DEADLINE):
+        async with open_test_server() as url, httpx.AsyncClient(timeout=DEADLINE) as client:
+            created = (await client.post(f"{url}/responses", json=body)).json()
+            stored = (await client.get(f"{url}/responses/{created['id']}")).json()
+            too_long = await client.post(
+                f"{url}/responses",
+                json={**body, "client_metadata": {"k": "v" * 4097}},
+            )
+            too_many = await client.post(
+                f"{url}/responses",
+                json={**body, "client_metadata": {f"k{i}": "v" for i in range(33)}},
+            )
+    assert created["client_metadata"] == stored["client_metadata"] == metadata
+    assert too_long.status_code == too_many.status_code == 400
+    assert too_long.json()["error"]["param"] == "client_metadata.k"
+    assert too_many.json()["error"]["code"] == "object_above_max_properties"
