@@ -23,6 +23,7 @@ key that created them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -357,7 +358,10 @@ class RolloutApp:
                 ),
             )
         try:
-            request = decode_create_body(body, max_size=self.config.max_message_size)
+            request = await self.engine.decode(
+                functools.partial(decode_create_body, max_size=self.config.max_message_size),
+                body,
+            )
             if request.rollout:
                 raise RemoteProtocolError.invalid(
                     "The rollout extension needs a WebSocket connection.",

@@ -42,6 +42,7 @@ class Counters:
     samplings: int = 0
     tokens_sampled: int = 0
     hosted_calls: int = 0  # hosted tools' calls run by their executors
+    offloaded_decodes: int = 0  # client messages large enough to decode in a worker thread
     responses_completed: int = 0
     responses_incomplete: int = 0
     responses_failed: int = 0

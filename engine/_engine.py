@@ -98,6 +98,8 @@ __all__ = [
 ]
 
 Emit = Callable[[ServerEvent], Awaitable[None]]
+_Raw = typing.TypeVar("_Raw", str, bytes)
+_Decoded = typing.TypeVar("_Decoded")
 
 # Responses a connection keeps for previous_response_id continuation. OpenAI keeps the most
 # recent one; a few more let a client retry or fork from an earlier turn without the store.
@@ -109,6 +111,12 @@ DEFAULT_CACHE_TOKENS = 8_000_000
 DEFAULT_ROLLOUT_SUSPEND_LIMIT = 600.0
 # Events a rollout may buffer for a reader that is slower than sampling (embedded API).
 ROLLOUT_EVENT_BUFFER = 256
+# Client messages at least this large are decoded in a worker thread: parsing one takes long
+# enough to stall every other connection (a 5 MB body of 1.7 million empty arrays parses in
+# ~0.8 s; the decoder itself stops at the first bad element).
+OFFLOAD_DECODE_BYTES = 256 * 1024
+# Large decodes at once: each holds its parsed JSON (several times its size) in memory.
+MAX_CONCURRENT_LARGE_DECODES = 2
 # Sampling steps one response may spend on hosted tools before its model must answer the
 # client (a model that keeps searching cannot hold a response forever).
 MAX_HOSTED_ROUNDS = 16
@@ -234,7 +242,17 @@ class Engine:
             hosted=frozenset(self.hosted),
         )
         self.post = PostInference(store=store, ledger=ledger, counters=self.counters)
+        self.decode_limiter = trio.CapacityLimiter(MAX_CONCURRENT_LARGE_DECODES)
         self.responses_by_status: dict[str, int] = {}
+
+    async def decode(self, decode: Callable[[_Raw], _Decoded], data: _Raw) -> _Decoded:
+        """Decode a client message: inline when small, else in a worker thread (at most
+        `MAX_CONCURRENT_LARGE_DECODES` at once), so the event loop keeps serving others."""
+        if len(data) < OFFLOAD_DECODE_BYTES:
+            return decode(data)
+        async with self.decode_limiter:
+            self.counters.offloaded_decodes += 1
+            return await trio.to_thread.run_sync(decode, data)
 
     def session(
         self,

@@ -37,7 +37,7 @@ from ._ids import new_id
 from ._interfaces import Classifier, Flag, Renderer
 from ._models import ModelRegistry
 from ._state import CallRecord, Lineage, Prefix, ResponseState, Route, digest_tokens
-from ._tools import check_tools, offered_tools
+from ._tools import check_text_format, check_tools, offered_tools
 
 __all__ = [
     "ConversationValidator",
@@ -153,6 +153,8 @@ class ConversationValidator:
             hosted=self.hosted,
             schemas_known=tools_known,
         )
+        if request.text is not None:
+            check_text_format(request.text.format)
 
     def validate_items(
         self,

@@ -39,16 +39,18 @@ It calls every kind of tool a client runs:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import trio
 
 from protocol import CustomTool, FunctionTool, RemoteProtocolError
 
+from ._errors import BackendError
 from ._grammar import GrammarError, check_grammar, grammar_instance
 from ._interfaces import (
     ArgsDelta,
@@ -89,6 +91,8 @@ SIM_PARAMS = ("steps", "parallel", "tokens", "tps", "ttft_ms", "interval_ms")
 MAX_SIM_TOKENS = 1_000_000
 MAX_SIM_STEPS = 100_000
 MAX_SIM_PARALLEL = 128
+MAX_SIM_TPS = 10_000_000  # far beyond any model; past it, "unlimited" (tps=0) says it better
+MAX_SIM_DELAY_MS = 3_600_000  # an hour: longer delays only hold a connection for nothing
 
 
 class SimParams:
@@ -98,10 +102,10 @@ class SimParams:
         self.steps = _int(params, "steps", 1, 0, MAX_SIM_STEPS)
         self.parallel = _int(params, "parallel", 1, 1, MAX_SIM_PARALLEL)
         self.tokens = _int(params, "tokens", 32, 0, MAX_SIM_TOKENS)
-        tps = _float(params, "tps", 0.0)
+        tps = _float(params, "tps", 0.0, MAX_SIM_TPS)
         self.tps = tps if tps > 0 else math.inf
-        self.ttft = _float(params, "ttft_ms", 0.0) / 1000
-        self.interval = _float(params, "interval_ms", 5.0) / 1000
+        self.ttft = _float(params, "ttft_ms", 0.0, MAX_SIM_DELAY_MS) / 1000
+        self.interval = _float(params, "interval_ms", 5.0, MAX_SIM_DELAY_MS) / 1000
 
 
 def _bad(key: str, value: str, why: str) -> RemoteProtocolError:
@@ -123,7 +127,7 @@ def _int(params: Mapping[str, str], key: str, default: int, lo: int, hi: int) ->
     return value
 
 
-def _float(params: Mapping[str, str], key: str, default: float) -> float:
+def _float(params: Mapping[str, str], key: str, default: float, hi: float) -> float:
     raw = params.get(key)
     if raw is None:
         return default
@@ -133,6 +137,8 @@ def _float(params: Mapping[str, str], key: str, default: float) -> float:
         raise _bad(key, raw, "expected a number") from None
     if not math.isfinite(value) or value < 0:
         raise _bad(key, raw, "expected a non-negative number")
+    if value > hi:
+        raise _bad(key, raw, f"expected at most {hi:g}")
     return value
 
 
@@ -162,9 +168,12 @@ class SimBackend:
             fmt = request.text_format or {}
             if fmt.get("type") in ("json_schema", "json_object"):
                 # Structured output: a JSON instance of the schema, streamed in 4-char pieces.
-                document = json.dumps(
-                    schema_instance(fmt.get("schema") or {"type": "object"}, rng),
-                    ensure_ascii=False,
+                document = _written(
+                    "a JSON document for the text format",
+                    lambda: json.dumps(
+                        schema_instance(fmt.get("schema") or {"type": "object"}, rng),
+                        ensure_ascii=False,
+                    ),
                 )
                 pieces = [document[i : i + 4] for i in range(0, len(document), 4)] or [""]
             else:
@@ -193,7 +202,9 @@ class SimBackend:
 
         used = 0
         for call in calls:
-            payload = _payload(call, rng)
+            payload = _written(
+                f"a call of {call.qualified}", functools.partial(_payload, call, rng)
+            )
             yield CallStart(call.name, call.namespace, call.kind)
             pieces = [payload[i : i + 4] for i in range(0, len(payload), 4)] or [""]
             i = 0
@@ -232,6 +243,20 @@ class SimBackend:
         if len(candidates) == 1:  # a named tool or a forced built-in type
             return candidates * per_turn
         return [rng.choice(candidates) for _ in range(per_turn)]
+
+
+def _written(what: str, write: Callable[[], str]) -> str:
+    """What `write` produces, or a `BackendError` (the response fails, never the server) when
+    the schema or grammar asks for too much or is malformed beyond what validation catches."""
+    try:
+        return str(write())
+    except InstanceTooLarge:
+        raise BackendError(
+            f"The simulated model cannot write {what}: the schema asks for more than "
+            f"{MAX_INSTANCE_VALUES} values or {MAX_INSTANCE_CHARS} characters."
+        ) from None
+    except (GrammarError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise BackendError(f"The simulated model cannot write {what}: {exc}.") from None
 
 
 def _callable(call: CallTarget) -> bool:
@@ -309,19 +334,59 @@ class _Pacer:
 # --- JSON schema instances -------------------------------------------------------------------
 
 _MAX_DEPTH = 6
+# Work one instance may take: JSON values produced and characters of text. Schemas reach here
+# bounded (engine._schemas), but their bounds still multiply (an array of arrays of long
+# strings); past these the model fails the response instead of working on.
+MAX_INSTANCE_VALUES = 10_000
+MAX_INSTANCE_CHARS = 1_000_000
+
+
+class InstanceTooLarge(Exception):
+    """The schema asks for more than `MAX_INSTANCE_VALUES` values or `MAX_INSTANCE_CHARS`."""
+
+
+class _Budget:
+    __slots__ = ("chars", "values")
+
+    def __init__(self) -> None:
+        self.values = MAX_INSTANCE_VALUES
+        self.chars = MAX_INSTANCE_CHARS
+
+    def take(self, values: int = 1, chars: int = 0) -> None:
+        self.values -= values
+        self.chars -= chars
+        if self.values < 0 or self.chars < 0:
+            raise InstanceTooLarge
+
+
+def _size(schema: dict[str, Any], key: str, default: int) -> int:
+    """A size keyword as a small non-negative int (whatever the client wrote)."""
+    value = schema.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return default
+    return max(0, min(int(value), MAX_INSTANCE_CHARS))
 
 
 def schema_instance(schema: Any, rng: random.Random, depth: int = 0) -> Any:
-    """A value that validates against `schema` for the common keywords (best effort beyond)."""
+    """A value that validates against `schema` for the common keywords (best effort beyond).
+    Raises `InstanceTooLarge` past the instance budget; a malformed schema gives a best-effort
+    value, never an exception."""
+    return _instance(schema, rng, depth, _Budget())
+
+
+def _instance(schema: Any, rng: random.Random, depth: int, budget: _Budget) -> Any:
+    budget.take()
     if not isinstance(schema, dict):
         return {}
     if "const" in schema:
         return schema["const"]
-    if schema.get("enum"):
-        return rng.choice(schema["enum"])
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return rng.choice(enum)
     for key in ("anyOf", "oneOf", "allOf"):
-        if schema.get(key):
-            return schema_instance(schema[key][0], rng, depth + 1)
+        branches = schema.get(key)
+        if isinstance(branches, list) and branches:
+            return _instance(branches[0], rng, depth + 1, budget)
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
@@ -329,21 +394,22 @@ def schema_instance(schema: Any, rng: random.Random, depth: int = 0) -> Any:
         kind = "object" if "properties" in schema else "string"
     if kind == "object":
         out: dict[str, Any] = {}
-        if depth >= _MAX_DEPTH:
+        props = schema.get("properties")
+        if depth >= _MAX_DEPTH or not isinstance(props, dict):
             return out
-        props = schema.get("properties") or {}
-        required = set(schema.get("required") or ())
+        listed = schema.get("required")
+        required = {r for r in listed if isinstance(r, str)} if isinstance(listed, list) else set()
         for name, sub in props.items():
             if name in required or rng.random() < 0.5:
-                out[name] = schema_instance(sub, rng, depth + 1)
+                budget.take(chars=len(name))
+                out[name] = _instance(sub, rng, depth + 1, budget)
         return out
     if kind == "array":
-        lo = int(schema.get("minItems", 0))
-        hi = int(schema.get("maxItems", max(lo, 3)))
-        n = rng.randint(lo, max(lo, min(hi, lo + 3)))
-        if depth >= _MAX_DEPTH:
-            n = lo
-        return [schema_instance(schema.get("items", {}), rng, depth + 1) for _ in range(n)]
+        lo = _size(schema, "minItems", 0)
+        hi = _size(schema, "maxItems", max(lo, 3))
+        n = lo if depth >= _MAX_DEPTH else rng.randint(lo, max(lo, min(hi, lo + 3)))
+        budget.take(values=n)  # before building: a huge minItems fails at once
+        return [_instance(schema.get("items", {}), rng, depth + 1, budget) for _ in range(n)]
     if kind == "integer":
         ilo, ihi = _bounds(schema, integer=True)
         return rng.randint(int(ilo), int(ihi))
@@ -355,11 +421,17 @@ def schema_instance(schema: Any, rng: random.Random, depth: int = 0) -> Any:
         return rng.random() < 0.5
     if kind == "null":
         return None
-    lo_len = int(schema.get("minLength", 1))
-    hi_len = int(schema.get("maxLength", max(lo_len, 24)))
+    lo_len = _size(schema, "minLength", 1)
+    hi_len = _size(schema, "maxLength", max(lo_len, 24))
+    budget.take(chars=lo_len)
     text = "".join(rng.choice(_VOCAB) for _ in range(4)).strip()
-    while len(text) < lo_len:
-        text += rng.choice(_VOCAB)
+    if len(text) < lo_len:  # words until long enough (joined once: linear in lo_len)
+        pieces, length = [text], len(text)
+        while length < lo_len:
+            piece = rng.choice(_VOCAB)
+            pieces.append(piece)
+            length += len(piece)
+        text = "".join(pieces)
     return text[:hi_len]
 
 

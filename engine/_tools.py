@@ -12,10 +12,10 @@ A request may declare any tool the Responses API knows. The model is offered:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Sequence
 
 import attrs
-import jsonschema
 
 from protocol import (
     BuiltinTool,
@@ -33,11 +33,14 @@ from protocol import (
     builtin_call_kind,
 )
 
+from ._schemas import check_untrusted_schema
+
 __all__ = [
     "MAX_GRAMMAR_CHARS",
     "CallTarget",
     "Choice",
     "callable_tools",
+    "check_text_format",
     "check_tools",
     "offered_tools",
     "resolve_choice",
@@ -218,11 +221,37 @@ def check_tools(
 
 
 def _check_schema(tool: FunctionTool, where: str) -> None:
-    try:
-        jsonschema.validators.validator_for(tool.parameters).check_schema(tool.parameters)
-    except jsonschema.SchemaError as exc:
+    check_untrusted_schema(tool.parameters, f"{where}.parameters", what=f"function '{tool.name}'")
+
+
+# A structured-outputs format's name, as the OpenAI API accepts it.
+_FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TEXT_FORMAT_TYPES = ("text", "json_schema", "json_object")
+
+
+def check_text_format(fmt: dict[str, object]) -> None:
+    """`text.format`: one of the known types; a `json_schema` format has a valid name and a
+    schema checked like a function's parameters (bounded first)."""
+    kind = fmt.get("type")
+    if kind not in TEXT_FORMAT_TYPES:
+        shown = ", ".join(repr(t) for t in TEXT_FORMAT_TYPES)
         raise _invalid(
-            f"Invalid schema for function '{tool.name}': {exc.message}.",
-            f"{where}.parameters",
-            "invalid_function_parameters",
-        ) from None
+            f"Invalid value: {str(kind)[:64]!r}. Supported values are: {shown}.",
+            "text.format.type",
+        )
+    if kind != "json_schema":
+        return
+    name = fmt.get("name")
+    if not isinstance(name, str) or not _FORMAT_NAME.match(name):
+        raise _invalid(
+            "Invalid 'text.format.name': expected a string matching '^[a-zA-Z0-9_-]{1,64}$'.",
+            "text.format.name",
+            "invalid_value" if name is not None else "missing_required_parameter",
+        )
+    if "schema" not in fmt:
+        raise _invalid(
+            "Missing required parameter: 'text.format.schema'.",
+            "text.format.schema",
+            "missing_required_parameter",
+        )
+    check_untrusted_schema(fmt["schema"], "text.format.schema", what=f"text format '{name}'")

@@ -10,6 +10,7 @@ close the socket. A connection older than its age limit answers its next create 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -136,7 +137,10 @@ class WebSocketConnection:
             if data is None:
                 data = message.get("bytes") or b""
             try:
-                event = decode_client_event(data, max_size=self.limits.max_message_size)
+                event = await self.session.engine.decode(
+                    functools.partial(decode_client_event, max_size=self.limits.max_message_size),
+                    data,
+                )
             except RemoteProtocolError as exc:
                 await self._answer_error(exc)
                 continue

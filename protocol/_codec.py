@@ -32,6 +32,7 @@ from cattrs.cols import list_structure_factory
 from cattrs.errors import (
     AttributeValidationNote,
     ForbiddenExtraKeysError,
+    IterableValidationError,
     IterableValidationNote,
     StructureHandlerNotFoundError,
 )
@@ -201,12 +202,24 @@ def _make_converter(strict: bool) -> cattrs.Converter:
     conv.register_structure_hook_factory(_is_literal, literal_factory)
 
     def list_factory(t: Any) -> Callable[[Any, Any], Any]:
-        inner = list_structure_factory(t, conv)
+        (elem_t,) = get_args(t) or (Any,)
+        if elem_t is Any:
+            inner = list_structure_factory(t, conv)
+            return lambda value, _: _as_list(value) and inner(value, t)
+        elem = conv.get_structure_hook(elem_t)
 
         def hook(value: Any, _: Any) -> Any:
-            if not isinstance(value, list):
-                raise InvalidField.wrong_type("an array", value)
-            return inner(value, t)
+            # Element by element, stopping at the first bad one: the cost of a bad body is
+            # independent of how many elements follow (cattrs' own list hook would try them
+            # all and build an exception for each).
+            out = []
+            for i, item in enumerate(_as_list(value)):
+                try:
+                    out.append(elem(item, elem_t))
+                except Exception as exc:
+                    exc.add_note(IterableValidationNote(f"Structuring {t} @ index {i}", i, elem_t))
+                    raise IterableValidationError("While structuring a list", [exc], t) from None
+            return out
 
         return hook
 
@@ -403,6 +416,12 @@ _LENIENT = make_converter(strict=False)
 
 
 # --- error translation -----------------------------------------------------------------------
+
+
+def _as_list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise InvalidField.wrong_type("an array", value)
+    return value
 
 
 def _join(path: str, sub: str) -> str:

@@ -184,6 +184,7 @@ class RolloutProcess:
     """A running `rollout serve`: its base URL and what its stderr said so far."""
 
     url: str = ""
+    pid: int = 0
     lines: list[str] = attrs.field(factory=list)
     exited: bool = False  # its stderr closed
     _changed: trio.Event = attrs.field(factory=trio.Event)
@@ -196,6 +197,14 @@ class RolloutProcess:
             if match:
                 records.append(json.loads(match[1]))
         return records
+
+    def peak_rss_bytes(self) -> int:
+        """The process's peak resident set size so far (Linux `VmHWM`)."""
+        with open(f"/proc/{self.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmHWM in /proc status")
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.lines[-n:])
@@ -269,6 +278,7 @@ async def open_rollout_process(
         env=dict(env) if env is not None else client_env(),
         start_new_session=True,
     )
+    server.pid = process.pid
     try:
         async with trio.open_nursery() as nursery:
             assert process.stderr is not None
