@@ -51,12 +51,13 @@ from protocol import (
 from ._chat import ChatCompletionEmitter, request_from_chat
 from ._compact import DEFAULT_COMPACT_BUDGET
 from ._counters import LATENCY_BUCKETS
-from ._engine import Engine
+from ._engine import Engine, server_error
 from ._ws import WebSocketConnection, WebSocketLimits
 
 __all__ = ["AppConfig", "RolloutApp", "owner_of"]
 
 access_log = logging.getLogger("rollout.access")
+log = logging.getLogger("rollout.server")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -226,9 +227,23 @@ class RolloutApp:
         path = scope["path"]
         headers = _headers(scope)
         status = 500
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
             query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode("latin-1")))
-            status = await self._route(method, path, headers, query, receive, send)
+            status = await self._route(method, path, headers, query, receive, tracked)
+        except Exception:
+            # A bug: never an empty 500. The traceback goes to the log, the client gets an
+            # OpenAI-shaped error (if nothing was sent yet; a started body is cut as it is).
+            log.exception("%s %s failed with an unexpected error", method, path)
+            if not started:
+                error = server_error()
+                status = await _json(send, error.status, {"error": to_wire(error.body)})
         finally:
             access_log.info(
                 json.dumps(

@@ -15,6 +15,8 @@ The three modes differ only in where the parent state comes from and whether the
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 import time
@@ -32,6 +34,7 @@ from protocol import (
     BuiltinTool,
     CallKind,
     Compaction,
+    ErrorBody,
     InvalidToolPayload,
     Item,
     ItemReference,
@@ -120,6 +123,23 @@ MAX_CONCURRENT_LARGE_DECODES = 2
 # Sampling steps one response may spend on hosted tools before its model must answer the
 # client (a model that keeps searching cannot hold a response forever).
 MAX_HOSTED_ROUNDS = 16
+
+
+log = logging.getLogger("rollout.engine")
+
+# What a response that failed on an unexpected error says (the traceback goes to the log).
+_SERVER_ERROR = ResponseError(
+    code="server_error",
+    message="The server had an error while processing your request. Sorry about that!",
+)
+
+
+def server_error() -> RemoteProtocolError:
+    """The request error for an unexpected failure before a response started (HTTP 500)."""
+    return RemoteProtocolError(
+        ErrorBody(type="server_error", code="server_error", message=_SERVER_ERROR.message),
+        status=500,
+    )
 
 
 def previous_response_not_found(response_id: str) -> RemoteProtocolError:
@@ -530,6 +550,10 @@ class Session:
             if parent is not None:
                 self.cache.evict(parent.id)
             raise
+        except Exception:
+            log.exception("a request failed before its response started")
+            engine.counters.request_errors += 1
+            raise server_error() from None
 
         assert request.model is not None
         response = Response(
@@ -690,6 +714,18 @@ class Session:
             final_state = await self._finish(state, final_response, parent_stored, records)
             submitted = True
             return final_state
+        except Exception:
+            # A bug, ours or a backend's: the response fails (with a logged traceback); the
+            # connection, its queue and other responses carry on.
+            log.exception("response %s failed with an unexpected error", response.id)
+            failed = stream.abort(error=_SERVER_ERROR, usage=total + _usage_of(progress))
+            if failed is not None:
+                engine.record_status("failed")
+                if parent is not None:
+                    self.cache.evict(parent.id)
+                with contextlib.suppress(Exception):  # the emitter itself may be what broke
+                    await emit(failed)
+            return None
         finally:
             if rollout is not None:
                 rollout._finished()

@@ -28,7 +28,7 @@ from protocol import DEFAULT_MAX_MESSAGE_SIZE
 
 from ._app import AppConfig, RolloutApp
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
-from ._interfaces import ResponseStore, UsageLedger
+from ._interfaces import Classifier, HostedTool, ResponseStore, UsageLedger
 from ._ledger import open_sqlite_ledger
 from ._models import ModelRegistry
 from ._store import open_sqlite_store
@@ -56,6 +56,8 @@ class ServerConfig:
     graceful_timeout: float = 10.0
     max_cached_responses: int = 8
     registry: ModelRegistry | None = None
+    classifier: Classifier | None = None  # None: the default classifiers
+    hosted_tools: tuple[HostedTool, ...] = ()  # executors of hosted tools (offered by type)
     # Wraps the ASGI app before it is served (tests serve deliberately broken variants).
     app_wrapper: Callable[[RolloutApp], Any] | None = None
 
@@ -103,6 +105,8 @@ async def serve(
     try:
         async with open_engine(
             registry=config.registry,
+            classifier=config.classifier,
+            hosted_tools=config.hosted_tools,
             store=store,
             ledger=ledger,
             rollout_suspend_limit=config.rollout_suspend_limit,

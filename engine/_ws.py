@@ -31,7 +31,7 @@ from protocol import (
     encode_json,
 )
 
-from ._engine import Rollout, Session
+from ._engine import Rollout, Session, server_error
 
 __all__ = [
     "DEFAULT_CONNECTION_AGE_LIMIT",
@@ -144,6 +144,10 @@ class WebSocketConnection:
             except RemoteProtocolError as exc:
                 await self._answer_error(exc)
                 continue
+            except Exception:  # a bug in the decoder: this frame fails, the socket lives
+                log.exception("decoding a WebSocket frame failed unexpectedly")
+                await self._answer_error(server_error())
+                continue
             if isinstance(event, ResponseCreate) and event.stream_id is not None:
                 await self._answer_error(
                     RemoteProtocolError.invalid(
@@ -195,6 +199,9 @@ class WebSocketConnection:
             rollout.append(event.input)
         except RemoteProtocolError as exc:
             await self._answer_error(exc)
+        except Exception:  # a bug: this append fails, the rollout and the socket live on
+            log.exception("response.append failed unexpectedly")
+            await self._answer_error(server_error())
 
     async def _runner(self, cancel_scope: trio.CancelScope) -> None:
         limit = self.limits.connection_age_limit

@@ -84,7 +84,7 @@ class BuilderState(enum.Enum):
     IN_CALL = "in_call"  # a function call's arguments are streaming
     SUSPENDED = "suspended"  # rollout extension: response.done sent, waiting for outputs
     DONE = "done"  # a terminal event was sent
-    ERROR = "error"  # misused; refuses everything
+    ERROR = "error"  # misused; refuses everything but `abort`
 
 
 _S = BuilderState
@@ -104,6 +104,9 @@ _TRANSITIONS: dict[str, dict[BuilderState, BuilderState]] = {
     "incomplete": {s: _S.DONE for s in (_S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED)},
     # Not from NEW: a response that never started has no `response.failed` (send an error).
     "fail": {s: _S.DONE for s in (_S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED)},
+    # The last resort after a bug (ours, or a backend's): also from ERROR, so a response that
+    # started always ends with a terminal event.
+    "abort": {s: _S.DONE for s in (_S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED, _S.ERROR)},
 }
 
 
@@ -429,6 +432,16 @@ class ResponseStream:
             self._state = BuilderState.ERROR
             raise LocalProtocolError("can't fail before start(): send an error event instead")
         self._go("fail")
+        self._open = None
+        response = attrs.evolve(self.final("failed", usage, None), error=error)
+        return ResponseFailed(sequence_number=self._n(), response=response)
+
+    def abort(self, *, error: ResponseError, usage: Usage | None) -> ResponseFailed | None:
+        """`response.failed` whatever went wrong before, even in ERROR (an item still open is
+        dropped); None when there is nothing to end (never started, or already ended)."""
+        if self._state not in _TRANSITIONS["abort"]:
+            return None
+        self._state = BuilderState.DONE
         self._open = None
         response = attrs.evolve(self.final("failed", usage, None), error=error)
         return ResponseFailed(sequence_number=self._n(), response=response)

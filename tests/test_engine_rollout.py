@@ -274,18 +274,25 @@ class BrokenBackend:
         yield  # an async generator, like every backend
 
 
-async def test_a_crash_in_the_rollout_is_never_swallowed() -> None:
-    """However the reader and the dying rollout task are scheduled (trio varies the order),
-    the crash propagates out of `open_rollout`; it is not replaced by the cancellation of
-    the reader leaving the block."""
+async def test_a_crash_in_the_rollout_is_never_swallowed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """However the reader and the dying rollout task are scheduled (trio varies the order), a
+    backend's crash ends the rollout with `response.failed` (`server_error`) and its traceback
+    in the log: never silently, never as an exception into the caller's transport."""
     registry = ModelRegistry([ModelSpec(name="broken", backend=BrokenBackend())])
     with trio.fail_after(DEADLINE):
         async with open_engine(registry=registry) as engine:
             for _ in range(25):
-                with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="backend bug")):
-                    request = p.ResponseCreate(model="broken", input="x", rollout=True)
-                    async with engine.session().open_rollout(request) as rollout:
-                        await drain(rollout)
+                caplog.clear()
+                request = p.ResponseCreate(model="broken", input="x", rollout=True)
+                async with engine.session().open_rollout(request) as rollout:
+                    events = await drain(rollout)
+                assert events[-1].type == "response.failed"
+                assert isinstance(events[-1], p.ResponseFailed)
+                assert events[-1].response.error is not None
+                assert events[-1].response.error.code == "server_error"
+                assert "RuntimeError: backend bug" in caplog.text
 
 
 async def test_a_rollout_suspended_too_long_ends_incomplete(
