@@ -614,10 +614,10 @@ class Session:
                 return None
             if not generate:
                 final = stream.complete(usage=Usage(), completed_at=engine.now())
-                await emit(final)
-                engine.record_status("completed")
                 warmed = await self._finish(state, final.response, parent_stored, [])
                 submitted = True
+                engine.record_status("completed")
+                await emit(final)  # after the commit: acknowledged means durable
                 return warmed
 
             if threshold is not None and state.context_tokens > threshold:
@@ -641,6 +641,8 @@ class Session:
                 except BackendError as exc:
                     records.append(self._record(response, step, progress, complete=False))
                     usage = total + _usage_of(progress)
+                    await engine.post.commit(PostJob(records=records))
+                    submitted = True
                     await self._fail(
                         stream,
                         emit,
@@ -648,8 +650,6 @@ class Session:
                         ResponseError(code=exc.code, message=exc.message),
                         usage,
                     )
-                    await engine.post.submit(PostJob(records=records))
-                    submitted = True
                     return None
                 records.append(self._record(response, step, progress, complete=True))
                 progress = _Progress()
@@ -662,10 +662,9 @@ class Session:
                     events = stream.incomplete(
                         reason="max_output_tokens", usage=total, completed_at=engine.now()
                     )
-                    for event in events:
+                    for event in events[:-1]:  # the open item closed; the terminal one waits
                         await emit(event)
-                    engine.record_status("incomplete")
-                    final_response = events[-1].response  # type: ignore[union-attr]
+                    terminal = events[-1]
                     state = self._extend(state, result.pending_outputs + stream.output_since(first))
                     break
                 if result.hosted and not state.open_calls and hosted_rounds < MAX_HOSTED_ROUNDS:
@@ -682,13 +681,14 @@ class Session:
                         events = stream.incomplete(
                             reason="rollout_timeout", usage=total, completed_at=engine.now()
                         )
-                        for event in events:
+                        for event in events[:-1]:
                             await emit(event)
-                        engine.record_status("incomplete")
-                        final_response = events[-1].response  # type: ignore[union-attr]
+                        terminal = events[-1]
                         break
                     state, flags = resumed
                     if flags:
+                        await engine.post.commit(PostJob(records=records))
+                        submitted = True
                         await self._fail(
                             stream,
                             emit,
@@ -700,25 +700,31 @@ class Session:
                             ),
                             total,
                         )
-                        await engine.post.submit(PostJob(records=records))
-                        submitted = True
                         return None
                     await emit(stream.resume())
                     cached = before
                     continue
-                final_event = stream.complete(usage=total, completed_at=engine.now())
-                await emit(final_event)
-                engine.record_status("completed")
-                final_response = final_event.response
+                terminal = stream.complete(usage=total, completed_at=engine.now())
                 break
+            final_response = terminal.response  # type: ignore[union-attr]
+            # Commit before the terminal event: once a client sees it, the stored response
+            # and its usage are durable.
             final_state = await self._finish(state, final_response, parent_stored, records)
             submitted = True
+            engine.record_status(final_response.status)
+            await emit(terminal)
             return final_state
         except Exception:
             # A bug, ours or a backend's: the response fails (with a logged traceback); the
             # connection, its queue and other responses carry on.
             log.exception("response %s failed with an unexpected error", response.id)
             failed = stream.abort(error=_SERVER_ERROR, usage=total + _usage_of(progress))
+            if not submitted:
+                if progress.started:
+                    records.append(self._record(response, len(records), progress, complete=False))
+                with contextlib.suppress(Exception):  # the writer may be what broke
+                    await engine.post.commit(PostJob(records=records))
+                submitted = True
             if failed is not None:
                 engine.record_status("failed")
                 if parent is not None:
@@ -807,7 +813,7 @@ class Session:
                 is_root=not (parent_stored and state.first_new_item),
                 owner=self.owner,
             )
-        await engine.post.submit(PostJob(records=records, stored=job_store))
+        await engine.post.commit(PostJob(records=records, stored=job_store))
         return state
 
     async def _fail(

@@ -1,7 +1,15 @@
 """Post-inference work: usage records into the ledger and responses into the store.
 
-It runs off the critical path, in one background task fed by a bounded channel, so it overlaps
-the next request. It is never lost:
+It runs in one background task fed by a bounded channel. A response's own job is *committed
+before its terminal event goes out* (`commit`): the writer takes every job queued at that
+moment and writes them together (group commit: one ledger call for all their usage records,
+then the store writes), so once a client has seen `response.completed` (or `incomplete`, or
+`failed`), the stored response and its usage are in the store and the ledger and survive a
+crash of the process (SQLite in WAL mode with `synchronous=NORMAL`: a committed transaction is
+in the WAL file, which the operating system keeps when the process dies; a power loss can
+lose the last transactions, `synchronous=FULL` closes that too at an fsync per commit).
+Concurrent responses share a commit, so the cost per response falls as load rises. It is never
+lost:
 - `aclose()` (graceful shutdown) drains the queue;
 - if the engine's task is cancelled outright, the worker writes the usage records still queued
   with the ledger's blocking `record_sync` before it dies (store writes still queued are lost
@@ -12,6 +20,7 @@ the next request. It is never lost:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import attrs
@@ -20,17 +29,41 @@ import trio
 from ._counters import Counters
 from ._interfaces import ResponseStore, StoredResponse, UsageLedger, UsageRecord
 
-__all__ = ["POST_INFERENCE_QUEUE_LIMIT", "PostInference", "PostJob"]
+__all__ = [
+    "MAX_GROUP_COMMIT",
+    "POST_INFERENCE_QUEUE_LIMIT",
+    "PostInference",
+    "PostJob",
+    "WriteFailed",
+]
+
+log = logging.getLogger("rollout.post")
 
 # Jobs waiting for the background writer. When full, finishing a response waits for room
 # (backpressure on the writer's slowest dependency instead of unbounded memory).
 POST_INFERENCE_QUEUE_LIMIT = 1024
+# Jobs written by one group commit at most (one ledger transaction for all their records).
+MAX_GROUP_COMMIT = 256
+
+
+class WriteFailed(Exception):
+    """The store or the ledger failed to write a committed job (the response cannot be
+    acknowledged as durable)."""
+
+
+@attrs.define(eq=False)
+class _Receipt:
+    """Signalled once a job is written (or its write failed)."""
+
+    written: trio.Event = attrs.field(factory=trio.Event)
+    error: BaseException | None = None
 
 
 @attrs.frozen(kw_only=True)
 class PostJob:
     records: Sequence[UsageRecord] = ()
     stored: StoredResponse | None = None
+    receipt: _Receipt | None = attrs.field(default=None, eq=False)  # a `commit` waits on it
 
 
 class PostInference:
@@ -84,6 +117,15 @@ class PostInference:
             self._done_one()
             raise
 
+    async def commit(self, job: PostJob) -> None:
+        """Queue a job and wait until it is written (commit-before-ack). Raises `WriteFailed`
+        if the store or the ledger failed. Cancelled while waiting, the job is still written."""
+        receipt = _Receipt()
+        await self.submit(attrs.evolve(job, receipt=receipt))
+        await receipt.written.wait()
+        if receipt.error is not None:
+            raise WriteFailed(f"post-inference write failed: {receipt.error!r}")
+
     def _done_one(self) -> None:
         self._outstanding -= 1
         if self._outstanding == 0:
@@ -103,10 +145,24 @@ class PostInference:
         task_status.started()
         try:
             async for job in self._recv:
+                batch = [job]
+                while len(batch) < MAX_GROUP_COMMIT:
+                    try:
+                        batch.append(self._recv.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                error: BaseException | None = None
                 try:
-                    await self._process(job)
+                    await self._process(batch)
+                except Exception as exc:  # a failing store or ledger must not stop the writer
+                    log.exception("a post-inference write failed")
+                    error = exc
                 finally:
-                    self._done_one()
+                    for done in batch:
+                        self._done_one()
+                        if done.receipt is not None:
+                            done.receipt.error = error
+                            done.receipt.written.set()
         finally:
             # Cancelled (or closed): whatever usage is still queued is written synchronously.
             leftover: list[UsageRecord] = []
@@ -119,23 +175,28 @@ class PostInference:
                 self._done_one()
             self.submit_sync_records(leftover)
 
-    async def _process(self, job: PostJob) -> None:
-        if job.records and self.ledger is not None:
+    async def _process(self, batch: Sequence[PostJob]) -> None:
+        records = [record for job in batch for record in job.records]
+        if records and self.ledger is not None:
             try:
-                await self.ledger.record(job.records)
+                await self.ledger.record(records)  # one transaction for the whole group
             except trio.Cancelled:
-                self.submit_sync_records(job.records)
+                self.submit_sync_records(records)
                 raise
-            self.counters.ledger_records += len(job.records)
-        stored = job.stored
-        if stored is not None and self.store is not None:
-            rid = stored.response.id
-            if self._pending.get(rid) is stored:
-                await self.store.put(stored)
-                self.counters.store_writes += 1
+            self.counters.ledger_records += len(records)
+        wrote = False
+        for job in batch:
+            stored = job.stored
+            if stored is not None and self.store is not None:
+                rid = stored.response.id
                 if self._pending.get(rid) is stored:
-                    del self._pending[rid]
-        self.counters.post_inference_runs += 1
+                    await self.store.put(stored)
+                    self.counters.store_writes += 1
+                    wrote = True
+                    if self._pending.get(rid) is stored:
+                        del self._pending[rid]
+        if records or wrote:
+            self.counters.post_inference_runs += 1
 
     async def aclose(self) -> None:
         """Stop accepting jobs; the worker drains what is queued and exits."""

@@ -185,6 +185,7 @@ class RolloutProcess:
 
     url: str = ""
     pid: int = 0
+    killed: bool = False  # `kill()` was called: the exit is not checked
     lines: list[str] = attrs.field(factory=list)
     exited: bool = False  # its stderr closed
     _changed: trio.Event = attrs.field(factory=trio.Event)
@@ -197,6 +198,11 @@ class RolloutProcess:
             if match:
                 records.append(json.loads(match[1]))
         return records
+
+    def kill(self) -> None:
+        """`kill -9` the server (its whole process group), now."""
+        self.killed = True
+        _signal_group(self.pid, signal.SIGKILL)
 
     def peak_rss_bytes(self) -> int:
         """The process's peak resident set size so far (Linux `VmHWM`)."""
@@ -291,6 +297,10 @@ async def open_rollout_process(
                     f"(exit {process.poll()}):\n{server.tail()}"
                 )
             yield server
+            if server.killed:
+                with trio.fail_after(SERVER_STOP_TIMEOUT):
+                    await process.wait()
+                return
             process.send_signal(signal.SIGTERM)
             with trio.fail_after(SERVER_STOP_TIMEOUT):
                 code = await process.wait()

@@ -278,7 +278,7 @@ LEGAL: dict[str, dict[str, str]] = {
         "incomplete": "done",
         "fail": "done",
     },
-    "suspended": {"resume": "active", "fail": "done"},
+    "suspended": {"resume": "active", "incomplete": "done", "fail": "done"},
     "done": {},
 }
 
@@ -357,6 +357,24 @@ def test_state_machine_matches_the_protocol(actions: list[str]) -> None:
         seq += len(events)
         state = nxt
         assert stream.state.value == state
+
+
+def test_abort_ends_a_started_response_from_any_state_even_error() -> None:
+    """The last resort after a bug: a response that started always gets a terminal event."""
+    error = p.ResponseError(code="server_error", message="boom")
+    for misuse in (["start", "begin_message", "begin_call"], ["start", "resume"]):
+        stream = new_stream()
+        with pytest.raises(p.LocalProtocolError):
+            for name in misuse:
+                ACTIONS[name](stream)
+        assert stream.state is p.BuilderState.ERROR
+        seq = stream.next_sequence_number
+        failed = stream.abort(error=error, usage=None)
+        assert failed is not None and failed.sequence_number == seq
+        assert failed.response.status == "failed" and failed.response.error == error
+        assert stream.state is p.BuilderState.DONE
+        assert stream.abort(error=error, usage=None) is None  # ended once
+    assert new_stream().abort(error=error, usage=None) is None  # never started: nothing to end
 
 
 def test_builder_does_not_share_state_with_its_input() -> None:
