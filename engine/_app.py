@@ -268,9 +268,9 @@ class RolloutApp:
     ) -> int:
         if path == "/healthz":
             return await _json(send, 200, {"status": "ok"})
-        if path == "/metrics":
-            return await _text(send, 200, self.metrics(), "text/plain; version=0.0.4")
         allowed, owner = self._authenticate(headers)
+        if path == "/metrics" and allowed:  # behind the API key when keys are configured
+            return await _text(send, 200, self.metrics(), "text/plain; version=0.0.4")
         if not allowed:
             return await _json(
                 send,

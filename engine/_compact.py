@@ -21,8 +21,9 @@ the compacted state: the window items, their rendered tokens, the chained contex
 calls still open and the classifier state. A new chain started from it (input
 `[..., compaction, new items]` with no previous_response_id, on any connection or over HTTP)
 restores that state without rendering the window again; items before the compaction item are
-superseded by it. The seal is `version || msgpack payload || HMAC-SHA256(server key)`, base64url:
-a tampered or foreign item is refused. (It is integrity-protected, not encrypted: it contains
+superseded by it. The seal is `version || msgpack payload || HMAC-SHA256(server key, owner ||
+version || payload)`, base64url: a tampered or foreign item, or one made for another API key,
+is refused. (It is integrity-protected, not encrypted: it contains
 the window's own text, which the client already has.)
 """
 
@@ -73,8 +74,8 @@ __all__ = [
 
 # The default token budget of a compacted window (a request may ask for another).
 DEFAULT_COMPACT_BUDGET = 8192
-# Snapshot format version; bumped when the payload changes shape.
-SNAPSHOT_VERSION = 1
+# Snapshot format version; bumped when the payload or the seal changes (2: bound to the owner).
+SNAPSHOT_VERSION = 2
 _MAC_BYTES = 32
 # The largest sealed snapshot accepted, in characters (a window of ~1M tokens).
 MAX_SNAPSHOT_CHARS = 16 * 1024 * 1024
@@ -212,12 +213,18 @@ class SnapshotSeal:
             raise ValueError("the compaction key must be at least 16 bytes")
         self._key = key
 
-    def seal(self, payload: dict[str, Any]) -> str:
-        body = bytes([SNAPSHOT_VERSION]) + msgpack.packb(payload, use_bin_type=True)
-        mac = hmac.new(self._key, body, hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(body + mac).decode().rstrip("=")
+    def _mac(self, body: bytes, owner: str | None) -> bytes:
+        """The MAC covers the owner (the API key's hash) too: an item is valid only for the key
+        that made it, like the stored responses it summarizes."""
+        tag = (owner or "").encode()
+        message = len(tag).to_bytes(2, "big") + tag + body
+        return hmac.new(self._key, message, hashlib.sha256).digest()
 
-    def open(self, text: str, *, param: str) -> dict[str, Any]:
+    def seal(self, payload: dict[str, Any], *, owner: str | None) -> str:
+        body = bytes([SNAPSHOT_VERSION]) + msgpack.packb(payload, use_bin_type=True)
+        return base64.urlsafe_b64encode(body + self._mac(body, owner)).decode().rstrip("=")
+
+    def open(self, text: str, *, param: str, owner: str | None) -> dict[str, Any]:
         def refuse(why: str) -> RemoteProtocolError:
             return RemoteProtocolError.invalid(
                 f"Invalid compaction item: {why}. Compaction items can only be used with the "
@@ -238,7 +245,7 @@ class SnapshotSeal:
         if len(raw) < 1 + _MAC_BYTES:
             raise refuse("it is truncated")
         body, mac = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
-        if not hmac.compare_digest(mac, hmac.new(self._key, body, hashlib.sha256).digest()):
+        if not hmac.compare_digest(mac, self._mac(body, owner)):
             raise refuse("its integrity check failed")
         if body[0] != SNAPSHOT_VERSION:
             raise refuse(f"snapshot version {body[0]} is not supported")
@@ -281,6 +288,8 @@ def compact_state(
     source: ResponseState,
     policy: CompactionPolicy,
     seal: SnapshotSeal,
+    *,
+    owner: str | None,
 ) -> tuple[ResponseState, Compaction]:
     """The compacted window of `source` as a new state (a fresh lineage), and the compaction
     item that restores it. Stubs are rendered here; verbatim items reuse their tokens."""
@@ -319,7 +328,9 @@ def compact_state(
         "classifier": encode(state) if encode is not None else None,
         **new.snapshot(len(window)),
     }
-    item = Compaction(id=new_id("cmp"), encrypted_content=seal.seal(payload), created_by="rollout")
+    item = Compaction(
+        id=new_id("cmp"), encrypted_content=seal.seal(payload, owner=owner), created_by="rollout"
+    )
     compacted = attrs.evolve(
         source,
         lineage=new,

@@ -503,7 +503,11 @@ class Session:
         engine = self.engine
         source = await self.prepare_only(request)
         window, item = compact_state(
-            engine.pipeline, source, CompactionPolicy(budget_tokens=budget_tokens), engine.seal
+            engine.pipeline,
+            source,
+            CompactionPolicy(budget_tokens=budget_tokens),
+            engine.seal,
+            owner=self.owner,
         )
         usage = Usage.of(input_tokens=source.context_tokens, output_tokens=window.item_tokens)
         return {
@@ -624,7 +628,11 @@ class Session:
                 # Automatic compaction: the conversation continues from the compacted window,
                 # whose compaction item goes out as the response's first output item.
                 state, item = compact_state(
-                    pipeline, state, CompactionPolicy(budget_tokens=threshold // 2), engine.seal
+                    pipeline,
+                    state,
+                    CompactionPolicy(budget_tokens=threshold // 2),
+                    engine.seal,
+                    owner=self.owner,
                 )
                 for event in stream.add_item(item):
                     await emit(event)
@@ -764,7 +772,7 @@ class Session:
             compaction = items[last]
             assert isinstance(compaction, Compaction)
             payload = engine.seal.open(
-                compaction.encrypted_content, param=f"{where}.encrypted_content"
+                compaction.encrypted_content, param=f"{where}.encrypted_content", owner=self.owner
             )
             root = restore_state(engine.pipeline, root, payload, param=where)
             items = items[last + 1 :]

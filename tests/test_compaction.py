@@ -43,6 +43,7 @@ from tests.server_harness import open_test_server, open_ws, run_in_thread
 
 DEADLINE = 20
 KEY = bytes(range(32))
+KEY_A, KEY_B = "sk-compaction-a", "sk-compaction-b"
 LONG = "Tell me more about the history of the harbour and its ships. " * 6
 TURNS = [f"{LONG} (turn {i})" for i in range(5)]
 MODEL = "sim:steps=0,tokens=24"
@@ -521,7 +522,7 @@ async def test_tampering_any_byte_is_refused() -> None:
                 assert "Invalid compaction item" in error.message
             # Sealed by this server but not a snapshot: refused too (naming the item).
             for payload in ({"template": "another"}, {"items": "nope"}, {}):
-                error = await refused(session, item, engine.seal.seal(payload))
+                error = await refused(session, item, engine.seal.seal(payload, owner=None))
                 assert (error.code, error.param) == ("invalid_compaction", "input[1]"), payload
             # The session is still usable: the genuine item works, here and on the engine
             # with the same key (a restarted server keeps its key).
@@ -541,6 +542,36 @@ async def test_tampering_any_byte_is_refused() -> None:
             assert state is not None and state.response.status == "completed"
 
 
+def test_a_seal_is_bound_to_its_owner() -> None:
+    """An item made for one API key is refused for another (and for no key), byte for byte
+    the same text: the owner is part of what the MAC covers."""
+    seal = SnapshotSeal(KEY)
+    text = seal.seal({"pad": "x"}, owner="owner-a")
+    assert seal.open(text, param="p", owner="owner-a") == {"pad": "x"}
+    for other in ("owner-b", None, "owner-a "):
+        with pytest.raises(p.RemoteProtocolError) as info:
+            seal.open(text, param="p", owner=other)
+        assert info.value.body.code == "invalid_compaction"
+
+
+async def test_a_compaction_item_of_key_a_is_refused_for_key_b() -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_test_server(api_keys=(KEY_A, KEY_B)) as url:
+            async with httpx.AsyncClient(timeout=DEADLINE) as client:
+                a = {"authorization": f"Bearer {KEY_A}"}
+                b = {"authorization": f"Bearer {KEY_B}"}
+                body = {"model": MODEL, "input": [{"role": "user", "content": t} for t in TURNS]}
+                window = (
+                    await client.post(f"{url}/responses/compact", json=body, headers=a)
+                ).json()["output"]
+                follow = {"model": MODEL, "input": [window[-1], {"role": "user", "content": "?"}]}
+                ok = await client.post(f"{url}/responses", json=follow, headers=a)
+                refused = await client.post(f"{url}/responses", json=follow, headers=b)
+    assert ok.status_code == 200, ok.text
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "invalid_compaction"
+
+
 def test_seal_accepts_only_the_canonical_spelling() -> None:
     """Trailing bits: base64url text whose length leaves spare bits has other spellings of
     the same bytes (change the spare bits of its last character); only one is accepted."""
@@ -548,15 +579,15 @@ def test_seal_accepts_only_the_canonical_spelling() -> None:
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
     checked = 0
     for size in range(3):  # three payload lengths: every residue of the encoded length
-        text = seal.seal({"pad": "x" * size})
-        assert seal.open(text, param="p") == {"pad": "x" * size}
+        text = seal.seal({"pad": "x" * size}, owner=None)
+        assert seal.open(text, param="p", owner=None) == {"pad": "x" * size}
         if len(text) % 4 == 0:
             continue
         # The lowest bit of the last character is a spare bit (2 or 4 spare bits there).
         other = text[:-1] + alphabet[alphabet.index(text[-1]) ^ 1]
         assert b64decode(other) == b64decode(text)
         with pytest.raises(p.RemoteProtocolError) as info:
-            seal.open(other, param="p")
+            seal.open(other, param="p", owner=None)
         assert (info.value.body.code, info.value.body.param) == ("invalid_compaction", "p")
         checked += 1
     assert checked == 2

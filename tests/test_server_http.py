@@ -244,6 +244,14 @@ async def test_auth(tmp_path: Path) -> None:
                 assert_openai_error(
                     await http.get("/models", headers=headers), 401, "invalid_api_key"
                 )
+                # Metrics are behind the key too (health is not).
+                root = url.removesuffix("/v1")
+                assert_openai_error(
+                    await http.get(f"{root}/metrics", headers=headers), 401, "invalid_api_key"
+                )
+            root = url.removesuffix("/v1")
+            assert (await http.get(f"{root}/metrics", headers=bearer(KEY_A))).status_code == 200
+            assert (await http.get(f"{root}/healthz")).status_code == 200
 
             # The WebSocket upgrade is refused before 101, with the same body.
             for key in (None, "wrong"):
@@ -294,10 +302,10 @@ async def test_auth(tmp_path: Path) -> None:
             assert deleted.status_code == 200
             assert deleted.json() == {"id": rid, "object": "response", "deleted": True}
             assert (await http.get(f"/responses/{rid}", headers=bearer(KEY_A))).status_code == 404
-            # Health and metrics stay open for probes and scrapers.
+            # Health stays open for probes; metrics want a key (a scraper sends one).
             root = url.removesuffix("/v1")
             assert (await http.get(root + "/healthz")).status_code == 200
-            assert (await http.get(root + "/metrics")).status_code == 200
+            assert (await http.get(root + "/metrics")).status_code == 401
 
 
 async def test_websocket_disabled_answers_426() -> None:
