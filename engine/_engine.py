@@ -23,7 +23,7 @@ import time
 import typing
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -134,11 +134,30 @@ _SERVER_ERROR = ResponseError(
 )
 
 
+# What a response interrupted by a shutdown past the grace period says.
+_SHUTDOWN_ERROR = ResponseError(
+    code="server_error",
+    message="The server is shutting down; this response was interrupted. Retry it.",
+)
+
+
 def server_error() -> RemoteProtocolError:
     """The request error for an unexpected failure before a response started (HTTP 500)."""
     return RemoteProtocolError(
         ErrorBody(type="server_error", code="server_error", message=_SERVER_ERROR.message),
         status=500,
+    )
+
+
+def shutting_down() -> RemoteProtocolError:
+    """The request error for a create that arrives after the grace period of a shutdown."""
+    return RemoteProtocolError(
+        ErrorBody(
+            type="server_error",
+            code="server_error",
+            message="The server is shutting down; retry the request on another connection.",
+        ),
+        status=503,
     )
 
 
@@ -263,7 +282,28 @@ class Engine:
         )
         self.post = PostInference(store=store, ledger=ledger, counters=self.counters)
         self.decode_limiter = trio.CapacityLimiter(MAX_CONCURRENT_LARGE_DECODES)
+        self.draining = False  # interrupt_all() was called: the server is going away
+        self._interruptible: set[trio.CancelScope] = set()
         self.responses_by_status: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[trio.CancelScope]:
+        """A scope `interrupt_all` cancels (a response's sampling and suspensions)."""
+        with trio.CancelScope() as scope:
+            if self.draining:
+                scope.cancel()
+            self._interruptible.add(scope)
+            try:
+                yield scope
+            finally:
+                self._interruptible.discard(scope)
+
+    def interrupt_all(self) -> None:
+        """Shutdown past the grace period: every response still running ends now (with a
+        terminal event), and new ones are refused."""
+        self.draining = True
+        for scope in list(self._interruptible):
+            scope.cancel()
 
     async def decode(self, decode: Callable[[_Raw], _Decoded], data: _Raw) -> _Decoded:
         """Decode a client message: inline when small, else in a worker thread (at most
@@ -528,6 +568,8 @@ class Session:
     ) -> ResponseState | None:
         engine = self.engine
         pipeline = engine.pipeline
+        if engine.draining:
+            raise shutting_down()
         timings: dict[str, float] = {}
         self.last_timings = timings
         new_items = normalize_input(request.input)
@@ -642,78 +684,93 @@ class Session:
             cached = 0 if hydrated else prepared.cached_tokens
             step = 0
             hosted_rounds = 0
-            while True:
-                progress = _Progress()
-                try:
-                    result = await self._sample(state, request, stream, emit, cached, progress)
-                except BackendError as exc:
-                    records.append(self._record(response, step, progress, complete=False))
-                    usage = total + _usage_of(progress)
-                    await engine.post.commit(PostJob(records=records))
-                    submitted = True
-                    await self._fail(
-                        stream,
-                        emit,
-                        parent,
-                        ResponseError(code=exc.code, message=exc.message),
-                        usage,
-                    )
-                    return None
-                records.append(self._record(response, step, progress, complete=True))
-                progress = _Progress()
-                total = total + result.usage
-                before = state.context_tokens
-                state = result.state
-                step += 1
-                if result.finish == "max_output_tokens":
-                    first = stream.output_count
-                    events = stream.incomplete(
-                        reason="max_output_tokens", usage=total, completed_at=engine.now()
-                    )
-                    for event in events[:-1]:  # the open item closed; the terminal one waits
-                        await emit(event)
-                    terminal = events[-1]
-                    state = self._extend(state, result.pending_outputs + stream.output_since(first))
-                    break
-                if result.hosted and not state.open_calls and hosted_rounds < MAX_HOSTED_ROUNDS:
-                    hosted_rounds += 1  # the hosted tools' results are in: sample again
-                    cached = before
-                    continue
-                if rollout is not None and state.open_calls:
-                    before = state.context_tokens
-                    rollout._suspend(state)  # appends are accepted from response.done on
-                    await emit(stream.suspend([cid for cid, _ in state.open_calls]))
-                    resumed = await rollout._wait_resume(engine.rollout_suspend_limit)
-                    self.last_timings = rollout.timings
-                    if resumed is None:
-                        events = stream.incomplete(
-                            reason="rollout_timeout", usage=total, completed_at=engine.now()
-                        )
-                        for event in events[:-1]:
-                            await emit(event)
-                        terminal = events[-1]
-                        break
-                    state, flags = resumed
-                    if flags:
+            with engine.interruptible() as interrupted:
+                while True:
+                    progress = _Progress()
+                    try:
+                        result = await self._sample(state, request, stream, emit, cached, progress)
+                    except BackendError as exc:
+                        records.append(self._record(response, step, progress, complete=False))
+                        usage = total + _usage_of(progress)
                         await engine.post.commit(PostJob(records=records))
                         submitted = True
                         await self._fail(
                             stream,
                             emit,
-                            None,
-                            ResponseError(
-                                code="invalid_prompt",
-                                message=f"The appended input was flagged by the "
-                                f"{flags[0].classifier} classifier: {flags[0].message}",
-                            ),
-                            total,
+                            parent,
+                            ResponseError(code=exc.code, message=exc.message),
+                            usage,
                         )
                         return None
-                    await emit(stream.resume())
-                    cached = before
-                    continue
-                terminal = stream.complete(usage=total, completed_at=engine.now())
-                break
+                    records.append(self._record(response, step, progress, complete=True))
+                    progress = _Progress()
+                    total = total + result.usage
+                    before = state.context_tokens
+                    state = result.state
+                    step += 1
+                    if result.finish == "max_output_tokens":
+                        first = stream.output_count
+                        events = stream.incomplete(
+                            reason="max_output_tokens", usage=total, completed_at=engine.now()
+                        )
+                        for event in events[:-1]:  # the open item closed; the terminal one waits
+                            await emit(event)
+                        terminal = events[-1]
+                        state = self._extend(
+                            state, result.pending_outputs + stream.output_since(first)
+                        )
+                        break
+                    if result.hosted and not state.open_calls and hosted_rounds < MAX_HOSTED_ROUNDS:
+                        hosted_rounds += 1  # the hosted tools' results are in: sample again
+                        cached = before
+                        continue
+                    if rollout is not None and state.open_calls:
+                        before = state.context_tokens
+                        rollout._suspend(state)  # appends are accepted from response.done on
+                        await emit(stream.suspend([cid for cid, _ in state.open_calls]))
+                        resumed = await rollout._wait_resume(engine.rollout_suspend_limit)
+                        self.last_timings = rollout.timings
+                        if resumed is None:
+                            events = stream.incomplete(
+                                reason="rollout_timeout", usage=total, completed_at=engine.now()
+                            )
+                            for event in events[:-1]:
+                                await emit(event)
+                            terminal = events[-1]
+                            break
+                        state, flags = resumed
+                        if flags:
+                            await engine.post.commit(PostJob(records=records))
+                            submitted = True
+                            await self._fail(
+                                stream,
+                                emit,
+                                None,
+                                ResponseError(
+                                    code="invalid_prompt",
+                                    message=f"The appended input was flagged by the "
+                                    f"{flags[0].classifier} classifier: {flags[0].message}",
+                                ),
+                                total,
+                            )
+                            return None
+                        await emit(stream.resume())
+                        cached = before
+                        continue
+                    terminal = stream.complete(usage=total, completed_at=engine.now())
+                    break
+            if interrupted.cancelled_caught:
+                # The server is shutting down past its grace period: the response ends with
+                # a terminal event (its usage committed first), not a cut stream.
+                if progress.started:
+                    records.append(self._record(response, step, progress, complete=False))
+                await engine.post.commit(PostJob(records=records))
+                submitted = True
+                failed = stream.abort(error=_SHUTDOWN_ERROR, usage=total + _usage_of(progress))
+                engine.record_status("failed")
+                if failed is not None:
+                    await emit(failed)
+                return None
             final_response = terminal.response  # type: ignore[union-attr]
             # Commit before the terminal event: once a client sees it, the stored response
             # and its usage are durable.

@@ -38,6 +38,10 @@ __all__ = ["API_KEYS_ENV", "ServerConfig", "open_server", "serve"]
 
 log = logging.getLogger("rollout.server")
 
+# Time after the grace period for interrupted responses' terminal events and the sockets'
+# close frames to go out before hypercorn cancels what is left.
+SHUTDOWN_MARGIN = 1.0
+
 # Environment variable holding API keys (comma-separated), added to --api-key.
 API_KEYS_ENV = "ROLLOUT_API_KEYS"
 
@@ -119,14 +123,25 @@ async def serve(
             # `message_too_large` error event below it, so hypercorn's is set above ours.
             hconfig.websocket_max_message_size = config.max_message_size * 2 + (1 << 20)
             hconfig.h11_max_incomplete_size = 64 * 1024
-            hconfig.graceful_timeout = config.graceful_timeout
+            # Past our grace period the engine interrupts what still runs (each response
+            # ends with a terminal event, each socket with 1001); hypercorn's own deadline,
+            # which cancels outright, comes after, leaving time for those to go out.
+            hconfig.graceful_timeout = config.graceful_timeout + SHUTDOWN_MARGIN
             hconfig.accesslog = None
             hconfig.errorlog = logging.getLogger("hypercorn.error")
             trigger = shutdown_trigger or _signals
+            interrupter = trio.CancelScope()
+
+            async def interrupt_after_grace() -> None:
+                with interrupter:
+                    await trio.sleep(config.graceful_timeout)
+                    log.info("grace period over: interrupting the responses still running")
+                    engine.interrupt_all()
 
             async def shutdown() -> None:
                 await trigger()
                 app.shutting_down.set()
+                background.start_soon(interrupt_after_grace)
 
             class _Status:
                 def started(self, urls: list[str] | None = None) -> None:
@@ -137,12 +152,14 @@ async def serve(
                     task_status.started(bound + "/v1")
 
             asgi = app if config.app_wrapper is None else config.app_wrapper(app)
-            await hypercorn_serve(
-                asgi,  # type: ignore[arg-type]
-                hconfig,
-                shutdown_trigger=shutdown,
-                task_status=_Status(),
-            )
+            async with trio.open_nursery() as background:
+                await hypercorn_serve(
+                    asgi,  # type: ignore[arg-type]
+                    hconfig,
+                    shutdown_trigger=shutdown,
+                    task_status=_Status(),
+                )
+                interrupter.cancel()
             log.info("server stopped; flushing post-inference work")
     finally:
         with trio.CancelScope(shield=True):

@@ -186,6 +186,7 @@ class RolloutProcess:
     url: str = ""
     pid: int = 0
     killed: bool = False  # `kill()` was called: the exit is not checked
+    terminated: bool = False  # `terminate()` was called: leaving the block only waits
     lines: list[str] = attrs.field(factory=list)
     exited: bool = False  # its stderr closed
     _changed: trio.Event = attrs.field(factory=trio.Event)
@@ -198,6 +199,11 @@ class RolloutProcess:
             if match:
                 records.append(json.loads(match[1]))
         return records
+
+    def terminate(self) -> None:
+        """SIGTERM the server (a graceful shutdown), now."""
+        self.terminated = True
+        os.kill(self.pid, signal.SIGTERM)
 
     def kill(self) -> None:
         """`kill -9` the server (its whole process group), now."""
@@ -301,7 +307,8 @@ async def open_rollout_process(
                 with trio.fail_after(SERVER_STOP_TIMEOUT):
                     await process.wait()
                 return
-            process.send_signal(signal.SIGTERM)
+            if not server.terminated:
+                process.send_signal(signal.SIGTERM)
             with trio.fail_after(SERVER_STOP_TIMEOUT):
                 code = await process.wait()
             assert code == 0, f"rollout serve exited with {code}:\n{server.tail()}"
