@@ -71,6 +71,12 @@ DEFAULT_PAGE_LIMIT = 20
 _MODEL_PATH = re.compile(r"^/v1/models/(.+)$")
 
 
+# Open WebSocket connections at most. An idle one costs ~35 KB; one whose client stopped
+# reading can pin its outbox (`max_buffered_bytes`, 4 MiB) and a kernel socket buffer until
+# torn down, so 1,024 of those stay within a few GB.
+DEFAULT_MAX_CONNECTIONS = 1024
+
+
 @attrs.frozen(kw_only=True)
 class AppConfig:
     api_keys: tuple[str, ...] = ()
@@ -80,6 +86,7 @@ class AppConfig:
     ws_limits: WebSocketLimits = attrs.field(factory=WebSocketLimits)
     max_cached_responses: int = 8
     max_cached_tokens: int = 8_000_000
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 def owner_of(key: str | None) -> str | None:
@@ -109,6 +116,7 @@ class RolloutApp:
         self.config = config
         self.shutting_down = trio.Event()
         self.open_connections = 0
+        self.refused_connections = 0  # upgrades refused at the connection limit
         self.http_requests = 0
         self._started = time.time()
 
@@ -163,6 +171,17 @@ class RolloutApp:
                 ),
             )
         allowed, owner = self._authenticate(headers)
+        if not status and allowed and self.open_connections >= self.config.max_connections:
+            self.refused_connections += 1
+            status, body = (
+                503,
+                _error_body(
+                    f"This server has {self.open_connections} open WebSocket connections, its "
+                    "limit; retry later or use HTTP.",
+                    code="too_many_connections",
+                    type_="server_error",
+                ),
+            )
         if not status and not allowed:
             status, body = (
                 401,
@@ -649,6 +668,12 @@ class RolloutApp:
             "gauge",
             "Open WebSocket connections.",
             [('{transport="websocket"}', self.open_connections)],
+        )
+        metric(
+            "rollout_refused_connections_total",
+            "counter",
+            "WebSocket upgrades refused at the connection limit.",
+            [("", self.refused_connections)],
         )
         metric(
             "rollout_http_requests_total",

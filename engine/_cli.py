@@ -15,8 +15,14 @@ __all__ = ["main"]
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from protocol import DEFAULT_MAX_MESSAGE_SIZE
 
+    from ._app import DEFAULT_MAX_CONNECTIONS
     from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT
-    from ._ws import DEFAULT_CONNECTION_AGE_LIMIT, DEFAULT_MAX_QUEUED_CREATES
+    from ._ws import (
+        DEFAULT_CONNECTION_AGE_LIMIT,
+        DEFAULT_MAX_BUFFERED_BYTES,
+        DEFAULT_MAX_QUEUED_CREATES,
+        DEFAULT_SEND_STALL_LIMIT,
+    )
 
     p = sub.add_parser(
         "serve",
@@ -68,6 +74,27 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         default=DEFAULT_MAX_QUEUED_CREATES,
         help=f"response.create events queued per connection (default {DEFAULT_MAX_QUEUED_CREATES})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open WebSocket connections at most; more are refused with 503 "
+        f"(default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    p.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=DEFAULT_MAX_BUFFERED_BYTES,
+        help="bytes of outgoing frames a WebSocket holds for a slow reader "
+        f"(default {DEFAULT_MAX_BUFFERED_BYTES})",
+    )
+    p.add_argument(
+        "--send-stall-limit",
+        type=float,
+        default=DEFAULT_SEND_STALL_LIMIT,
+        help="seconds a response may wait on a client that does not read before both end "
+        f"(default {DEFAULT_SEND_STALL_LIMIT:g})",
     )
     p.add_argument(
         "--rollout-suspend-limit",
@@ -127,6 +154,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_size=args.max_message_size,
         connection_age_limit=args.connection_age_limit,
         max_queued_creates=args.max_queued_creates,
+        max_connections=args.max_connections,
+        max_buffered_bytes=args.max_buffered_bytes,
+        send_stall_limit=args.send_stall_limit,
         rollout_suspend_limit=args.rollout_suspend_limit,
         graceful_timeout=args.graceful_timeout,
     )

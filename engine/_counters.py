@@ -43,6 +43,7 @@ class Counters:
     tokens_sampled: int = 0
     hosted_calls: int = 0  # hosted tools' calls run by their executors
     offloaded_decodes: int = 0  # client messages large enough to decode in a worker thread
+    slow_consumers: int = 0  # WebSocket clients torn down for not reading (responses cancelled)
     responses_completed: int = 0
     responses_incomplete: int = 0
     responses_failed: int = 0

@@ -692,6 +692,7 @@ class Session:
                     except BackendError as exc:
                         records.append(self._record(response, step, progress, complete=False))
                         usage = total + _usage_of(progress)
+                        progress = _Progress()  # recorded (a cancellation rewrites the same rows)
                         await engine.post.commit(PostJob(records=records))
                         submitted = True
                         await self._fail(
@@ -764,6 +765,7 @@ class Session:
                 # a terminal event (its usage committed first), not a cut stream.
                 if progress.started:
                     records.append(self._record(response, step, progress, complete=False))
+                    progress = _Progress()
                 await engine.post.commit(PostJob(records=records))
                 submitted = True
                 failed = stream.abort(error=_SHUTDOWN_ERROR, usage=total + _usage_of(progress))
@@ -779,14 +781,19 @@ class Session:
             engine.record_status(final_response.status)
             await emit(terminal)
             return final_state
-        except Exception:
+        except Exception as exc:
             # A bug, ours or a backend's: the response fails (with a logged traceback); the
-            # connection, its queue and other responses carry on.
-            log.exception("response %s failed with an unexpected error", response.id)
+            # connection, its queue and other responses carry on. A transport that closed
+            # under the response (the client left, or stopped reading) is not a bug.
+            if isinstance(exc, trio.ClosedResourceError | trio.BrokenResourceError):
+                log.info("response %s ended: its connection closed (%s)", response.id, exc)
+            else:
+                log.exception("response %s failed with an unexpected error", response.id)
             failed = stream.abort(error=_SERVER_ERROR, usage=total + _usage_of(progress))
             if not submitted:
                 if progress.started:
                     records.append(self._record(response, len(records), progress, complete=False))
+                    progress = _Progress()  # recorded: a cancellation below writes the same rows
                 with contextlib.suppress(Exception):  # the writer may be what broke
                     await engine.post.commit(PostJob(records=records))
                 submitted = True

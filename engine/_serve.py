@@ -26,13 +26,19 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from protocol import DEFAULT_MAX_MESSAGE_SIZE
 
-from ._app import AppConfig, RolloutApp
+from ._app import DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
 from ._interfaces import Classifier, HostedTool, ResponseStore, UsageLedger
 from ._ledger import open_sqlite_ledger
 from ._models import ModelRegistry
 from ._store import open_sqlite_store
-from ._ws import DEFAULT_CONNECTION_AGE_LIMIT, DEFAULT_MAX_QUEUED_CREATES, WebSocketLimits
+from ._ws import (
+    DEFAULT_CONNECTION_AGE_LIMIT,
+    DEFAULT_MAX_BUFFERED_BYTES,
+    DEFAULT_MAX_QUEUED_CREATES,
+    DEFAULT_SEND_STALL_LIMIT,
+    WebSocketLimits,
+)
 
 __all__ = ["API_KEYS_ENV", "ServerConfig", "open_server", "serve"]
 
@@ -56,6 +62,9 @@ class ServerConfig:
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
+    send_stall_limit: float = DEFAULT_SEND_STALL_LIMIT
     rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT
     graceful_timeout: float = 10.0
     max_cached_responses: int = 8
@@ -74,7 +83,10 @@ class ServerConfig:
                 max_message_size=self.max_message_size,
                 connection_age_limit=self.connection_age_limit,
                 max_queued_creates=self.max_queued_creates,
+                max_buffered_bytes=self.max_buffered_bytes,
+                send_stall_limit=self.send_stall_limit,
             ),
+            max_connections=self.max_connections,
             max_cached_responses=self.max_cached_responses,
         )
 

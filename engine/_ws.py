@@ -2,14 +2,22 @@
 
 The wrapper is thin and mechanical (after trio-websocket): a reader task decodes frames and
 either queues a `response.create` or delivers a `response.append` to the rollout it names; a
-runner task takes creates off the queue and runs them through the session; every frame goes
-out under one lock. Request-scoped errors are answered with the nested `error` event and never
-close the socket. A connection older than its age limit answers its next create with
-`websocket_connection_limit_reached` and then closes cleanly (1000).
+runner task takes creates off the queue and runs them through the session; a writer task sends
+the frames in order from a bounded outbox. Request-scoped errors are answered with the nested
+`error` event and never close the socket. A connection older than its age limit answers its
+next create with `websocket_connection_limit_reached` and then closes cleanly (1000).
+
+Backpressure: the outbox holds at most `max_buffered_bytes` of encoded frames. A client that
+reads slower than the server writes pauses the response (its sampling waits on the outbox);
+one that stops reading for `send_stall_limit` seconds is a slow consumer: its response is
+cancelled (the usage of what was sampled is recorded) and the connection is torn down. What
+then stays pinned is one frame and the kernel's socket buffer: hypercorn writes each frame
+shielded from cancellation, so a frame already handed to it waits for the peer or for TCP.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -47,6 +55,13 @@ DEFAULT_CONNECTION_AGE_LIMIT = 3600.0
 # Creates a client may queue behind the running one. Agents send one at a time; a few more
 # allow pipelining, and the bound keeps a misbehaving client from queueing without limit.
 DEFAULT_MAX_QUEUED_CREATES = 16
+# Encoded frames a connection may hold for a client that reads slower than the server writes:
+# enough for thousands of deltas or a large response.completed, small enough that a thousand
+# such clients cost a few GB at most.
+DEFAULT_MAX_BUFFERED_BYTES = 4 * 1024 * 1024
+# How long a response may stay paused on a full outbox before the client is taken for one that
+# has stopped reading.
+DEFAULT_SEND_STALL_LIMIT = 30.0
 
 ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
@@ -57,6 +72,12 @@ class WebSocketLimits:
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
+    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
+    send_stall_limit: float = DEFAULT_SEND_STALL_LIMIT
+
+
+class SlowConsumer(trio.ClosedResourceError):
+    """The client stopped reading: the connection is being torn down."""
 
 
 def _error(message: str, *, code: str, param: str | None = None, status: int = 400) -> ErrorEvent:
@@ -79,7 +100,13 @@ class WebSocketConnection:
         self._receive = receive
         self.limits = limits
         self.timing = timing
-        self._lock = trio.Lock()
+        self._outbox: collections.deque[tuple[dict[str, Any], int]] = collections.deque()
+        self._buffered = 0  # bytes of text in the outbox (and the frame being sent)
+        self._queued = trio.Event()  # the writer has something to send
+        self._drained = trio.Event()  # the writer sent a frame (room in the outbox)
+        self._tasks = trio.CancelScope()  # the reader, the runner and the shutdown watcher
+        self._closing = False  # a close frame is queued
+        self._disconnected = False  # the peer closed or went away
         self._opened_at = trio.current_time()
         self._queue_send, self._queue_recv = trio.open_memory_channel[ResponseCreate](
             limits.max_queued_creates
@@ -94,28 +121,93 @@ class WebSocketConnection:
 
     # --- output ---
     async def send_event(self, event: ServerEvent | dict[str, Any]) -> None:
+        """Queue a frame (in order). Waits while the outbox is full; raises `SlowConsumer`
+        when it stays full for the stall limit, `ClosedResourceError` once closed."""
         text = encode_json(event) if not isinstance(event, dict) else _dumps(event)
-        async with self._lock:
-            if self._closed:
-                raise trio.ClosedResourceError("the WebSocket is closed")
-            await self._send({"type": "websocket.send", "text": text})
-            self.frames_out += 1
+        await self._enqueue({"type": "websocket.send", "text": text}, len(text))
 
     async def close(self, code: int = 1000) -> None:
-        async with self._lock:
-            if not self._closed:
-                self._closed = True
-                await self._send({"type": "websocket.close", "code": code})
+        """Close after the frames already queued (not for a slow consumer: see `_stalled`)."""
+        if not self._closing and not self._closed:
+            self._closing = True
+            await self._enqueue({"type": "websocket.close", "code": code}, 0, closing=True)
 
-    # --- the two tasks ---
-    async def run(self) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._runner, nursery.cancel_scope)
-            nursery.start_soon(self._watch_shutdown)
+    async def _enqueue(self, message: dict[str, Any], size: int, *, closing: bool = False) -> None:
+        if self._closed or (self._closing and not closing):
+            raise trio.ClosedResourceError("the WebSocket is closed")
+        limit = self.limits.max_buffered_bytes
+        if self._buffered and self._buffered + size > limit:
+            with trio.move_on_after(self.limits.send_stall_limit) as waited:
+                while self._buffered and self._buffered + size > limit:
+                    await self._drained.wait()
+                    if self._closed:
+                        raise trio.ClosedResourceError("the WebSocket is closed")
+            if waited.cancelled_caught:
+                self._stalled()
+        self._outbox.append((message, size))
+        self._buffered += size
+        self._queued.set()
+
+    def _stalled(self) -> None:
+        """The client has not read for the stall limit: tear the connection down."""
+        self.session.engine.counters.slow_consumers += 1
+        log.warning(
+            "a WebSocket client stopped reading (%d bytes waiting for %g s): closing it",
+            self._buffered,
+            self.limits.send_stall_limit,
+        )
+        self._closed = True
+        self._outbox.clear()
+        self._queued.set()
+        self._tasks.cancel()
+        raise SlowConsumer("the client stopped reading")
+
+    async def _writer(self) -> None:
+        """Send queued frames in order; a close frame ends the writing."""
+        while True:
+            while not self._outbox:
+                if self._closed or self._disconnected:
+                    return
+                self._queued = trio.Event()
+                await self._queued.wait()
+            if self._disconnected:  # the peer is gone: nothing more can be delivered
+                return
+            message, size = self._outbox.popleft()
             try:
-                await self._reader()
+                await self._send(message)
+            except Exception:  # the transport failed under us: the connection is over
+                log.info("sending a WebSocket frame failed; closing", exc_info=True)
+                self._closed = True
+                self._tasks.cancel()
+                return
             finally:
-                nursery.cancel_scope.cancel()
+                self._buffered -= size
+                self._drained.set()
+                self._drained = trio.Event()
+            if message["type"] == "websocket.close":
+                self._closed = True
+                self._tasks.cancel()
+                return
+            self.frames_out += 1
+
+    # --- the tasks ---
+    async def run(self) -> None:
+        async with trio.open_nursery() as outer:
+            outer.start_soon(self._writer)
+            try:
+                with self._tasks:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._runner, nursery.cancel_scope)
+                        nursery.start_soon(self._watch_shutdown)
+                        try:
+                            await self._reader()
+                        finally:
+                            nursery.cancel_scope.cancel()
+            finally:
+                # The reader is done (disconnect, close, slow consumer): stop the writer once
+                # it has sent what is queued (a frame it is sending finishes or fails alone).
+                self._closed = True
+                self._queued.set()
 
     async def _watch_shutdown(self) -> None:
         """On server shutdown: close once the running request (if any) has finished."""
@@ -128,7 +220,8 @@ class WebSocketConnection:
             message = await self._receive()
             kind = message["type"]
             if kind == "websocket.disconnect":
-                self._closed = True
+                self._closed = self._disconnected = True
+                self._queued.set()
                 return
             if kind != "websocket.receive":
                 continue
