@@ -128,15 +128,22 @@ class IncompleteDetails:
     reason: IncompleteReason | Literal["rollout_timeout"] | None = None
 
 
+Effort: TypeAlias = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+SummaryMode: TypeAlias = Literal["auto", "concise", "detailed"]
+
+
 @attrs.frozen(kw_only=True)
 class ReasoningConfig:
-    """`reasoning`: `effort` and `summary` are echoed; `generate_summary` (the older name of
-    `summary`), `context` and `mode` are accepted and echoed only when given."""
+    """`reasoning`, with the SDK's values: `effort` and `summary` are echoed;
+    `generate_summary` (the older name of `summary`), `context` and `mode` are accepted and
+    echoed only when given."""
 
-    effort: str | None = None
-    summary: str | None = None
-    generate_summary: str | None = attrs.field(default=None, metadata={OMIT_IF_NONE: True})
-    context: str | None = attrs.field(default=None, metadata={OMIT_IF_NONE: True})
+    effort: Effort | None = None
+    summary: SummaryMode | None = None
+    generate_summary: SummaryMode | None = attrs.field(default=None, metadata={OMIT_IF_NONE: True})
+    context: Literal["auto", "current_turn", "all_turns"] | None = attrs.field(
+        default=None, metadata={OMIT_IF_NONE: True}
+    )
     mode: str | None = attrs.field(default=None, metadata={OMIT_IF_NONE: True})
 
 
@@ -187,7 +194,9 @@ class Response:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
-    prompt_cache_retention: str | None = attrs.field(default=None, metadata={OMIT_IF_NONE: True})
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = attrs.field(
+        default=None, metadata={OMIT_IF_NONE: True}
+    )
     # rollout extension: the request's client_metadata, kept with the response
     client_metadata: dict[str, str] | None = attrs.field(
         default=None, metadata={OMIT_IF_NONE: True}

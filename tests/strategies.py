@@ -417,10 +417,10 @@ text_configs = st.builds(
 )
 reasoning_configs = st.builds(
     p.ReasoningConfig,
-    effort=opt(texts),
-    summary=opt(texts),
-    generate_summary=opt(texts),
-    context=opt(texts),
+    effort=opt(st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh", "max"])),
+    summary=opt(st.sampled_from(["auto", "concise", "detailed"])),
+    generate_summary=opt(st.sampled_from(["auto", "concise", "detailed"])),
+    context=opt(st.sampled_from(["auto", "current_turn", "all_turns"])),
     mode=opt(texts),
 )
 
@@ -456,7 +456,7 @@ response_creates = st.builds(
     service_tier=opt(texts),
     safety_identifier=opt(texts),
     prompt_cache_key=opt(texts),
-    prompt_cache_retention=opt(texts),
+    prompt_cache_retention=opt(st.sampled_from(["in_memory", "24h"])),
     prompt_cache_options=opt(json_objects),
     user=opt(texts),
     stream_id=opt(ids),
@@ -538,7 +538,7 @@ responses = st.builds(
     presence_penalty=floats(-2, 2),
     frequency_penalty=floats(-2, 2),
     user=opt(texts),
-    prompt_cache_retention=opt(texts),
+    prompt_cache_retention=opt(st.sampled_from(["in_memory", "24h"])),
     client_metadata=opt(st.dictionaries(texts, texts, max_size=3)),
 )
 
