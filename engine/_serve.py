@@ -91,6 +91,32 @@ class ServerConfig:
         )
 
 
+def answer_peer_protocol_errors() -> None:
+    """Close with the RFC 6455 code when a client's frames are invalid (1007 for text that is
+    not UTF-8, 1002 for a malformed frame), instead of dropping the TCP connection.
+
+    wsproto reports such a frame as a `CloseConnection` event while its connection is still
+    OPEN, and hypercorn answers a close only in state REMOTE_CLOSING (a close the peer sent),
+    so the client saw the connection drop with no close frame. Marking the connection as
+    remotely closing makes hypercorn send the close frame with wsproto's code. Idempotent;
+    applies to every wsproto connection in the process (RFC behaviour for clients too)."""
+    from wsproto.connection import Connection, ConnectionState
+    from wsproto.events import CloseConnection
+
+    original = Connection.events
+    if getattr(original, "_rollout_patched", False):
+        return
+
+    def events(self: Connection) -> Any:
+        for event in original(self):
+            if isinstance(event, CloseConnection) and self.state is ConnectionState.OPEN:
+                self._state = ConnectionState.REMOTE_CLOSING
+            yield event
+
+    events._rollout_patched = True  # type: ignore[attr-defined]
+    Connection.events = events  # type: ignore[method-assign]
+
+
 async def _signals() -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
         async for signum in received:
@@ -105,6 +131,7 @@ async def serve(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until the trigger returns (default: SIGINT or SIGTERM)."""
+    answer_peer_protocol_errors()
     store: ResponseStore
     ledger: UsageLedger
     compaction_key = None

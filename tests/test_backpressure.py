@@ -1,4 +1,5 @@
-"""Bounds on what a peer can pin: buffered output per connection, and connections.
+"""Bounds on what a peer can pin (buffered output per connection, connections), and a peer's
+protocol errors answered by the protocol (1007 for text that is not UTF-8).
 
 - A client that sends a create for a huge output and never reads: its frames fill the
   connection's outbox (`max_buffered_bytes`), the response pauses, and after
@@ -11,8 +12,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import sqlite3
+import struct
 from pathlib import Path
 
 import httpx
@@ -84,3 +88,42 @@ async def test_connections_past_the_limit_are_refused() -> None:
     assert json.loads(refused.value.body)["error"]["code"] == "too_many_connections"
     assert events[-1].type == "response.completed"
     assert metrics[("rollout_refused_connections_total", frozenset())] == 1
+
+
+def _masked_frame(opcode: int, payload: bytes) -> bytes:
+    """One client frame (FIN set, masked), built by hand: no client library sends bad text."""
+    mask = os.urandom(4)
+    head = bytes([0x80 | opcode])
+    size = len(payload)
+    head += bytes([0x80 | size]) if size < 126 else bytes([0x80 | 126]) + struct.pack(">H", size)
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+async def test_text_that_is_not_utf8_is_answered_with_close_1007() -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_test_server() as url:
+            port = int(url.rsplit(":", 1)[1].split("/")[0])
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            key = base64.b64encode(os.urandom(16)).decode()
+            await stream.send_all(
+                (
+                    "GET /v1/responses HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\n"
+                    f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                    "Sec-WebSocket-Version: 13\r\n\r\n"
+                ).encode()
+            )
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += await stream.receive_some(4096)
+            assert received.startswith(b"HTTP/1.1 101")
+            frames = received.split(b"\r\n\r\n", 1)[1]
+            await stream.send_all(_masked_frame(0x1, b'{"type": "\xff\xfe"}'))
+            while True:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    break
+                frames += chunk
+            await stream.aclose()
+    # A close frame (opcode 8) whose status code is 1007 (invalid frame payload data).
+    assert frames[0] == 0x88, frames[:16]
+    assert struct.unpack(">H", frames[2:4])[0] == 1007
