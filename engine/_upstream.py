@@ -127,7 +127,7 @@ class UpstreamBackend:
         self.counters.messages_encoded += encoder.extend(items, n)
         return encoder
 
-    def body(self, request: SampleRequest) -> bytes:
+    def body(self, request: SampleRequest, toolset: ChatToolset | None = None) -> bytes:
         cfg = self.config
         messages = self._encoder(request).body_messages()
         if request.instructions:
@@ -138,7 +138,8 @@ class UpstreamBackend:
         head: dict[str, Any] = {"model": cfg.model, "stream": True}
         if cfg.include_usage:
             head["stream_options"] = {"include_usage": True}
-        toolset = ChatToolset(request.tools, request.tool_choice)
+        if toolset is None:
+            toolset = ChatToolset(request.tools, request.tool_choice)
         if toolset.definitions:
             head["tools"] = toolset.definitions
             head["tool_choice"] = toolset.choice
@@ -160,9 +161,9 @@ class UpstreamBackend:
 
     # --- sampling ---
     async def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]:
-        body = self.body(request)
-        self.counters.bytes_sent += len(body)
         toolset = ChatToolset(request.tools, request.tool_choice)
+        body = self.body(request, toolset)
+        self.counters.bytes_sent += len(body)
         cfg = self.config
         attempt = 0
         while True:
