@@ -163,7 +163,12 @@ class SimBackend:
         if p.ttft:
             await trio.sleep_until(start + p.ttft)
 
-        calls = self._plan_calls(request, p, rng)
+        if _uses_grammars(request.tools):
+            # Compiling and deriving from a client's grammar is bounded (engine._grammar) but
+            # can take a noticeable fraction of a second: off the event loop.
+            calls, payloads = await trio.to_thread.run_sync(self._plan, request, p, rng)
+        else:
+            calls, payloads = self._plan(request, p, rng)
         if not calls:
             fmt = request.text_format or {}
             if fmt.get("type") in ("json_schema", "json_object"):
@@ -201,10 +206,7 @@ class SimBackend:
             return
 
         used = 0
-        for call in calls:
-            payload = _written(
-                f"a call of {call.qualified}", functools.partial(_payload, call, rng)
-            )
+        for call, payload in zip(calls, payloads, strict=True):
             yield CallStart(call.name, call.namespace, call.kind)
             pieces = [payload[i : i + 4] for i in range(0, len(payload), 4)] or [""]
             i = 0
@@ -226,6 +228,18 @@ class SimBackend:
             yield CallEnd()
         yield Finish("tool_calls")
 
+    @classmethod
+    def _plan(
+        cls, request: SampleRequest, p: SimParams, rng: random.Random
+    ) -> tuple[list[CallTarget], list[str]]:
+        """The calls of this turn and their payloads (in the order they consume `rng`)."""
+        calls = cls._plan_calls(request, p, rng)
+        payloads = [
+            _written(f"a call of {call.qualified}", functools.partial(_payload, call, rng))
+            for call in calls
+        ]
+        return calls, payloads
+
     @staticmethod
     def _plan_calls(request: SampleRequest, p: SimParams, rng: random.Random) -> list[CallTarget]:
         choice = resolve_choice(request.tool_choice, request.tools)
@@ -243,6 +257,16 @@ class SimBackend:
         if len(candidates) == 1:  # a named tool or a forced built-in type
             return candidates * per_turn
         return [rng.choice(candidates) for _ in range(per_turn)]
+
+
+def _uses_grammars(tools: Any) -> bool:
+    """Does any offered custom tool (also inside a namespace) carry a grammar?"""
+    for tool in tools:
+        for member in getattr(tool, "tools", None) or [tool]:
+            fmt = getattr(member, "format", None)
+            if isinstance(member, CustomTool) and fmt is not None and fmt.type == "grammar":
+                return True
+    return False
 
 
 def _written(what: str, write: Callable[[], str]) -> str:

@@ -329,7 +329,6 @@ def scripts(
     draw: st.DrawFn,
     *,
     max_user_turns: int = 2,
-    functions_only: bool = False,
     with_tool: p.Tool | None = None,
 ) -> Script:
     """Agent scripts. `with_tool`: that tool always among the tools, and at least one step."""
@@ -338,14 +337,6 @@ def scripts(
     n_tools = draw(st.sampled_from([1, 2, 3, 0]))
     if with_tool is not None:
         tools: tuple[p.Tool, ...] = (with_tool,)
-    elif functions_only:
-        tool_names = draw(st.lists(names, min_size=n_tools, max_size=n_tools, unique=True))
-        tools = tuple(
-            p.FunctionTool(
-                name=name, description=draw(unicode_text), parameters=draw(object_schemas())
-            )
-            for name in tool_names
-        )
     else:
         tools = draw(script_tools(n_tools))
     steps = draw(st.sampled_from([2, 1, 3, 4] if with_tool is not None else [2, 1, 3, 4, 0]))
