@@ -1,5 +1,6 @@
-"""rollout bench: the agent loop driven four ways (HTTP stateless, HTTP with
-previous_response_id, WebSocket with previous_response_id, the WebSocket rollout extension)
+"""rollout bench: the agent loop driven five ways (HTTP stateless, HTTP with
+previous_response_id, WebSocket with previous_response_id unstored and stored, the WebSocket
+rollout extension)
 against a `rollout serve` subprocess or any Responses server, measured per turn.
 
 `rollout bench` is the command line (`bench/_cli.py`); `run_benchmark(BenchConfig(...))`

@@ -21,10 +21,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "bench",
         help="benchmark the agent loop: HTTP vs WebSocket vs the rollout extension",
-        description="Drive the same scripted agent rollout four ways (http-stateless, "
-        "http-chain, ws-chain, ws-rollout) against a `rollout serve` subprocess (or the "
-        "servers given with --url), and report per-turn overhead, end-to-end time against "
-        "the physical limit, server CPU and memory, work counters and a concurrency sweep. "
+        description="Drive the same scripted agent rollout five ways (http-stateless, "
+        "http-chain, ws-chain, ws-chain-stored, ws-rollout) against a `rollout serve` "
+        "subprocess (or the servers given with --url), and report per-turn overhead, "
+        "end-to-end time against the physical limit, server CPU and memory, work counters and "
+        "a concurrency sweep. "
         "Writes results.json (schema: bench/SCHEMA.md), summary.md and PNG plots to --out. "
         "The default is a quick run (about 3 minutes on 2 cores); --full runs everything.",
     )
@@ -67,7 +68,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "500 ms at 65 tps, 200 at 1000, 100 at 4000)",
     )
     p.add_argument("--repetitions", type=int, help="repetitions of every point")
-    p.add_argument("--modes", help="comma-separated modes (default all four)")
+    p.add_argument("--modes", help="comma-separated modes (default all five)")
     p.add_argument(
         "--no-overhead-phase", action="store_true", help="skip the unpaced per-turn overhead phase"
     )

@@ -1,4 +1,4 @@
-"""The agent loop, driven four ways from the client side.
+"""The agent loop, driven five ways from the client side.
 
 | mode             | transport                     | each turn sends                              |
 |------------------|-------------------------------|----------------------------------------------|
@@ -7,12 +7,15 @@
 |                  |                               | `store: true` (the server hydrates the store) |
 | `ws-chain`       | one WebSocket                 | the tool output, `previous_response_id`,     |
 |                  |                               | `store: false` (the connection's cache)       |
+| `ws-chain-stored`| one WebSocket                 | as `ws-chain` with `store: true`: each turn   |
+|                  |                               | is committed before its terminal event        |
 | `ws-rollout`     | one WebSocket                 | `response.append` with the tool output to    |
 |                  |                               | the one long-lived response (the extension)  |
 
 Every turn records, on the client's clock (`time.perf_counter`): when the request was sent,
 when the server acknowledged it (`response.created`, or the resumed `response.in_progress`),
-the first and last output delta, and the terminal event; plus the server's own pre-inference
+the first and last output delta, and the terminal event (the tail, last delta to terminal
+event, is where a durable store's commit shows); plus the server's own pre-inference
 stage timings (`rollout.timing` frames over WebSocket, the `Server-Timing` header over HTTP)
 and, in a counting pass, the deltas of the server's /metrics work counters.
 
@@ -53,7 +56,7 @@ __all__ = [
     "run_rollout",
 ]
 
-MODES = ("http-stateless", "http-chain", "ws-chain", "ws-rollout")
+MODES = ("http-stateless", "http-chain", "ws-chain", "ws-chain-stored", "ws-rollout")
 
 # The largest WebSocket message the client accepts (a rollout's final response carries every
 # output item of the rollout).
@@ -101,6 +104,12 @@ class TurnRecord:
     @property
     def server_overhead(self) -> float | None:
         return None if self.stages is None else sum(self.stages.values())
+
+    @property
+    def tail(self) -> float | None:
+        """Last output delta to the terminal event: post-inference work the client waits for
+        (with `store: true`, the commit that makes the response durable)."""
+        return None if self.last_token is None else self.ended - self.last_token
 
 
 @attrs.define
@@ -319,11 +328,14 @@ class _HttpTransport(_Transport):
 
 
 class _WsTransport(_Transport):
-    def __init__(self, ws: WebSocketConnection, spec: RolloutSpec, *, rollout: bool) -> None:
-        self.mode = "ws-rollout" if rollout else "ws-chain"
+    def __init__(
+        self, ws: WebSocketConnection, spec: RolloutSpec, *, rollout: bool, store: bool = False
+    ) -> None:
+        self.mode = "ws-rollout" if rollout else "ws-chain-stored" if store else "ws-chain"
         self.ws = ws
         self.spec = spec
         self.rollout = rollout
+        self.store = store
         self.previous: str | None = None
         self.response_id: str | None = None
 
@@ -342,7 +354,7 @@ class _WsTransport(_Transport):
                 **_base_body(self.spec, index, rollout=self.rollout),
             }
             message["input"] = new_input
-            message["store"] = False
+            message["store"] = self.store
             if self.rollout:
                 message["rollout"] = True
             elif self.previous is not None:
@@ -403,7 +415,9 @@ async def run_rollout(
                     )
                 else:
                     ws = await stack.enter_async_context(_open_ws(endpoint, timing=spec.timing))
-                    transport = _WsTransport(ws, spec, rollout=mode == "ws-rollout")
+                    transport = _WsTransport(
+                        ws, spec, rollout=mode == "ws-rollout", store=mode == "ws-chain-stored"
+                    )
                 await _loop(transport, spec, record, scrape)
     # Foreign errors become ours at this boundary, naming the mode and the turn reached.
     except trio.TooSlowError:

@@ -24,6 +24,7 @@ MODE_COLORS = {
     "http-stateless": "#d62728",
     "http-chain": "#ff7f0e",
     "ws-chain": "#1f77b4",
+    "ws-chain-stored": "#9467bd",
     "ws-rollout": "#2ca02c",
 }
 SERVER_STYLES = ("-", "--", ":", "-.")

@@ -5,15 +5,19 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import median as _median
 from typing import Any
 
 import attrs
 
+from ._client import MODES
 from ._goals import OPENAI_REFERENCE
 from ._schema import RESULTS_SCHEMA
 
 __all__ = ["Table", "summary_tables", "to_markdown", "write_results"]
 
+# Modes whose responses are stored (store: true): the durability table marks them.
+STORED_MODES = frozenset({"http-chain", "ws-chain-stored"})
 # History sizes (tokens) the overhead table reports, each the nearest measured turn.
 OVERHEAD_COLUMNS = (1_000, 10_000, 50_000, 100_000)
 
@@ -110,7 +114,7 @@ def _reduction_table(results: dict[str, Any], server: str) -> Table | None:
         for r in results["rollouts"]
         if r["server"] == server and r["tps"] is not None
     }
-    modes = ("http-chain", "ws-chain", "ws-rollout")
+    modes = tuple(m for m in MODES if m != "http-stateless")
     rows = []
     for scenario, tps in sorted({(k[0], k[1]) for k in by_key}, key=lambda k: (k[0], k[1])):
         base = by_key.get((scenario, tps, "http-stateless"))
@@ -155,7 +159,7 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
     )
     scenario, tps = scenarios[0]
     rows = []
-    for mode in ("http-stateless", "http-chain", "ws-chain", "ws-rollout"):
+    for mode in MODES:
         mine = [
             t for t in turns if t["mode"] == mode and (t["scenario"], t["tps"]) == (scenario, tps)
         ]
@@ -187,6 +191,49 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
         "resolve, store); ack ms: client-observed, request sent to response acknowledged "
         "(adds transport, JSON decode and event encoding); tokens rendered: /metrics counter "
         "delta for that turn.",
+    )
+
+
+def _durability_table(results: dict[str, Any], server: str) -> Table | None:
+    """What `store: true` costs a turn: the tail (last delta to terminal event), where the
+    commit before the acknowledgement shows, per mode, on the unpaced model."""
+    turns = [t for t in results["turns"] if t["server"] == server and t["tps"] is None]
+    rows = []
+    tails: dict[tuple[str, str], float] = {}
+    for scenario in sorted({t["scenario"] for t in turns}):
+        for mode in MODES:
+            mine = [t for t in turns if t["mode"] == mode and t["scenario"] == scenario]
+            tail = [v for t in mine if (v := _med(t["tail_s"])) is not None]
+            if not tail:
+                continue
+            tails[(scenario, mode)] = _median(tail)
+            rows.append(
+                (
+                    scenario,
+                    mode,
+                    "yes" if mode in STORED_MODES else "no",
+                    str(len(mine)),
+                    _ms(_median(tail), 3),
+                    _ms(_median([_p(t["turn_s"], "median") or 0.0 for t in mine]), 2),
+                    _ms(_median([v for t in mine if (v := _p(t["tail_s"], "p90")) is not None])),
+                )
+            )
+    if not rows:
+        return None
+    costs = []
+    for scenario in sorted({k[0] for k in tails}):
+        stored, plain = tails.get((scenario, "ws-chain-stored")), tails.get((scenario, "ws-chain"))
+        if stored is not None and plain is not None:
+            costs.append(f"{scenario}: {_ms(stored - plain, 3)} ms")
+    return Table(
+        title=f"[{server}] Durable acknowledgement: per-turn tail (unpaced model; medians)",
+        headers=("scenario", "mode", "store", "turns", "tail ms", "turn ms", "tail p90 ms"),
+        rows=tuple(rows),
+        note="tail: last output delta to the terminal event, client-observed. rollout sends a "
+        "terminal event once the response's usage (and, with store: true, the response) is "
+        "committed (group commit); a rollout's suspensions (response.done) commit nothing, its "
+        "one response commits once at the end. store: true over store: false on one WebSocket "
+        f"(ws-chain-stored minus ws-chain): {'; '.join(costs) or 'not measured'}.",
     )
 
 
@@ -278,6 +325,7 @@ def summary_tables(results: dict[str, Any]) -> list[Table]:
     for server in [s["label"] for s in results["servers"]]:
         tables += [
             _overhead_table(results, server),
+            _durability_table(results, server),
             _e2e_table(results, server),
             _reduction_table(results, server),
             _concurrency_table(results, server),

@@ -18,7 +18,7 @@ _STR_OR_NULL = {"type": ["string", "null"]}
 _STATS = {"$ref": "#/$defs/stats"}
 _STATS_OR_NULL = {"anyOf": [{"$ref": "#/$defs/stats"}, {"type": "null"}]}
 _COUNTERS_OR_NULL = {"anyOf": [{"$ref": "#/$defs/counters"}, {"type": "null"}]}
-_MODE = {"enum": ["http-stateless", "http-chain", "ws-chain", "ws-rollout"]}
+_MODE = {"enum": ["http-stateless", "http-chain", "ws-chain", "ws-chain-stored", "ws-rollout"]}
 _LOAD = {"type": "array", "items": _NUM, "minItems": 3, "maxItems": 3}
 _TPS = {"type": ["number", "null"], "description": "model tokens per second; null: unpaced"}
 
@@ -68,7 +68,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         },
     },
     "properties": {
-        "schema": {"const": "rollout-bench/1"},
+        "schema": {"const": "rollout-bench/2"},
         "meta": _record(
             {
                 "started_at": {"type": "string"},
@@ -177,6 +177,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
                     "turn_s": _STATS,
                     "excess_s": _STATS_OR_NULL,
                     "ack_s": _STATS_OR_NULL,
+                    "tail_s": _STATS_OR_NULL,
                     "server_overhead_s": _STATS_OR_NULL,
                     "stages_s": {
                         "anyOf": [

@@ -1,4 +1,4 @@
-"""`rollout bench`: a tiny scenario through all four modes against a real `rollout serve`
+"""`rollout bench`: a tiny scenario through all five modes against a real `rollout serve`
 subprocess, the results checked against their JSON Schema, and the mission's point shown by
 the work counters alone (no timing is asserted anywhere here)."""
 
@@ -82,7 +82,7 @@ def test_report_of_earlier_results(
     assert (tmp_path / "e2e.png").exists()
 
 
-def test_all_four_modes_ran_the_same_conversation(
+def test_all_modes_ran_the_same_conversation(
     tiny_run: tuple[dict[str, Any], Path, str],
 ) -> None:
     results, _, _ = tiny_run
@@ -136,7 +136,32 @@ def test_work_counters_show_the_mission(tiny_run: tuple[dict[str, Any], Path, st
     hydrations = {
         r["mode"]: r["counters"]["hydrations"] for r in results["rollouts"] if r["tps"] == 4000.0
     }
-    assert hydrations == {"http-stateless": 0, "http-chain": 4, "ws-chain": 0, "ws-rollout": 0}
+    assert hydrations == {
+        "http-stateless": 0,
+        "http-chain": 4,
+        "ws-chain": 0,
+        "ws-chain-stored": 0,  # stored, and still continued from the connection's cache
+        "ws-rollout": 0,
+    }
+
+
+def test_stored_chain_writes_every_turn_and_reads_nothing_back(
+    tiny_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    """ws-chain-stored writes each turn's response and usage and continues from the
+    connection's cache (no store reads); ws-chain (store: false) writes usage only. The
+    durability table reports the tail per mode. (That the write lands before the terminal
+    event is tests/test_crash_durability.py's claim: a scrape after the event cannot tell.)"""
+    results, out, stdout = tiny_run
+    by_mode = {r["mode"]: r for r in results["rollouts"] if r["tps"] == 4000.0}
+    stored = by_mode["ws-chain-stored"]["counters_by_turn"]
+    plain = by_mode["ws-chain"]["counters_by_turn"]
+    assert [(c["store_writes"], c["ledger_records"]) for c in stored] == [(1, 1)] * 5
+    assert [(c["store_writes"], c["ledger_records"]) for c in plain] == [(0, 1)] * 5
+    assert sum(c["store_reads"] for c in stored) == 0
+    assert all(t["tail_s"] is not None for t in results["turns"] if t["tps"] is None)
+    assert "Durable acknowledgement: per-turn tail" in stdout
+    assert "(ws-chain-stored minus ws-chain): alpha-demo: " in (out / "summary.md").read_text()
 
 
 async def test_url_target_in_process(tmp_path: Path) -> None:
