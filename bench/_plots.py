@@ -17,7 +17,7 @@ __all__ = ["MATPLOTLIB_MISSING", "write_plots"]
 
 MATPLOTLIB_MISSING = (
     "matplotlib is not installed, so no plots were written; install it with "
-    "`pip install 'rollout[bench]'` (or `pip install matplotlib`)"
+    "`pip install 'rollout-engine[bench]'` (or `pip install matplotlib`)"
 )
 
 MODE_COLORS = {

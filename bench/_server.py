@@ -170,7 +170,7 @@ async def open_local_server(
         argv = [
             sys.executable,
             "-m",
-            "engine",
+            "rollout",
             "serve",
             "--host",
             "127.0.0.1",

@@ -35,8 +35,7 @@ from typing import Any
 
 import attrs
 import trio
-
-from protocol import (
+from rollout.protocol import (
     DEFAULT_MAX_MESSAGE_SIZE,
     ErrorBody,
     RemoteProtocolError,

@@ -26,8 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
-
-from protocol import (
+from rollout.protocol import (
     ComputerCallOutput,
     ContentPart,
     CustomTool,

@@ -38,8 +38,7 @@ from typing import Any
 
 import attrs
 import msgpack
-
-from protocol import (
+from rollout.protocol import (
     ApplyPatchCall,
     Compaction,
     CustomToolCall,

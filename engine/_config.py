@@ -24,7 +24,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from protocol import RemoteProtocolError
+from rollout.protocol import RemoteProtocolError
 
 from ._defaults import default_registry
 from ._models import DEFAULT_CONTEXT_WINDOW, ModelRegistry, ModelSpec

@@ -29,8 +29,7 @@ from typing import Any
 
 import attrs
 import trio
-
-from protocol import (
+from rollout.protocol import (
     BuiltinTool,
     CallKind,
     Compaction,

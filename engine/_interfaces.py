@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, Protocol, TypeAlias
 
 import attrs
-
-from protocol import BuiltinTool, Item, Response, Tool, ToolChoice
+from rollout.protocol import BuiltinTool, Item, Response, Tool, ToolChoice
 
 __all__ = [
     "ArgsDelta",

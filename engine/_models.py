@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import attrs
-
-from protocol import RemoteProtocolError
+from rollout.protocol import RemoteProtocolError
 
 from ._state import Route
 

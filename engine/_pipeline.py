@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
-
-from protocol import (
+from rollout.protocol import (
     InputFile,
     InputImage,
     Item,

@@ -78,7 +78,7 @@ import urllib.parse
 from array import array
 from collections.abc import Sequence
 
-from protocol import (
+from rollout.protocol import (
     ApplyPatchCall,
     ApplyPatchCallOutput,
     BuiltinTool,

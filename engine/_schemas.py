@@ -20,8 +20,7 @@ import json
 from typing import Any
 
 import jsonschema
-
-from protocol import RemoteProtocolError
+from rollout.protocol import RemoteProtocolError
 
 __all__ = [
     "MAX_ENUM_VALUES",

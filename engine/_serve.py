@@ -23,8 +23,7 @@ import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
-
-from protocol import DEFAULT_MAX_MESSAGE_SIZE
+from rollout.protocol import DEFAULT_MAX_MESSAGE_SIZE
 
 from ._app import DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine

@@ -47,8 +47,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import trio
-
-from protocol import CustomTool, FunctionTool, RemoteProtocolError
+from rollout.protocol import CustomTool, FunctionTool, RemoteProtocolError
 
 from ._errors import BackendError
 from ._grammar import GrammarError, check_grammar, grammar_instance

@@ -20,8 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 import attrs
-
-from protocol import CallKind, Item, Message, OpaqueItem, Response, Tool, call_of
+from rollout.protocol import CallKind, Item, Message, OpaqueItem, Response, Tool, call_of
 
 __all__ = [
     "CallRecord",

@@ -44,8 +44,7 @@ from typing import Any, Literal, Self, TypeAlias, TypeVar
 
 import msgpack
 import trio
-
-from protocol import Item, RemoteProtocolError, Response, Tool, from_wire, to_wire
+from rollout.protocol import Item, RemoteProtocolError, Response, Tool, from_wire, to_wire
 
 from ._interfaces import StoredResponse
 

@@ -16,8 +16,7 @@ import re
 from collections.abc import Collection, Sequence
 
 import attrs
-
-from protocol import (
+from rollout.protocol import (
     BuiltinTool,
     CustomTool,
     FunctionTool,

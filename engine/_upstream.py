@@ -25,8 +25,7 @@ from typing import Any
 import attrs
 import httpx
 import trio
-
-from protocol import RESPONSE_ERROR_CODES, CallKind
+from rollout.protocol import RESPONSE_ERROR_CODES, CallKind
 
 from ._chat import NAMESPACE_SEPARATOR, ChatEncoder, ChatTool, ChatToolset
 from ._errors import BackendError

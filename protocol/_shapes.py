@@ -30,9 +30,18 @@ __all__ = [
 ]
 
 # A shape maps each key (a trailing "?" marks it optional) to the JSON kinds its value may
-# have, "|"-separated: string, integer, number, boolean, object, array, null, or any.
+# have, "|"-separated: string, integer, number, boolean, object, array, null, or any. A string
+# the SDK types as a `Literal` lists its values: "string=low,medium,high" (any other string is
+# an `invalid_value`, as the live API answers; a test keeps these sets equal to the SDK's).
 Shape = Mapping[str, str]
 
+_STATUS = "string=completed,in_progress,incomplete"
+_EXECUTION = "string=client,server"
+_CONTEXT_SIZE = "string=high,low,medium"
+_IMAGE_ACTION = "string=auto,edit,generate"
+_IMAGE_BACKGROUND = "string=auto,opaque,transparent"
+_IMAGE_FORMAT = "string=gif,jpeg,png,svg,webp"
+_IMAGE_QUALITY = "string=auto,high,low,max,medium,xhigh"
 _CALLERS = "array|null"  # allowed_callers: ["direct" | "programmatic"]
 _CALLER = "object|null"  # caller: {"type": "direct"} | {"type": "program", "caller_id"}
 
@@ -40,35 +49,39 @@ OPAQUE_ITEM_SHAPES: dict[str, Shape] = {
     "file_search_call": {
         "id": "string",
         "queries": "array",
-        "status": "string",
+        "status": "string=completed,failed,in_progress,incomplete,searching",
         "results?": "array|null",
     },
-    "web_search_call": {"id": "string", "action": "object", "status": "string"},
+    "web_search_call": {
+        "id": "string",
+        "action": "object",
+        "status": "string=completed,failed,in_progress,incomplete,searching",
+    },
     "tool_search_call": {
         "arguments": "any",
         "call_id?": "string|null",
-        "execution?": "string",
+        "execution?": _EXECUTION,
         "id?": "string|null",
-        "status?": "string|null",
+        "status?": f"{_STATUS}|null",
     },
     "tool_search_output": {
         "tools": "array",
         "call_id?": "string|null",
-        "execution?": "string",
+        "execution?": _EXECUTION,
         "id?": "string|null",
-        "status?": "string|null",
+        "status?": f"{_STATUS}|null",
     },
-    "additional_tools": {"role": "string", "tools": "array", "id?": "string|null"},
+    "additional_tools": {"role": "string=developer", "tools": "array", "id?": "string|null"},
     "configuration_update": {"id?": "string|null", "reasoning?": "object", "text?": "object"},
     "image_generation_call": {
         "id": "string",
         "result": "string|null",
-        "status": "string",
-        "action?": "string|null",
-        "background?": "string|null",
+        "status": "string=completed,failed,generating,in_progress",
+        "action?": f"{_IMAGE_ACTION}|null",
+        "background?": f"{_IMAGE_BACKGROUND}|null",
         "error?": "object",
-        "output_format?": "string|null",
-        "quality?": "string|null",
+        "output_format?": f"{_IMAGE_FORMAT}|null",
+        "quality?": f"{_IMAGE_QUALITY}|null",
         "revised_prompt?": "string|null",
         "size?": "string|null",
         "svg_usage?": "object",
@@ -78,7 +91,7 @@ OPAQUE_ITEM_SHAPES: dict[str, Shape] = {
         "container_id": "string",
         "id": "string",
         "outputs": "array|null",
-        "status": "string",
+        "status": "string=completed,failed,in_progress,incomplete,interpreting",
     },
     "mcp_list_tools": {
         "id": "string",
@@ -106,23 +119,28 @@ OPAQUE_ITEM_SHAPES: dict[str, Shape] = {
         "approval_request_id?": "string|null",
         "error?": "object|null",
         "output?": "string|null",
-        "status?": "string",
+        "status?": "string=calling,completed,failed,in_progress,incomplete",
     },
     "compaction_trigger": {"id?": "string|null"},
     "program": {"call_id": "string", "code": "string", "fingerprint": "string", "id": "string"},
-    "program_output": {"call_id": "string", "id": "string", "result": "string", "status": "string"},
+    "program_output": {
+        "call_id": "string",
+        "id": "string",
+        "result": "string",
+        "status": "string=completed,incomplete",
+    },
 }
 
 _WEB_SEARCH: Shape = {
     "external_web_access?": "boolean",
     "search_content_types?": "array",
     "filters?": "object|null",
-    "search_context_size?": "string",
+    "search_context_size?": _CONTEXT_SIZE,
     "user_location?": "object|null",
 }
 _WEB_SEARCH_PREVIEW: Shape = {
     "search_content_types?": "array",
-    "search_context_size?": "string",
+    "search_context_size?": _CONTEXT_SIZE,
     "user_location?": "object|null",
 }
 
@@ -135,7 +153,7 @@ BUILTIN_TOOL_SHAPES: dict[str, Shape] = {
     "computer_use_preview": {
         "display_height": "integer",
         "display_width": "integer",
-        "environment": "string",
+        "environment": "string=browser,linux,mac,ubuntu,windows",
     },
     # Hosted: the server runs them (rollout only with a configured executor).
     "file_search": {
@@ -153,7 +171,9 @@ BUILTIN_TOOL_SHAPES: dict[str, Shape] = {
         "allowed_callers?": _CALLERS,
         "allowed_tools?": "array|object|null",
         "authorization?": "string",
-        "connector_id?": "string",
+        "connector_id?": "string=connector_dropbox,connector_gmail,connector_googlecalendar,"
+        "connector_googledrive,connector_microsoftteams,connector_outlookcalendar,"
+        "connector_outlookemail,connector_sharepoint",
         "defer_loading?": "boolean",
         "headers?": "object|null",
         "require_approval?": "object|string|null",
@@ -164,23 +184,23 @@ BUILTIN_TOOL_SHAPES: dict[str, Shape] = {
     "code_interpreter": {"container": "string|object", "allowed_callers?": _CALLERS},
     "programmatic_tool_calling": {},
     "image_generation": {
-        "action?": "string",
-        "background?": "string",
-        "complexity?": "string",
+        "action?": _IMAGE_ACTION,
+        "background?": _IMAGE_BACKGROUND,
+        "complexity?": "string=high,low,medium",
         "frame_count?": "integer",
         "frame_duration_ms?": "integer",
-        "input_fidelity?": "string|null",
+        "input_fidelity?": "string=high,low|null",
         "input_image_mask?": "object",
         "model?": "string",
-        "moderation?": "string",
+        "moderation?": "string=auto,low",
         "output_compression?": "integer",
-        "output_format?": "string",
+        "output_format?": _IMAGE_FORMAT,
         "partial_images?": "integer",
-        "quality?": "string",
+        "quality?": _IMAGE_QUALITY,
         "size?": "string",
         "svg?": "object",
     },
-    "tool_search": {"description?": "string|null", "execution?": "string", "parameters?": "any"},
+    "tool_search": {"description?": "string|null", "execution?": _EXECUTION, "parameters?": "any"},
 }
 
 _KIND_OF = {
@@ -214,10 +234,22 @@ def check_shape(shape: Shape, data: Mapping[str, Any]) -> None:
         if spec is None:
             continue
         allowed = spec[0].split("|")
-        if "any" in allowed or any(k in allowed for k in _kinds(value)):
+        bare = [k.partition("=")[0] for k in allowed]
+        if "any" in bare or any(k in bare for k in _kinds(value)):
+            if isinstance(value, str):
+                _check_literal(allowed, value, name)
             continue
-        wanted = " or ".join(_ARTICLE.get(k, k) for k in allowed)
+        wanted = " or ".join(_ARTICLE.get(k, k) for k in bare)
         raise InvalidField.wrong_type(wanted, value, name)
+
+
+def _check_literal(allowed: list[str], value: str, name: str) -> None:
+    for kind in allowed:
+        head, literal, values = kind.partition("=")
+        if head == "string" and literal:
+            supported = values.split(",")
+            if value not in supported:
+                raise InvalidField.bad_value(value, supported, name)
 
 
 _ARTICLE = {

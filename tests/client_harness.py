@@ -261,12 +261,12 @@ async def open_rollout_process(
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[RolloutProcess]:
-    """`python -m engine serve --port 0` (the `rollout serve` entry point); yields once it is
+    """`python -m rollout serve --port 0` (the `rollout serve` entry point); yields once it is
     serving. Leaving the block sends SIGTERM and waits for the exit (SIGKILL if it hangs)."""
     command = [
         sys.executable,
         "-m",
-        "engine",
+        "rollout",
         "serve",
         "--host",
         "127.0.0.1",

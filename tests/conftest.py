@@ -38,9 +38,8 @@ import pytest
 from openai.types.responses import Response as SdkResponse
 from openai.types.responses import ResponseStreamEvent
 from openai.types.responses.responses_server_event import ResponsesServerEvent
-
-from engine._app import RolloutApp
-from spec._schema import compaction_problems, event_problems, response_problems
+from rollout.engine._app import RolloutApp
+from rollout.spec._schema import compaction_problems, event_problems, response_problems
 
 HOOK_ENV = "ROLLOUT_SCHEMA_HOOK"  # "warn": report violations as warnings, do not fail
 REPORT_ENV = "ROLLOUT_SCHEMA_REPORT"  # a path: every violation appended as a JSON line

@@ -12,9 +12,8 @@ from typing import Any
 import attrs
 import jsonschema
 from hypothesis import strategies as st
-
-import protocol as p
-from engine import Engine, ResponseState
+from rollout import protocol as p
+from rollout.engine import Engine, ResponseState
 
 
 @attrs.frozen

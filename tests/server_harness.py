@@ -19,9 +19,8 @@ import attrs
 import httpx
 import trio
 import trio_websocket
-
-import protocol as p
-from engine._serve import ServerConfig, open_server
+from rollout import protocol as p
+from rollout.engine._serve import ServerConfig, open_server
 
 __all__ = [
     "TERMINAL",

@@ -28,9 +28,8 @@ import msgpack
 import pydantic
 from hypothesis import strategies as st
 from openai.types.responses.responses_server_event import ResponsesServerEvent
-
-import protocol as p
-from protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
+from rollout import protocol as p
+from rollout.protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
 
 T = TypeVar("T")
 Strategy = st.SearchStrategy
@@ -300,12 +299,17 @@ _KIND_STRATEGIES: dict[str, Strategy[Any]] = {
 }
 
 
+def _kind_strategy(kind: str) -> Strategy[Any]:
+    head, _, literals = kind.partition("=")
+    return st.sampled_from(literals.split(",")) if literals else _KIND_STRATEGIES[head]
+
+
 def shaped(shape: Any) -> Strategy[dict[str, Any]]:
     """Objects of a `protocol._shapes` shape: every required key, any optional ones."""
     required: dict[str, Strategy[Any]] = {}
     optional: dict[str, Strategy[Any]] = {}
     for key, kinds in shape.items():
-        value = st.one_of(*(_KIND_STRATEGIES[k] for k in kinds.split("|")))
+        value = st.one_of(*(_kind_strategy(k) for k in kinds.split("|")))
         (optional if key.endswith("?") else required)[key.rstrip("?")] = value
     return st.fixed_dictionaries(required, optional=optional)
 

@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import bench
-from bench._cli import add_parser, build_config
-from bench._client import parse_server_timing
-from bench._server import parse_counters, parse_stage_sums
-from bench._stats import percentile, stats
-from engine._cli import main as rollout_main
-from engine._serve import ServerConfig, open_server
+from rollout import bench
+from rollout._cli import main as rollout_main
+from rollout.bench._cli import add_parser, build_config
+from rollout.bench._client import parse_server_timing
+from rollout.bench._server import parse_counters, parse_stage_sums
+from rollout.bench._stats import percentile, stats
+from rollout.engine._serve import ServerConfig, open_server
 
 TINY = [
     "--scenario", "alpha-demo", "--steps", "4", "--tool-tokens", "300", "--prompt-tokens",
@@ -196,7 +195,7 @@ def test_schema_file_is_the_schema() -> None:
 
 
 def test_filler_text_is_exactly_n_tokens() -> None:
-    from engine._tokenizer import O200kTokenizer
+    from rollout.engine._tokenizer import O200kTokenizer
 
     tokenizer = O200kTokenizer()
     for n, seed in ((1, "a"), (37, "b"), (4000, "c")):
@@ -259,7 +258,7 @@ def test_parsers() -> None:
 
 def test_missing_matplotlib_is_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(bench.BenchError, match=r"pip install 'rollout\[bench\]'"):
+    with pytest.raises(bench.BenchError, match=r"pip install 'rollout-engine\[bench\]'"):
         bench.write_plots({"servers": [], "turns": [], "rollouts": [], "concurrency": []}, Path())
 
 

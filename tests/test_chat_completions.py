@@ -19,9 +19,9 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rollout.engine._chat import request_from_chat
+from rollout.protocol import RemoteProtocolError, ResponseCreate
 
-from engine._chat import request_from_chat
-from protocol import RemoteProtocolError, ResponseCreate
 from tests.upstream_harness import (
     TOOLS,
     Exchange,

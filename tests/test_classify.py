@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine._classify import (
+from rollout.engine._classify import (
     SECRET_CATEGORIES,
     ClassifierSet,
     CountsState,
@@ -24,7 +23,7 @@ from engine._classify import (
     SecretDetector,
     default_classifiers,
 )
-from engine._interfaces import Classifier, ClassifierVerdict, Flag
+from rollout.engine._interfaces import Classifier, ClassifierVerdict, Flag
 
 ALNUM = string.ascii_letters + string.digits
 URLSAFE = ALNUM + "_-"

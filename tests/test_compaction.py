@@ -34,10 +34,10 @@ import pytest
 import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from rollout import protocol as p
+from rollout.engine import Engine, MemoryResponseStore, ResponseState, Session, open_engine
+from rollout.engine._compact import SnapshotSeal
 
-import protocol as p
-from engine import Engine, MemoryResponseStore, ResponseState, Session, open_engine
-from engine._compact import SnapshotSeal
 from tests.engine_harness import MAX_TURNS, Script, pending_calls, same_items, scripts
 from tests.server_harness import open_test_server, open_ws, run_in_thread
 

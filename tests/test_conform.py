@@ -27,11 +27,10 @@ from typing import Any
 import attrs
 import pytest
 import trio
-
-import spec
-from engine import ModelRegistry, ModelSpec, SampleEvent, SampleRequest, SimBackend
-from engine._serve import ServerConfig, open_server
-from spec._context import CHECKS
+from rollout import spec
+from rollout.engine import ModelRegistry, ModelSpec, SampleEvent, SampleRequest, SimBackend
+from rollout.engine._serve import ServerConfig, open_server
+from rollout.spec._context import CHECKS
 
 SPEC_DIR = Path(spec.__file__).parent
 API_KEY = "sk-conform-test"
@@ -96,7 +95,7 @@ async def run_cli(*args: str, deadline: float) -> tuple[int, str, str]:
     """`rollout conform ...` in a subprocess; (exit status, stdout, stderr)."""
     with trio.fail_after(deadline):
         done = await trio.run_process(
-            [sys.executable, "-m", "engine", "conform", *args],
+            [sys.executable, "-m", "rollout", "conform", *args],
             capture_stdout=True,
             capture_stderr=True,
             check=False,
@@ -182,7 +181,7 @@ def test_public_names() -> None:
         "select_cases",
     ]
     for name in spec.__all__:
-        assert getattr(spec, name).__module__.startswith("spec")
+        assert getattr(spec, name).__module__.startswith("rollout.spec")
 
 
 def test_spec_files_ship_in_the_package(tmp_path: Path) -> None:
@@ -191,7 +190,7 @@ def test_spec_files_ship_in_the_package(tmp_path: Path) -> None:
     root = SPEC_DIR.parent
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, tmp_path / name)
-    for package in ("protocol", "engine", "spec", "bench"):
+    for package in ("cli", "protocol", "engine", "spec", "bench"):
         shutil.copytree(
             root / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
         )
@@ -204,7 +203,7 @@ def test_spec_files_ship_in_the_package(tmp_path: Path) -> None:
         [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr.decode()
-    shipped = {p.name for p in (build / "spec").iterdir()}
+    shipped = {p.name for p in (build / "rollout" / "spec").iterdir()}
     assert {
         "PROTOCOL.md",
         "README.md",
@@ -213,7 +212,7 @@ def test_spec_files_ship_in_the_package(tmp_path: Path) -> None:
         "py.typed",
         "__init__.py",
     } <= shipped
-    assert json.loads((build / "spec" / "checks.json").read_text())["checks"]
+    assert json.loads((build / "rollout" / "spec" / "checks.json").read_text())["checks"]
 
 
 def test_filter_selection() -> None:

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 import pytest
 import trio
+from rollout import spec
+from rollout.engine._app import RolloutApp
 
-import spec
-from engine._app import RolloutApp
 from tests.test_conform import (
     API_KEY,
     harness_options,

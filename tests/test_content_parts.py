@@ -25,12 +25,11 @@ import attrs
 import openai
 import pytest
 import trio
+from rollout import protocol as p
+from rollout.engine import ChatTemplateRenderer, O200kTokenizer, _pipeline
+from rollout.engine._chat import ChatEncoder
+from rollout.engine._render import FILE_TOKENS, IMAGE, IMAGE_TOKENS
 
-import engine._pipeline
-import protocol as p
-from engine import ChatTemplateRenderer, O200kTokenizer
-from engine._chat import ChatEncoder
-from engine._render import FILE_TOKENS, IMAGE, IMAGE_TOKENS
 from tests.server_harness import WEATHER_TOOLS, open_test_server, open_ws, run_in_thread
 
 DEADLINE = 20
@@ -316,8 +315,8 @@ SMALL_ENOUGH = [
 
 @pytest.fixture
 def small_limits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine._pipeline, "MAX_IMAGE_BYTES", SMALL_LIMIT)
-    monkeypatch.setattr(engine._pipeline, "MAX_FILE_BYTES", SMALL_LIMIT)
+    monkeypatch.setattr(_pipeline, "MAX_IMAGE_BYTES", SMALL_LIMIT)
+    monkeypatch.setattr(_pipeline, "MAX_FILE_BYTES", SMALL_LIMIT)
 
 
 def body_of(case: Bad) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from rollout import protocol as p
 
-import protocol as p
 from tests.client_harness import RolloutProcess, open_rollout_process
 from tests.server_harness import open_ws
 

@@ -22,9 +22,8 @@ from typing import Any
 import attrs
 import pytest
 import trio
-
-import protocol as p
-from engine import (
+from rollout import protocol as p
+from rollout.engine import (
     ClassifierSet,
     Engine,
     MemoryResponseStore,
@@ -35,6 +34,7 @@ from engine import (
     Session,
     open_engine,
 )
+
 from tests.engine_harness import same_items
 
 DEADLINE = 10
@@ -272,7 +272,7 @@ async def test_max_cached_tokens_evicts_the_least_recently_used() -> None:
 
 
 def test_cache_bounds_are_validated() -> None:
-    from engine import ResponseCache
+    from rollout.engine import ResponseCache
 
     with pytest.raises(ValueError):
         ResponseCache(max_responses=0)

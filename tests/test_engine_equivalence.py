@@ -15,9 +15,9 @@ import pytest
 import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from rollout import protocol as p
+from rollout.engine import open_engine
 
-import protocol as p
-from engine import open_engine
 from tests.engine_harness import (
     EVERY_KIND,
     Script,

@@ -29,9 +29,8 @@ import attrs
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
-
-import protocol as p
-from engine import (
+from rollout import protocol as p
+from rollout.engine import (
     ClassifierSet,
     Engine,
     MemoryResponseStore,
@@ -44,6 +43,7 @@ from engine import (
     open_engine,
     open_sqlite_store,
 )
+
 from tests.engine_harness import (
     Script,
     answer_item,

@@ -29,9 +29,8 @@ import attrs
 import pytest
 import trio
 import trio.testing
-
-import protocol as p
-from engine import (
+from rollout import protocol as p
+from rollout.engine import (
     Engine,
     MemoryUsageLedger,
     ResponseState,

@@ -26,9 +26,8 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-
-import protocol as p
-from engine import (
+from rollout import protocol as p
+from rollout.engine import (
     ClassifierSet,
     Engine,
     MemoryUsageLedger,
@@ -402,7 +401,7 @@ def task_names() -> list[str]:
 
 
 def rollout_tasks() -> list[str]:
-    return [n for n in task_names() if n.startswith("engine.") and "PostInference" not in n]
+    return [n for n in task_names() if n.startswith("rollout.engine.") and "PostInference" not in n]
 
 
 async def suspend_then_leave(session: Session) -> Rollout:
@@ -617,4 +616,4 @@ async def test_no_cyclic_garbage_in_chain_mode_errors_and_cancellation(
 
 def test_usage_record_is_the_public_type() -> None:
     """The ledger rows these tests read are the public `UsageRecord`s."""
-    assert UsageRecord.__module__.startswith("engine")
+    assert UsageRecord.__module__.startswith("rollout.engine")

@@ -9,9 +9,8 @@ import lark
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from engine import _grammar
-from engine._grammar import (
+from rollout.engine import _grammar
+from rollout.engine._grammar import (
     MAX_DEFINITION_CHARS,
     MAX_OUTPUT_CHARS,
     MAX_STEPS,

@@ -23,10 +23,10 @@ from typing import Any
 
 import openai
 import trio
+from rollout import protocol as p
+from rollout.engine import ChatTemplateRenderer, O200kTokenizer, open_engine
+from rollout.engine._render import CHANNEL
 
-import protocol as p
-from engine import ChatTemplateRenderer, O200kTokenizer, open_engine
-from engine._render import CHANNEL
 from tests.engine_harness import same_items
 from tests.server_harness import WEATHER_TOOLS, open_test_server, open_ws, run_in_thread
 

@@ -19,10 +19,9 @@ from collections.abc import Sequence
 import attrs
 import pytest
 import trio
-
-import protocol as p
-from engine import HostedCall, MemoryResponseStore, MemoryUsageLedger, open_engine
-from engine._engine import MAX_HOSTED_ROUNDS
+from rollout import protocol as p
+from rollout.engine import HostedCall, MemoryResponseStore, MemoryUsageLedger, open_engine
+from rollout.engine._engine import MAX_HOSTED_ROUNDS
 
 DEADLINE = 10
 WEB_SEARCH = p.BuiltinTool(type="web_search", settings={"search_context_size": "low"})

@@ -31,11 +31,11 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rollout import protocol as p
+from rollout.engine._errors import BackendError
+from rollout.engine._schemas import MAX_ENUM_VALUES, MAX_SCHEMA_NODES, _walk, check_untrusted_schema
+from rollout.engine._sim import InstanceTooLarge, schema_instance
 
-import protocol as p
-from engine._errors import BackendError
-from engine._schemas import MAX_ENUM_VALUES, MAX_SCHEMA_NODES, _walk, check_untrusted_schema
-from engine._sim import InstanceTooLarge, schema_instance
 from tests.client_harness import open_rollout_process
 from tests.server_harness import open_ws
 
@@ -262,7 +262,7 @@ def test_enums_are_checked_as_canonical_strings() -> None:
 def test_the_simulated_model_never_raises_on_a_malformed_schema(schema: Any) -> None:
     """Defence in depth behind validation: the model writes a best-effort instance or fails
     the response (`BackendError`), never an exception that would reach the transport."""
-    from engine._sim import _written
+    from rollout.engine._sim import _written
 
     try:
         _written("x", lambda: json.dumps(schema_instance(schema, random.Random(0))))
@@ -273,7 +273,7 @@ def test_the_simulated_model_never_raises_on_a_malformed_schema(schema: Any) -> 
 def test_the_decoder_stops_at_the_first_bad_element(monkeypatch: pytest.MonkeyPatch) -> None:
     """However many bad elements follow, one error is built (the probe saw one per element:
     31 s and 3 GB for 1.7 million)."""
-    from protocol._validate import InvalidField
+    from rollout.protocol._validate import InvalidField
 
     made = 0
     original = InvalidField.wrong_type.__func__  # type: ignore[attr-defined]

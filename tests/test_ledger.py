@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-
-from engine._interfaces import UsageLedger, UsageRecord
-from engine._ledger import MemoryUsageLedger, SQLiteUsageLedger, open_sqlite_ledger
-from engine._store import RESPONSES_SCHEMA_VERSION, open_sqlite_store
+from rollout.engine._interfaces import UsageLedger, UsageRecord
+from rollout.engine._ledger import MemoryUsageLedger, SQLiteUsageLedger, open_sqlite_ledger
+from rollout.engine._store import RESPONSES_SCHEMA_VERSION, open_sqlite_store
 
 Ledger = MemoryUsageLedger | SQLiteUsageLedger
 

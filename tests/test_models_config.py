@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from rollout.engine._config import ConfigError, load_registry, registry_from_mapping
+from rollout.engine._upstream import UpstreamBackend
+from rollout.protocol import RemoteProtocolError
 
-from engine._config import ConfigError, load_registry, registry_from_mapping
-from engine._upstream import UpstreamBackend
-from protocol import RemoteProtocolError
 from tests.upstream_harness import SIM_MODEL, open_rollout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +163,7 @@ def test_serve_with_a_bad_models_file_exits_2(
     if text is not None:
         path.write_text(text)
     done = subprocess.run(
-        [sys.executable, "-m", "engine", "serve", "--models", str(path), "--port", "0",
+        [sys.executable, "-m", "rollout", "serve", "--models", str(path), "--port", "0",
          "--data-dir", str(tmp_path / "data")],
         capture_output=True,
         text=True,

@@ -1,9 +1,12 @@
 """Packaging and public surface: the wheel builds, installs and imports away from the checkout;
-the console script runs; `import protocol` stays sans-IO; the public names are deliberate."""
+the console script runs; the wheel installs one import root, `rollout`; `import
+rollout.protocol` stays sans-IO; the public names are deliberate."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -13,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import protocol
+from rollout import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 PACKAGES = PYPROJECT["tool"]["setuptools"]["packages"]
+DISTRIBUTION = PYPROJECT["project"]["name"]
 
 
 def run(args: list[str | Path], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -163,7 +166,7 @@ def test_protocol_public_names() -> None:
 
 def test_protocol_star_import() -> None:
     namespace: dict[str, object] = {}
-    exec("from protocol import *", namespace)
+    exec("from rollout.protocol import *", namespace)
     assert set(namespace) - {"__builtins__"} == EXPECTED_PROTOCOL_NAMES
 
 
@@ -172,26 +175,55 @@ def test_protocol_star_import() -> None:
     ["_builder", "_codec", "_errors", "_events", "_items", "_response", "_validate"],
 )
 def test_private_modules_declare_their_names(module: str) -> None:
-    mod = importlib.import_module(f"protocol.{module}")
+    mod = importlib.import_module(f"rollout.protocol.{module}")
     for name in mod.__all__:
-        assert hasattr(mod, name), f"protocol.{module}.{name}"
+        assert hasattr(mod, name), f"rollout.protocol.{module}.{name}"
+
+
+SANS_IO_FORBIDDEN = [
+    "trio",
+    "trio_websocket",
+    "hypercorn",
+    "httpx",
+    "socket",
+    "selectors",
+    "asyncio",
+    "rollout.engine",
+    "rollout.spec",
+    "rollout.bench",
+]
 
 
 def test_import_protocol_is_sans_io() -> None:
-    """`import protocol` pulls in no async framework, no sockets and not the engine."""
-    forbidden = ["trio", "trio_websocket", "hypercorn", "httpx", "socket", "asyncio", "engine"]
+    """`import rollout.protocol`, run from `/`, pulls in no async framework, no sockets and none
+    of the other packages."""
     code = (
-        "import sys, protocol\n"
-        f"bad = [m for m in {forbidden!r} if m in sys.modules]\n"
+        "import sys, rollout.protocol\n"
+        f"bad = [m for m in {SANS_IO_FORBIDDEN!r} if m in sys.modules]\n"
         "assert not bad, bad\n"
-        "assert 'trio' not in sys.modules\n"
     )
-    result = run([sys.executable, "-c", code], cwd=ROOT)
+    result = run([sys.executable, "-c", code], cwd="/")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_protocol_sources_import_no_io_and_no_clock() -> None:
+    """What `protocol/` imports, read from its source: no I/O, no clock (time, datetime),
+    no randomness of its own; ids and timestamps come from the caller."""
+    banned = {"time", "datetime", "random", "secrets", "uuid", "os", "socket", "trio", "asyncio"}
+    found = []
+    for path in sorted((ROOT / "protocol").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in banned]
+    assert not found, found
+
+
 def test_versions_agree() -> None:
-    import engine
+    from rollout import engine
 
     assert protocol.__version__ == VERSION
     assert engine.__version__ == VERSION
@@ -237,7 +269,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for args in attempts:
         result = run(args)
         logs.append(f"$ {' '.join(map(str, args))}\n{result.stdout}{result.stderr}")
-        found = sorted(out.glob(f"rollout-{VERSION}-*.whl"))
+        found = sorted(out.glob(f"rollout_engine-{VERSION}-*.whl"))
         if result.returncode == 0 and found:
             return found[0]
     pytest.fail("could not build a wheel:\n" + "\n".join(logs))
@@ -249,40 +281,44 @@ def test_wheel_contents(wheel: Path) -> None:
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         entry_points_text = zf.read(entry_points).decode()
     assert "[console_scripts]" in entry_points_text
-    assert "rollout = engine._cli:main" in entry_points_text
+    assert "rollout = rollout._cli:main" in entry_points_text
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert tops == set(PACKAGES)
-    for package in ("protocol", "engine"):
-        assert f"{package}/py.typed" in names
-        assert f"{package}/__init__.py" in names
-    assert not [n for n in names if n.startswith("tests/")]
+    assert tops == {"rollout"}, tops  # one import root, nothing else at the top
+    assert DISTRIBUTION == "rollout-engine"
+    for package in ("", "protocol/", "engine/", "spec/", "bench/"):
+        assert f"rollout/{package}py.typed" in names
+        assert f"rollout/{package}__init__.py" in names
+    assert "rollout/spec/checks.json" in names and "rollout/bench/results.schema.json" in names
+    assert not [n for n in names if "/tests/" in n or n.startswith("tests/")]
 
 
-def test_wheel_installs_and_imports_away_from_checkout(wheel: Path, tmp_path: Path) -> None:
-    target = tmp_path / "site"
-    result = run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", target, wheel])
+def test_wheel_installs_in_a_fresh_venv_and_runs_from_root(wheel: Path, tmp_path: Path) -> None:
+    """`pip install rollout-engine` from the built wheel into a new virtual environment (its
+    dependencies from the package index, or pip's cache): from `/`, `rollout --version` runs,
+    `rollout.engine` imports from the venv, and none of the old top-level names exist."""
+    venv = tmp_path / "venv"
+    result = run([sys.executable, "-m", "venv", venv])
     assert result.returncode == 0, result.stdout + result.stderr
-    venv_site = next(Path(p) for p in sys.path if p.endswith("site-packages"))
-    # -I: no PYTHONPATH, no user site, no script dir; -S: no site-packages processing, so the
-    # editable install's finder (a .pth hook) is never installed. Dependencies come from the
-    # venv's site-packages, searched after the wheel's target dir.
-    code = f"""
-import sys
-sys.path.insert(0, {str(target)!r})
-sys.path.append({str(venv_site)!r})
-import protocol, engine
-assert not any("editable" in repr(f) for f in sys.meta_path), sys.meta_path
-print(protocol.__file__)
-print(engine.__file__)
-print(protocol.__version__)
+    python = venv / "bin" / "python"
+    result = run([python, "-m", "pip", "install", "--quiet", wheel], cwd="/")
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = run([venv / "bin" / "rollout", "--version"], cwd="/")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == f"rollout {VERSION}"
+    code = """
+import importlib.util, json, rollout, rollout.engine, rollout.protocol, rollout.spec, rollout.bench
+old = [n for n in ("engine", "protocol", "spec", "bench") if importlib.util.find_spec(n)]
+print(json.dumps([rollout.engine.__file__, rollout.__version__, old]))
 """
-    result = run([sys.executable, "-I", "-S", "-c", code], cwd="/")
+    result = run([python, "-I", "-c", code], cwd="/")
     assert result.returncode == 0, result.stdout + result.stderr
-    protocol_file, engine_file, version = result.stdout.split()
-    assert Path(protocol_file).is_relative_to(target)
-    assert Path(engine_file).is_relative_to(target)
-    assert not Path(protocol_file).is_relative_to(ROOT)
-    assert version == VERSION
+    engine_file, version, old = json.loads(result.stdout)
+    assert Path(engine_file).is_relative_to(venv) and version == VERSION
+    assert old == []
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    record = next(site.glob("rollout_engine-*.dist-info")) / "RECORD"
+    tops = {line.split("/")[0].split(",")[0] for line in record.read_text().splitlines()}
+    assert {t for t in tops if not t.endswith(".dist-info") and t != ".."} == {"rollout"}
 
 
 def test_console_script_prints_version() -> None:

@@ -12,8 +12,8 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rollout import protocol as p
 
-import protocol as p
 from tests.strategies import (
     SCRIPT_COMPLETED_AT,
     SCRIPT_USAGE,

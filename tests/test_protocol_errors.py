@@ -8,8 +8,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from rollout import protocol as p
 
-import protocol as p
 from tests.strategies import check_error_event
 
 CREATE = {"type": "response.create", "model": "m"}

@@ -13,8 +13,8 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rollout import protocol as p
 
-import protocol as p
 from tests.strategies import (
     check_error_event,
     client_events,

@@ -11,12 +11,12 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rollout import protocol as p
+from rollout.protocol._items import CONTENT_PART_TYPES, ITEM_TYPES
+from rollout.protocol._response import OMIT_IF_NONE
+from rollout.protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
+from rollout.protocol._tools import TOOL_TYPES
 
-import protocol as p
-from protocol._items import CONTENT_PART_TYPES, ITEM_TYPES
-from protocol._response import OMIT_IF_NONE
-from protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
-from protocol._tools import TOOL_TYPES
 from tests.strategies import (
     CLIENT_EVENT_STRATEGIES,
     CONTENT_PART_STRATEGIES,

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from openai.types.responses import Response as SdkResponse
 from openai.types.responses import ResponseStreamEvent
 from openai.types.responses.responses_server_event import ResponsesServerEvent
+from rollout import protocol as p
 
-import protocol as p
 from tests.strategies import (
     SERVER_EVENT_STRATEGIES,
     Call,

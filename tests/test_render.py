@@ -12,8 +12,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from engine._render import (
+from rollout.engine._render import (
     CALL,
     CHANNEL,
     CONSTRAIN,
@@ -27,8 +26,8 @@ from engine._render import (
     ChatTemplateRenderer,
     canonical_tools_json,
 )
-from engine._tokenizer import MAX_CHUNK_CHARS, O200kTokenizer, split_text
-from protocol import (
+from rollout.engine._tokenizer import MAX_CHUNK_CHARS, O200kTokenizer, split_text
+from rollout.protocol import (
     FunctionCall,
     FunctionCallOutput,
     FunctionTool,

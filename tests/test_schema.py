@@ -79,8 +79,7 @@ from openai.types.responses.response_output_item import (
 )
 from openai.types.responses.responses_server_event import ResponsesServerEvent, ResponseWsError
 from openai.types.shared import Reasoning, ResponseFormatText
-
-from spec._schema import (
+from rollout.spec._schema import (
     compaction_problems,
     event_problems,
     load_schema,

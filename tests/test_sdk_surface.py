@@ -20,20 +20,24 @@ from __future__ import annotations
 
 import copy
 import json
+import typing
 from typing import Any
 
 import httpx
 import pytest
 import trio
+from rollout import protocol as p
+from rollout.protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
 
-import protocol as p
 from tests.sdk_surface import (
     CREATE_FIELDS,
     INPUT_ITEM_TYPES,
     TOOL_CHOICE_TYPES,
     TOOL_TYPES,
     WS_CREATE_FIELDS,
+    fields,
     instance,
+    members,
     type_tags,
 )
 from tests.server_harness import open_test_server, open_ws
@@ -113,6 +117,48 @@ def test_keys_of_carried_kinds_the_sdk_does_not_list_are_kept() -> None:
     assert request.tools is not None and p.to_wire(request.tools[0]) == tool
     assert isinstance(request.input, list)
     assert p.to_wire(request.input[0]) == {**item, "new_field": True}
+
+
+def _sdk_literals(tp: Any) -> set[str] | None:
+    """The strings a field's type allows when it is a Literal (or an optional one)."""
+    values: set[str] = set()
+    for member in members(tp):
+        if member is type(None):
+            continue
+        if typing.get_origin(member) is not typing.Literal:
+            return None
+        values |= {str(v) for v in typing.get_args(member)}
+    return values or None
+
+
+def _shape_literals(spec: str) -> set[str] | None:
+    for kind in spec.split("|"):
+        head, _, values = kind.partition("=")
+        if head == "string" and values:
+            return set(values.split(","))
+    return None
+
+
+def test_carried_kinds_take_the_sdks_literal_values() -> None:
+    """A carried kind's string field that the SDK types as a Literal accepts exactly its
+    values (anything else is `invalid_value`, as the live API answers, instead of being
+    echoed into a response the SDK cannot parse); a plain string field takes any string."""
+    checked = 0
+    for td, shapes in [(td, BUILTIN_TOOL_SHAPES) for td in TOOL_TYPES] + [
+        (td, OPAQUE_ITEM_SHAPES) for td in INPUT_ITEM_TYPES
+    ]:
+        for tag in type_tags(td):
+            shape = {k.rstrip("?"): v for k, v in shapes.get(tag, {}).items()}
+            for name, (_, tp) in fields(td).items():
+                if name == "type" or name not in shape:
+                    continue
+                assert _shape_literals(shape[name]) == _sdk_literals(tp), (tag, name)
+                checked += 1
+    assert checked > 80, checked
+    tool = {"type": "tool_search", "execution": ""}
+    with pytest.raises(p.RemoteProtocolError) as refused:
+        _decode({"model": "m", "tools": [tool]})
+    assert (refused.value.code, refused.value.param) == ("invalid_value", "tools[0].execution")
 
 
 def test_the_lists_are_the_sdks() -> None:

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import trio
 import trio_websocket
+from rollout.engine._defaults import SIM_ALIASES
 
-from engine._defaults import SIM_ALIASES
 from tests.server_harness import counters, open_test_server, open_ws, parse_metrics
 
 DEADLINE = 15

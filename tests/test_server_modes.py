@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 import trio
+from rollout import protocol as p
 
-import protocol as p
 from tests.server_harness import (
     WEATHER_TOOLS,
     WsClient,

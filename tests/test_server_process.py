@@ -1,6 +1,6 @@
 """`rollout serve` as a real process: start, serve, SIGTERM, a clean exit, a complete ledger.
 
-The server runs as `python -m engine serve` on a free port with its own data folder. The test
+The server runs as `python -m rollout serve` on a free port with its own data folder. The test
 waits for its "serving on" log line (no polling sleeps), checks `/healthz`, runs a rollout-mode
 response with a tool step and a few `previous_response_id` chain responses over WebSocket plus
 one HTTP response, then sends SIGTERM with one idle WebSocket connection open: the connection
@@ -21,8 +21,8 @@ import httpx
 import pytest
 import trio
 import trio_websocket
+from rollout import protocol as p
 
-import protocol as p
 from tests.server_harness import WEATHER_TOOLS, open_ws
 
 GRACEFUL = 5.0
@@ -57,7 +57,7 @@ async def test_serve_process_sigterm_and_ledger(tmp_path: Path) -> None:
     command = [
         sys.executable,
         "-m",
-        "engine",
+        "rollout",
         "serve",
         "--port",
         str(port),
@@ -153,7 +153,7 @@ async def exercise(url: str, http: httpx.AsyncClient) -> dict[str, int]:
 
 def rollout_command() -> list[str]:
     script = Path(sys.executable).parent / "rollout"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "engine"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rollout"]
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,7 @@ def rollout_command() -> list[str]:
 )
 async def test_cli_help(args: list[str], expected: list[str]) -> None:
     with trio.fail_after(DEADLINE):
-        for base in {tuple(rollout_command()), (sys.executable, "-m", "engine")}:
+        for base in {tuple(rollout_command()), (sys.executable, "-m", "rollout")}:
             done = await trio.run_process([*base, *args], capture_stdout=True, capture_stderr=True)
             assert done.returncode == 0
             text = done.stdout.decode()

@@ -19,8 +19,8 @@ import attrs
 import pytest
 import trio
 import trio_websocket
+from rollout import protocol as p
 
-import protocol as p
 from tests.server_harness import (
     WEATHER_TOOLS,
     WsClient,

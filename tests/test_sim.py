@@ -21,10 +21,10 @@ import jsonschema
 import pytest
 import trio
 import trio.testing
+from rollout import protocol as p
+from rollout.engine import Engine, O200kTokenizer, open_engine
+from rollout.engine._sim import schema_instance
 
-import protocol as p
-from engine import Engine, O200kTokenizer, open_engine
-from engine._sim import schema_instance
 from tests.engine_harness import strip_ids
 
 DEADLINE = 10

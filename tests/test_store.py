@@ -9,16 +9,15 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-
-from engine._interfaces import ResponseStore, StoredResponse
-from engine._store import (
+from rollout.engine._interfaces import ResponseStore, StoredResponse
+from rollout.engine._store import (
     MAX_CHAIN_DEPTH,
     RESPONSES_SCHEMA_VERSION,
     MemoryResponseStore,
     SQLiteResponseStore,
     open_sqlite_store,
 )
-from protocol import (
+from rollout.protocol import (
     FunctionCall,
     FunctionCallOutput,
     FunctionTool,
@@ -298,8 +297,7 @@ async def test_sqlite_refuses_newer_schema(tmp_path: Path) -> None:
 async def test_sqlite_decodes_leniently(tmp_path: Path) -> None:
     """A body written by a newer rollout, with fields this one does not know, still reads."""
     import msgpack
-
-    from protocol import to_wire
+    from rollout.protocol import to_wire
 
     with trio.fail_after(DEADLINE):
         path = tmp_path / "rollout.db"

@@ -22,9 +22,9 @@ import httpx
 import openai
 import trio
 from hypothesis import HealthCheck, given, settings
+from rollout import protocol as p
+from rollout.engine import MemoryResponseStore, open_engine
 
-import protocol as p
-from engine import MemoryResponseStore, open_engine
 from tests.engine_harness import MAX_TURNS, Script, pending_calls, scripts
 from tests.server_harness import (
     WEATHER_TOOLS,

@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from rollout import protocol as p
+from rollout.engine import ModelSpec, default_classifiers, default_registry
+from rollout.engine._interfaces import SampleEvent, SampleRequest, TextDelta, TextStart
+from rollout.engine._serve import ServerConfig, open_server
 
-import protocol as p
-from engine import ModelSpec, default_classifiers, default_registry
-from engine._interfaces import SampleEvent, SampleRequest, TextDelta, TextStart
-from engine._serve import ServerConfig, open_server
 from tests.server_harness import TEST_GRACEFUL_TIMEOUT, open_ws
 
 DEADLINE = 15

@@ -379,7 +379,7 @@ async def test_bench_runs_against_the_gateway(tmp_path: Path) -> None:
     ws-rollout mode is left out: with `--model` the bench forces calls with tool_choice per
     turn, which one long-lived rollout response cannot do (the bench says so itself)."""
     help_text = await trio.run_process(
-        [sys.executable, "-m", "engine", "bench", "--help"], capture_stdout=True, cwd=ROOT
+        [sys.executable, "-m", "rollout", "bench", "--help"], capture_stdout=True, cwd=ROOT
     )
     if b"--url" not in help_text.stdout or b"--model" not in help_text.stdout:
         pytest.skip("rollout bench has no --url/--model yet")
@@ -390,7 +390,7 @@ async def test_bench_runs_against_the_gateway(tmp_path: Path) -> None:
             async with open_rollout(registry=registry) as b:
                 done = await trio.run_process(
                     [
-                        sys.executable, "-m", "engine", "bench",
+                        sys.executable, "-m", "rollout", "bench",
                         "--url", f"gateway={b}", "--model", "up",
                         "--modes", ",".join(BENCH_MODES),
                         "--scenario", "alpha-demo", "--steps", "2", "--repetitions", "1",

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import trio
 import trio_websocket
+from rollout.engine._ledger import open_sqlite_ledger
 
-from engine._ledger import open_sqlite_ledger
 from tests.upstream_harness import (
     Exchange,
     backend_of,

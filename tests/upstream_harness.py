@@ -22,12 +22,12 @@ import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
+from rollout import protocol as p
+from rollout.engine._defaults import default_registry
+from rollout.engine._models import ModelRegistry, ModelSpec
+from rollout.engine._serve import ServerConfig, open_server
+from rollout.engine._upstream import UpstreamBackend, UpstreamConfig
 
-import protocol as p
-from engine._defaults import default_registry
-from engine._models import ModelRegistry, ModelSpec
-from engine._serve import ServerConfig, open_server
-from engine._upstream import UpstreamBackend, UpstreamConfig
 from tests.server_harness import WEATHER_TOOLS
 
 __all__ = [

@@ -13,11 +13,11 @@ __all__ = ["main"]
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from protocol import DEFAULT_MAX_MESSAGE_SIZE
+    from rollout.protocol import DEFAULT_MAX_MESSAGE_SIZE
 
-    from ._app import DEFAULT_MAX_CONNECTIONS
-    from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT
-    from ._ws import (
+    from .engine._app import DEFAULT_MAX_CONNECTIONS
+    from .engine._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT
+    from .engine._ws import (
         DEFAULT_CONNECTION_AGE_LIMIT,
         DEFAULT_MAX_BUFFERED_BYTES,
         DEFAULT_MAX_QUEUED_CREATES,
@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rollout {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(sub)
-    from bench._cli import add_parser as add_bench
-    from spec._cli import add_parser as add_conform
+    from .bench._cli import add_parser as add_bench
+    from .spec._cli import add_parser as add_conform
 
     add_conform(sub)
     add_bench(sub)
@@ -132,12 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     import trio
 
-    from ._serve import ServerConfig, api_keys_from_env, configure_logging, serve
+    from .engine._serve import ServerConfig, api_keys_from_env, configure_logging, serve
 
     configure_logging(args.log_level)
     registry = None
     if args.models is not None:
-        from ._config import ConfigError, load_registry
+        from .engine._config import ConfigError, load_registry
 
         try:
             registry = load_registry(args.models)
@@ -170,8 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from bench._cli import run as run_bench
-    from spec._cli import run as run_conform
+    from .bench._cli import run as run_bench
+    from .spec._cli import run as run_conform
 
     handlers = {"serve": _serve, "conform": run_conform, "bench": run_bench}
     return handlers[args.command](args)
