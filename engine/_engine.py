@@ -811,7 +811,7 @@ class Session:
                 # Interrupted (disconnect, cancellation): the work done still counts.
                 if progress.started:
                     records.append(self._record(response, len(records), progress, complete=False))
-                engine.post.submit_sync_records(records)
+                engine.post.submit_nowait(PostJob(records=records))  # never blocks the loop
 
     async def _resolve_inputs(
         self, items: list[Item], parent: ResponseState | None

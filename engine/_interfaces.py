@@ -290,7 +290,8 @@ class UsageLedger(Protocol):
     async def record(self, records: Sequence[UsageRecord]) -> None: ...
 
     def record_sync(self, records: Sequence[UsageRecord]) -> None:
-        """Blocking variant for the last word of a cancelled rollout (called shielded)."""
+        """Blocking variant, called only when the engine itself is torn down (its writer
+        cancelled) for the usage still queued; never while connections are served."""
         ...
 
     async def aclose(self) -> None: ...

@@ -10,10 +10,16 @@ in the WAL file, which the operating system keeps when the process dies; a power
 lose the last transactions, `synchronous=FULL` closes that too at an fsync per commit).
 Concurrent responses share a commit, so the cost per response falls as load rises. It is never
 lost:
+- a response cut off by a disconnect or a cancellation cannot wait: its usage goes in with
+  `submit_nowait`, which never blocks and never awaits (past the channel's bound, into an
+  overflow list the writer drains first, bounded by the responses in flight); nothing on that
+  path touches the ledger from the event loop;
 - `aclose()` (graceful shutdown) drains the queue;
-- if the engine's task is cancelled outright, the worker writes the usage records still queued
-  with the ledger's blocking `record_sync` before it dies (store writes still queued are lost
-  in that case only; they are a cache of the conversation, usage is money);
+- if the engine's task is cancelled outright (its nursery torn down: no connection is served
+  any more), the worker writes the usage records still queued with the ledger's blocking
+  `record_sync` before it dies, and usage submitted after that is written the same way by
+  its submitter (store writes still queued are lost in that case only; they are a cache of
+  the conversation, usage is money);
 - reads see writes still queued (read-your-writes inside a process): `pending_get` answers for
   a response whose store write has not landed yet, so a store=true follow-up never misses.
 """
@@ -79,6 +85,9 @@ class PostInference:
         self.ledger = ledger
         self.counters = counters
         self._send, self._recv = trio.open_memory_channel[PostJob](limit)
+        # Jobs from `submit_nowait` that found the channel full or closed; drained first.
+        self._overflow: list[PostJob] = []
+        self._torn_down = False  # the writer is gone: late usage is written by its submitter
         self._pending: dict[str, StoredResponse] = {}
         self._idle = trio.Event()
         self._idle.set()
@@ -131,11 +140,24 @@ class PostInference:
         if self._outstanding == 0:
             self._idle.set()
 
-    def submit_sync_records(self, records: Sequence[UsageRecord]) -> None:
-        """Record usage now, blocking (for cancellation paths that can't await)."""
-        if records and self.ledger is not None:
-            self.ledger.record_sync(records)
-            self.counters.ledger_records += len(records)
+    def submit_nowait(self, job: PostJob) -> None:
+        """Queue a job without waiting (the usage of a response cut off by a disconnect or a
+        cancellation, whose task cannot await). Never blocks: past the channel's bound the job
+        waits in the overflow list, which holds at most one job per response in flight."""
+        if job.stored is not None:
+            raise ValueError("submit_nowait takes usage only")
+        if not job.records:
+            return
+        if self._torn_down:  # the engine's nursery is being torn down: nothing else runs
+            self._write_now(job.records)
+            return
+        self._outstanding += 1
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        try:
+            self._send.send_nowait(job)
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            self._overflow.append(job)  # the channel is full (the writer will wake) or closed
 
     async def flushed(self) -> None:
         """Wait until every job submitted so far has been written."""
@@ -145,7 +167,7 @@ class PostInference:
         task_status.started()
         try:
             async for job in self._recv:
-                batch = [job]
+                batch, self._overflow = [*self._overflow, job], []
                 while len(batch) < MAX_GROUP_COMMIT:
                     try:
                         batch.append(self._recv.receive_nowait())
@@ -164,8 +186,12 @@ class PostInference:
                             done.receipt.error = error
                             done.receipt.written.set()
         finally:
-            # Cancelled (or closed): whatever usage is still queued is written synchronously.
-            leftover: list[UsageRecord] = []
+            # Cancelled (or closed): whatever usage is still queued is written now.
+            self._torn_down = True
+            leftover = [record for job in self._overflow for record in job.records]
+            for _ in self._overflow:
+                self._done_one()
+            self._overflow = []
             while True:
                 try:
                     job = self._recv.receive_nowait()
@@ -173,15 +199,21 @@ class PostInference:
                     break
                 leftover.extend(job.records)
                 self._done_one()
-            self.submit_sync_records(leftover)
+            self._write_now(leftover)
+
+    def _write_now(self, records: Sequence[UsageRecord]) -> None:
+        """Blocking write, only once the writer is cancelled with its engine (teardown)."""
+        if records and self.ledger is not None:
+            self.ledger.record_sync(records)
+            self.counters.ledger_records += len(records)
 
     async def _process(self, batch: Sequence[PostJob]) -> None:
         records = [record for job in batch for record in job.records]
         if records and self.ledger is not None:
             try:
                 await self.ledger.record(records)  # one transaction for the whole group
-            except trio.Cancelled:
-                self.submit_sync_records(records)
+            except trio.Cancelled:  # the engine is torn down mid-write (idempotent rows)
+                self._write_now(records)
                 raise
             self.counters.ledger_records += len(records)
         wrote = False

@@ -15,7 +15,7 @@ flushes everything.
 SQLite runs in worker threads. Under the autojump clock a test blocked on a thread looks idle,
 and the clock would jump to the test's own deadline; so the ledger is opened and closed with a
 real-time grace (`threads_may_run`), and the paced runs touch SQLite only through the ledger's
-blocking `record_sync` (the cancellation path), never through a thread.
+blocking `record_sync` (the engine's teardown path), never through a thread.
 """
 
 from __future__ import annotations
