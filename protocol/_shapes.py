@@ -32,7 +32,8 @@ __all__ = [
 # A shape maps each key (a trailing "?" marks it optional) to the JSON kinds its value may
 # have, "|"-separated: string, integer, number, boolean, object, array, null, or any. A string
 # the SDK types as a `Literal` lists its values: "string=low,medium,high" (any other string is
-# an `invalid_value`, as the live API answers; a test keeps these sets equal to the SDK's).
+# an `invalid_value`, as the live API answers; a test keeps these sets equal to the SDK's), and
+# "array=a,b" is an array of such strings.
 Shape = Mapping[str, str]
 
 _STATUS = "string=completed,in_progress,incomplete"
@@ -42,7 +43,7 @@ _IMAGE_ACTION = "string=auto,edit,generate"
 _IMAGE_BACKGROUND = "string=auto,opaque,transparent"
 _IMAGE_FORMAT = "string=gif,jpeg,png,svg,webp"
 _IMAGE_QUALITY = "string=auto,high,low,max,medium,xhigh"
-_CALLERS = "array|null"  # allowed_callers: ["direct" | "programmatic"]
+_CALLERS = "array=direct,programmatic|null"
 _CALLER = "object|null"  # caller: {"type": "direct"} | {"type": "program", "caller_id"}
 
 OPAQUE_ITEM_SHAPES: dict[str, Shape] = {
@@ -139,7 +140,7 @@ _WEB_SEARCH: Shape = {
     "user_location?": "object|null",
 }
 _WEB_SEARCH_PREVIEW: Shape = {
-    "search_content_types?": "array",
+    "search_content_types?": "array=text,image",
     "search_context_size?": _CONTEXT_SIZE,
     "user_location?": "object|null",
 }
@@ -236,20 +237,28 @@ def check_shape(shape: Shape, data: Mapping[str, Any]) -> None:
         allowed = spec[0].split("|")
         bare = [k.partition("=")[0] for k in allowed]
         if "any" in bare or any(k in bare for k in _kinds(value)):
-            if isinstance(value, str):
+            if isinstance(value, str | list):
                 _check_literal(allowed, value, name)
             continue
         wanted = " or ".join(_ARTICLE.get(k, k) for k in bare)
         raise InvalidField.wrong_type(wanted, value, name)
 
 
-def _check_literal(allowed: list[str], value: str, name: str) -> None:
+def _check_literal(allowed: list[str], value: str | list[Any], name: str) -> None:
+    """A string in its Literal's values; an array of such strings."""
     for kind in allowed:
         head, literal, values = kind.partition("=")
-        if head == "string" and literal:
-            supported = values.split(",")
-            if value not in supported:
-                raise InvalidField.bad_value(value, supported, name)
+        if not literal:
+            continue
+        supported = values.split(",")
+        if head == "string" and isinstance(value, str) and value not in supported:
+            raise InvalidField.bad_value(value, supported, name)
+        if head == "array" and isinstance(value, list):
+            for i, element in enumerate(value):
+                if not isinstance(element, str):
+                    raise InvalidField.wrong_type("a string", element, f"{name}[{i}]")
+                if element not in supported:
+                    raise InvalidField.bad_value(element, supported, f"{name}[{i}]")
 
 
 _ARTICLE = {

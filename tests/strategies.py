@@ -301,7 +301,10 @@ _KIND_STRATEGIES: dict[str, Strategy[Any]] = {
 
 def _kind_strategy(kind: str) -> Strategy[Any]:
     head, _, literals = kind.partition("=")
-    return st.sampled_from(literals.split(",")) if literals else _KIND_STRATEGIES[head]
+    if not literals:
+        return _KIND_STRATEGIES[head]
+    values = st.sampled_from(literals.split(","))
+    return st.lists(values, max_size=2) if head == "array" else values
 
 
 def shaped(shape: Any) -> Strategy[dict[str, Any]]:

@@ -38,6 +38,7 @@ from tests.strategies import client_events, json_values, mutations
 
 EXAMPLES = int(os.environ.get("ROLLOUT_FUZZ_EXAMPLES", "25"))
 DEADLINE = 60
+TERMINAL_TYPES = {"response.completed", "response.incomplete", "response.failed", "error"}
 MODELS = ["sim:tokens=3", "sim:steps=2,tokens=3", "sim", "nope", "sim:tps=1e308"]
 
 
@@ -124,6 +125,11 @@ async def test_fuzzed_frames_and_bodies_never_break_the_server(
                         headers={"content-type": "application/json"},
                     )
                     assert resp.status_code < 500, (resp.status_code, resp.text, body[:500])
+                    if resp.headers["content-type"].startswith("text/event-stream"):
+                        # a fuzzed `stream: true`: the stream ends with a terminal event
+                        last = [ln for ln in resp.text.splitlines() if ln.startswith("event:")]
+                        assert last and last[-1].split(":", 1)[1].strip() in TERMINAL_TYPES, body
+                        continue
                     assert resp.headers["content-type"].startswith("application/json")
                     resp.json()  # never an empty or non-JSON body
 

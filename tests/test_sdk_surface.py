@@ -18,6 +18,7 @@ from a hand-written list, so a new SDK field shows up here as a failing test.
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import json
 import typing
@@ -119,23 +120,28 @@ def test_keys_of_carried_kinds_the_sdk_does_not_list_are_kept() -> None:
     assert p.to_wire(request.input[0]) == {**item, "new_field": True}
 
 
-def _sdk_literals(tp: Any) -> set[str] | None:
-    """The strings a field's type allows when it is a Literal (or an optional one)."""
+def _sdk_literals(tp: Any) -> tuple[str, set[str]] | None:
+    """("string", values) when a field is a Literal (or an optional one); ("array", values)
+    when it is a list of a Literal."""
     values: set[str] = set()
+    kind = "string"
     for member in members(tp):
         if member is type(None):
             continue
+        args = typing.get_args(member)
+        if typing.get_origin(member) in (list, collections.abc.Iterable) and args:
+            kind, member, args = "array", args[0], typing.get_args(args[0])
         if typing.get_origin(member) is not typing.Literal:
             return None
-        values |= {str(v) for v in typing.get_args(member)}
-    return values or None
+        values |= {str(v) for v in args}
+    return (kind, values) if values else None
 
 
-def _shape_literals(spec: str) -> set[str] | None:
+def _shape_literals(spec: str) -> tuple[str, set[str]] | None:
     for kind in spec.split("|"):
         head, _, values = kind.partition("=")
-        if head == "string" and values:
-            return set(values.split(","))
+        if values:
+            return head, set(values.split(","))
     return None
 
 
