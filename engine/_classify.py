@@ -54,7 +54,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ._interfaces import Classifier, ClassifierVerdict, Flag
+from ._interfaces import Classifier, ClassifierVerdict, Flag, SnapshotClassifier
 
 __all__ = [
     "SECRET_CATEGORIES",
@@ -258,7 +258,9 @@ class SecretDetector:
             if n
         )
         return ClassifierVerdict(
-            state=_advance(state, len(_SECRET_RULES), found, n_tokens), flags=flags
+            state=_advance(state, len(_SECRET_RULES), found, n_tokens),
+            flags=flags,
+            scanned=len(text),
         )
 
 
@@ -342,7 +344,8 @@ class PatternPolicy:
                         f"(limit {rule.limit})"
                     )
                 flags.append(Flag(classifier=self.name, category=rule.name, message=message))
-        return ClassifierVerdict(state=new_state, flags=tuple(flags))
+        scanned = len(text) if self._patterns else 0  # no rules: nothing is examined
+        return ClassifierVerdict(state=new_state, flags=tuple(flags), scanned=scanned)
 
 
 # --- composition -----------------------------------------------------------------------------
@@ -361,17 +364,18 @@ class ClassifierSet:
         """The state as plain data; raises NotImplementedError if a member can't do it."""
         out = []
         for classifier, sub in zip(self.classifiers, state, strict=True):
-            encode = getattr(classifier, "encode_state", None)
-            if encode is None:
+            if not isinstance(classifier, SnapshotClassifier):
                 raise NotImplementedError(f"{classifier.name} can't encode its state")
-            out.append(encode(sub))
+            out.append(classifier.encode_state(sub))
         return out
 
     def decode_state(self, data: Any) -> tuple[Any, ...]:
-        return tuple(
-            classifier.decode_state(sub)  # type: ignore[attr-defined]
-            for classifier, sub in zip(self.classifiers, data, strict=True)
-        )
+        decoded = []
+        for classifier, sub in zip(self.classifiers, data, strict=True):
+            if not isinstance(classifier, SnapshotClassifier):
+                raise NotImplementedError(f"{classifier.name} can't decode its state")
+            decoded.append(classifier.decode_state(sub))
+        return tuple(decoded)
 
     def initial(self) -> tuple[Any, ...]:
         return tuple(c.initial() for c in self.classifiers)
@@ -383,11 +387,13 @@ class ClassifierSet:
             )
         states: list[Any] = []
         flags: list[Flag] = []
+        scanned = 0
         for classifier, sub in zip(self.classifiers, state, strict=True):
             verdict = classifier.feed(sub, text, n_tokens)
             states.append(verdict.state)
             flags += verdict.flags
-        return ClassifierVerdict(state=tuple(states), flags=tuple(flags))
+            scanned += verdict.scanned
+        return ClassifierVerdict(state=tuple(states), flags=tuple(flags), scanned=scanned)
 
 
 def default_classifiers() -> ClassifierSet:

@@ -59,6 +59,7 @@ from rollout.protocol import (
 )
 
 from ._ids import new_id
+from ._interfaces import SnapshotClassifier
 from ._pipeline import Pipeline
 from ._state import Lineage, ResponseState
 
@@ -278,10 +279,6 @@ def tokens_from(data: bytes, typecode: str = "I") -> array[int]:
 # --- building and restoring compacted states ---------------------------------------------------
 
 
-def _template_id(renderer: Any) -> str:
-    return str(getattr(renderer, "template_id", type(renderer).__name__))
-
-
 def compact_state(
     pipeline: Pipeline,
     source: ResponseState,
@@ -311,7 +308,7 @@ def compact_state(
         tokens = lineage.item_tokens(index) if index is not None else rendered[id(item)]
         new.append(item, tokens)
         verdict = pipeline.classifier.feed(state, pipeline.renderer.item_text(item), len(tokens))
-        pipeline.counters.tokens_classified += len(tokens)
+        pipeline.counters.chars_classified += verdict.scanned
         state = verdict.state
         call = call_of(item)
         answer = output_of(item) if call is None else None
@@ -319,12 +316,14 @@ def compact_state(
             open_calls[call[0]] = call[2]
         elif answer is not None and answer[0] is not None:
             open_calls.pop(answer[0], None)
-    encode = getattr(pipeline.classifier, "encode_state", None)
+    classifier = pipeline.classifier
     payload = {
-        "template": _template_id(pipeline.renderer),
+        "template": pipeline.renderer.template_id,
         "items": encode_items(window),
         "open": [[cid, name] for cid, name in open_calls.items()],
-        "classifier": encode(state) if encode is not None else None,
+        "classifier": classifier.encode_state(state)
+        if isinstance(classifier, SnapshotClassifier)
+        else None,
         **new.snapshot(len(window)),
     }
     item = Compaction(
@@ -348,7 +347,7 @@ def restore_state(
     """`base` (an empty state) holding the conversation a snapshot describes, without
     rendering it (and without classifying it, when the classifier state was sealed too)."""
     try:
-        if payload.get("template") != _template_id(pipeline.renderer):
+        if payload.get("template") != pipeline.renderer.template_id:
             raise ValueError("it was made with another chat template")
         items = decode_items(payload["items"])
         lineage = Lineage.restore(
@@ -358,15 +357,16 @@ def restore_state(
             list(payload["digests"]),
             tokens_from(payload["csu"], "I"),
         )
-        decode = getattr(pipeline.classifier, "decode_state", None)
-        if payload.get("classifier") is not None and decode is not None:
-            state = decode(payload["classifier"])
+        classifier = pipeline.classifier
+        if payload.get("classifier") is not None and isinstance(classifier, SnapshotClassifier):
+            state = classifier.decode_state(payload["classifier"])
         else:
-            state = pipeline.classifier.initial()
+            state = classifier.initial()
             for i, item in enumerate(items):
                 n = lineage.token_count(i + 1) - lineage.token_count(i)
-                state = pipeline.classifier.feed(state, pipeline.renderer.item_text(item), n).state
-                pipeline.counters.tokens_classified += n
+                verdict = classifier.feed(state, pipeline.renderer.item_text(item), n)
+                state = verdict.state
+                pipeline.counters.chars_classified += verdict.scanned
         open_calls = tuple((str(c), str(n)) for c, n in payload["open"])
     except (KeyError, TypeError, ValueError, RemoteProtocolError) as exc:
         raise RemoteProtocolError.invalid(

@@ -1,7 +1,8 @@
 """Work counters and stage timings.
 
-Counters are deterministic (items validated, tokens rendered, tokens classified, ...): tests
-assert them and the benchmark reports them. Timings are wall-clock (`time.perf_counter`) and are
+Counters are deterministic and count work done (items validated, tokens rendered, characters
+the classifiers report examining, bytes decoded and encoded, ...): tests assert them and the
+benchmark reports them. Timings are wall-clock (`time.perf_counter`) and are
 only reported, never asserted.
 """
 
@@ -30,7 +31,7 @@ class Counters:
 
     items_validated: int = 0
     tokens_rendered: int = 0
-    tokens_classified: int = 0
+    chars_classified: int = 0  # characters the classifiers examined (as they report)
     route_resolutions: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
@@ -42,6 +43,7 @@ class Counters:
     samplings: int = 0
     tokens_sampled: int = 0
     hosted_calls: int = 0  # hosted tools' calls run by their executors
+    bytes_decoded: int = 0  # client messages (WebSocket frames, HTTP bodies) decoded
     offloaded_decodes: int = 0  # client messages large enough to decode in a worker thread
     slow_consumers: int = 0  # WebSocket clients torn down for not reading (responses cancelled)
     responses_completed: int = 0

@@ -23,7 +23,7 @@ import time
 import typing
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -71,8 +71,10 @@ from ._interfaces import (
     Finish,
     HostedCall,
     HostedTool,
+    ItemLookupStore,
     Renderer,
     ResponseStore,
+    SampleEvent,
     SampleRequest,
     StoredResponse,
     TextDelta,
@@ -168,7 +170,14 @@ def previous_response_not_found(response_id: str) -> RemoteProtocolError:
     )
 
 
-_NO_ROUTE = Route(model="", name="", params={}, context_window=0, backend=None)
+class _NoBackend:
+    """The backend of the empty state's route: nothing samples before a model is routed."""
+
+    def sample(self, request: SampleRequest) -> AsyncGenerator[SampleEvent, None]:
+        raise AssertionError("sampling before the route stage")
+
+
+_NO_ROUTE = Route(model="", name="", params={}, context_window=0, backend=_NoBackend())
 _EMPTY_PREFIX = Prefix(
     instructions=None,
     tools=(),
@@ -307,11 +316,14 @@ class Engine:
     async def decode(self, decode: Callable[[_Raw], _Decoded], data: _Raw) -> _Decoded:
         """Decode a client message: inline when small, else in a worker thread (at most
         `MAX_CONCURRENT_LARGE_DECODES` at once), so the event loop keeps serving others."""
+        self.counters.bytes_decoded += len(data)
         if len(data) < OFFLOAD_DECODE_BYTES:
-            return decode(data)
+            with self.timer.measure("decode"):
+                return decode(data)
         async with self.decode_limiter:
             self.counters.offloaded_decodes += 1
-            return await trio.to_thread.run_sync(decode, data)
+            with self.timer.measure("decode"):  # wall time, the thread's wait included
+                return await trio.to_thread.run_sync(decode, data)
 
     def session(
         self,
@@ -357,12 +369,10 @@ class Engine:
                 for item in stored.items:
                     if getattr(item, "id", None) == item_id:
                         return item
-        get_item = getattr(self.store, "get_item", None)
-        if get_item is None:
+        if not isinstance(self.store, ItemLookupStore):
             return None
         self.counters.store_reads += 1
-        found: Item | None = await get_item(item_id, owner=owner)
-        return found
+        return await self.store.get_item(item_id, owner=owner)
 
     async def delete_stored(self, response_id: str, *, owner: str | None) -> bool:
         pending = self.post.pending_get(response_id)

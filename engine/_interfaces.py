@@ -8,8 +8,8 @@ plain immutable values (attrs) so that stages stay independent of each other.
 from __future__ import annotations
 
 from array import array
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Literal, Protocol, TypeAlias
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 from rollout.protocol import BuiltinTool, Item, Response, Tool, ToolChoice
@@ -21,14 +21,18 @@ __all__ = [
     "CallStart",
     "Classifier",
     "ClassifierVerdict",
+    "ClosableBackend",
     "Finish",
     "Flag",
     "HostedCall",
     "HostedTool",
+    "ItemLookupStore",
+    "ParamCheckingBackend",
     "Renderer",
     "ResponseStore",
     "SampleEvent",
     "SampleRequest",
+    "SnapshotClassifier",
     "StoredResponse",
     "TextDelta",
     "TextEnd",
@@ -67,7 +71,12 @@ class Renderer(Protocol):
     ids such as `call_id` or item `id`, so the same conversation renders the same whatever ids
     were generated), and a context is `render_prefix(...) + concat(render_item(i) for i)`.
     Hence `render(history + new) == render(history) + render(new)` holds exactly.
+
+    `template_id` names the chat template: compaction snapshots hold rendered tokens and are
+    refused by a renderer with another template.
     """
+
+    template_id: str
 
     def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> array[int]: ...
 
@@ -96,8 +105,12 @@ class Flag:
 
 @attrs.frozen(kw_only=True)
 class ClassifierVerdict:
+    """The next state, the flags, and the characters of the text the classifier actually
+    examined (its work: the engine counts it, so a classifier that skips input shows)."""
+
     state: Any
     flags: tuple[Flag, ...] = ()
+    scanned: int = 0
 
 
 class Classifier(Protocol):
@@ -114,6 +127,16 @@ class Classifier(Protocol):
     def initial(self) -> Any: ...
 
     def feed(self, state: Any, text: str, n_tokens: int) -> ClassifierVerdict: ...
+
+
+@runtime_checkable
+class SnapshotClassifier(Classifier, Protocol):
+    """Optional capability: a classifier whose state converts to plain data and back, so a
+    compaction snapshot carries it (without it, a restored conversation is classified again)."""
+
+    def encode_state(self, state: Any) -> Any: ...
+
+    def decode_state(self, data: Any) -> Any: ...
 
 
 # --- sample ----------------------------------------------------------------------------------
@@ -204,7 +227,24 @@ class Backend(Protocol):
     Failures raise `BackendError`. Pacing (time to first token, tokens per second) happens
     inside, on trio's clock."""
 
-    def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]: ...
+    def sample(self, request: SampleRequest) -> AsyncGenerator[SampleEvent, None]: ...
+
+
+@runtime_checkable
+class ParamCheckingBackend(Backend, Protocol):
+    """Optional capability: a backend that checks a model string's parameters
+    (`name:key=value,...`) when the route is resolved, before the response starts. Raises
+    `RemoteProtocolError` (400, param `model`) for bad ones."""
+
+    def check_params(self, params: Mapping[str, str]) -> None: ...
+
+
+@runtime_checkable
+class ClosableBackend(Backend, Protocol):
+    """Optional capability: a backend holding resources (a connection pool), closed with the
+    model registry."""
+
+    async def aclose(self) -> None: ...
 
 
 # --- hosted tools ----------------------------------------------------------------------------
@@ -267,6 +307,14 @@ class ResponseStore(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class ItemLookupStore(ResponseStore, Protocol):
+    """Optional capability: find an item of a stored response by its id (`item_reference`
+    input items). Without it, only items of responses still queued for writing are found."""
+
+    async def get_item(self, item_id: str, *, owner: str | None) -> Item | None: ...
 
 
 @attrs.frozen(kw_only=True)

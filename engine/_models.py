@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 from rollout.protocol import RemoteProtocolError
 
+from ._interfaces import Backend, ClosableBackend
 from ._state import Route
 
 __all__ = [
@@ -31,7 +32,7 @@ MAX_MODEL_STRING = 512
 @attrs.frozen(kw_only=True)
 class ModelSpec:
     name: str
-    backend: object  # engine._interfaces.Backend
+    backend: Backend
     context_window: int = DEFAULT_CONTEXT_WINDOW
     params: Mapping[str, str] = attrs.field(factory=dict)  # defaults, overridden by the string
     accepts_params: bool = False  # whether `name:key=value,...` is allowed
@@ -88,9 +89,8 @@ class ModelRegistry:
     async def aclose(self) -> None:
         """Close the backends that hold resources (connection pools)."""
         for spec in self._specs.values():
-            close = getattr(spec.backend, "aclose", None)
-            if close is not None:
-                await close()
+            if isinstance(spec.backend, ClosableBackend):
+                await spec.backend.aclose()
 
     def resolve(self, model: str) -> Route:
         if len(model) > MAX_MODEL_STRING:

@@ -33,7 +33,7 @@ from rollout.protocol import (
 
 from ._counters import Counters, StageTimer
 from ._ids import new_id
-from ._interfaces import Classifier, Flag, Renderer
+from ._interfaces import Classifier, Flag, ParamCheckingBackend, Renderer
 from ._models import ModelRegistry
 from ._state import CallRecord, Lineage, Prefix, ResponseState, Route, digest_tokens
 from ._tools import check_text_format, check_tools, offered_tools
@@ -399,9 +399,8 @@ class Pipeline:
             return parent.route
         with self.timer.measure("route", timings):
             route = self.registry.resolve(model)
-            check = getattr(route.backend, "check_params", None)
-            if check is not None:
-                check(route.params)
+            if isinstance(route.backend, ParamCheckingBackend):
+                route.backend.check_params(route.params)
             self.counters.route_resolutions += 1
             return route
 
@@ -424,7 +423,7 @@ class Pipeline:
                 self.renderer.prefix_text(instructions, offered),
                 len(tokens),
             )
-            self.counters.tokens_classified += len(tokens)
+            self.counters.chars_classified += verdict.scanned
         return Prefix(
             instructions=instructions,
             tools=tuple(tools),
@@ -469,7 +468,7 @@ class Pipeline:
                 )
                 classifier_state = verdict.state
                 flags.extend(verdict.flags)
-                self.counters.tokens_classified += len(toks)
+                self.counters.chars_classified += verdict.scanned
         return Staged(
             items=list(items),
             tokens=rendered,

@@ -274,6 +274,9 @@ def _part_text(part: ContentPart) -> str | None:
 class ChatTemplateRenderer:
     """`Renderer` with the harmony-like template of this module's docstring."""
 
+    # The name compaction snapshots carry (the class name, as snapshots have always had it).
+    template_id = "ChatTemplateRenderer"
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         enc = tokenizer.encode

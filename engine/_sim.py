@@ -43,7 +43,7 @@ import functools
 import json
 import math
 import random
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import trio
@@ -151,7 +151,7 @@ class SimBackend:
             raise _bad(unknown[0], params[unknown[0]], f"unknown; known are {known}")
         SimParams(params)
 
-    async def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]:
+    async def sample(self, request: SampleRequest) -> AsyncGenerator[SampleEvent, None]:
         p = SimParams(request.params)
         rng = random.Random(request.context_digest)
         budget = (

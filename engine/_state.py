@@ -22,6 +22,8 @@ from typing import Any, overload
 import attrs
 from rollout.protocol import CallKind, Item, Message, OpaqueItem, Response, Tool, call_of
 
+from ._interfaces import Backend
+
 __all__ = [
     "CallRecord",
     "ItemsView",
@@ -274,7 +276,7 @@ class Route:
     name: str  # the registry entry
     params: dict[str, str]
     context_window: int
-    backend: Any  # engine._interfaces.Backend
+    backend: Backend
 
 
 @attrs.frozen(eq=False)

@@ -19,7 +19,7 @@ import json
 import os
 import socket
 import typing
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import attrs
@@ -159,7 +159,7 @@ class UpstreamBackend:
         return prefix[:-1] + b',"messages":[' + b",".join(messages) + b"]}"
 
     # --- sampling ---
-    async def sample(self, request: SampleRequest) -> AsyncIterator[SampleEvent]:
+    async def sample(self, request: SampleRequest) -> AsyncGenerator[SampleEvent, None]:
         toolset = ChatToolset(request.tools, request.tool_choice)
         body = self.body(request, toolset)
         self.counters.bytes_sent += len(body)

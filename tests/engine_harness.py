@@ -14,6 +14,7 @@ import jsonschema
 from hypothesis import strategies as st
 from rollout import protocol as p
 from rollout.engine import Engine, ResponseState
+from rollout.engine._state import Prefix
 
 
 @attrs.frozen
@@ -349,3 +350,18 @@ def scripts(
         user_turns=tuple(draw(st.lists(unicode_text, min_size=1, max_size=max_user_turns))),
         tool_outputs=tuple(draw(st.lists(unicode_text, min_size=1, max_size=4))),
     )
+
+
+def classified_chars(engine: Engine, items: Sequence[p.Item], prefix: Prefix | None = None) -> int:
+    """The characters the default classifiers examine for `items` (and `prefix`): the text the
+    renderer gives them, once (the secret detector scans it; the empty policy scans nothing)."""
+    renderer = engine.pipeline.renderer
+    chars = sum(len(renderer.item_text(item)) for item in items)
+    if prefix is not None:
+        chars += len(renderer.prefix_text(prefix.instructions, prefix.offered))
+    return chars
+
+
+def conversation_chars(engine: Engine, state: ResponseState) -> int:
+    """`classified_chars` of a state's whole conversation, its prefix included."""
+    return classified_chars(engine, state.items, state.prefix)

@@ -38,7 +38,14 @@ from rollout import protocol as p
 from rollout.engine import Engine, MemoryResponseStore, ResponseState, Session, open_engine
 from rollout.engine._compact import SnapshotSeal
 
-from tests.engine_harness import MAX_TURNS, Script, pending_calls, same_items, scripts
+from tests.engine_harness import (
+    MAX_TURNS,
+    Script,
+    classified_chars,
+    pending_calls,
+    same_items,
+    scripts,
+)
 from tests.server_harness import open_test_server, open_ws, run_in_thread
 
 DEADLINE = 20
@@ -393,7 +400,11 @@ async def test_fast_path_equals_slow_path(
             out_tokens = rendered(engine, list(state.response.output))
             prefix = len(state.prefix.tokens)
             assert delta.tokens_rendered == prefix + new_tokens + out_tokens
-            assert delta.tokens_classified == prefix + new_tokens + out_tokens
+            assert delta.chars_classified == classified_chars(
+                engine,
+                [p.Message(role="user", content=after[0]), *state.response.output],
+                state.prefix,
+            )
             assert state.response.usage is not None
             details = state.response.usage.input_tokens_details
             assert details is not None

@@ -22,6 +22,7 @@ from tests.engine_harness import (
     EVERY_KIND,
     Script,
     check_arguments,
+    conversation_chars,
     run_chain,
     run_rollout,
     run_stateless,
@@ -86,12 +87,15 @@ async def check_three_modes(script: Script) -> set[str]:
     # Work counters: chain and rollout render and classify each context token exactly once;
     # stateless renders every prefix of the conversation again.
     final_len = len(final)
+    final_chars = conversation_chars(engine, chain.final)
     for delta in (after_chain - after_stateless, after_rollout - after_chain):
         assert delta.tokens_rendered == final_len
-        assert delta.tokens_classified == final_len
+        assert delta.chars_classified == final_chars
     stateless_work = after_stateless - before
     assert stateless_work.tokens_rendered == sum(s.context_tokens for s in stateless.states)
-    assert stateless_work.tokens_classified == stateless_work.tokens_rendered
+    assert stateless_work.chars_classified == sum(
+        conversation_chars(engine, s) for s in stateless.states
+    )
     # The rollout runs post-inference once per rollout (one per user turn here), the chain
     # once per response.
     assert (after_rollout - after_chain).post_inference_runs == len(script.user_turns)

@@ -47,6 +47,7 @@ from rollout.engine import (
 from tests.engine_harness import (
     Script,
     answer_item,
+    conversation_chars,
     pending_calls,
     run_chain,
     same_items,
@@ -216,7 +217,7 @@ async def test_hydration_counts_and_cached_tokens(store_kind: str) -> None:
     # Hydration rendered the whole stored context, then the new input and the output.
     output_tokens = first.context_tokens - tip.context_tokens - renderer_tokens
     assert delta.tokens_rendered == tip.context_tokens + renderer_tokens + output_tokens
-    assert delta.tokens_classified == delta.tokens_rendered
+    assert delta.chars_classified == conversation_chars(fresh.engine, first)
     usage = first.response.usage
     assert usage is not None
     assert usage.input_tokens == tip.context_tokens + renderer_tokens

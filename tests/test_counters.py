@@ -1,0 +1,103 @@
+"""Counters count work done.
+
+The classifier counter, `chars_classified`, is what the classifiers report having examined,
+not a copy of `tokens_rendered`; so the counter tests elsewhere (a follow-up classifies only
+its new items, a chain classifies each item once) can fail: a classifier that skips input, as
+one here does, makes the same assertion fail. Decoding: the bytes of every client message and
+the decode stage's time are recorded."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import trio
+from rollout import protocol as p
+from rollout.engine import ClassifierSet, SecretDetector, open_engine
+from rollout.engine._interfaces import ClassifierVerdict
+
+from tests.engine_harness import conversation_chars
+from tests.server_harness import counters, open_test_server, open_ws, parse_metrics
+
+DEADLINE = 30
+MODEL = "sim:tokens=12"
+
+
+class SkipsLongTexts:
+    """A broken classifier: texts over 40 characters pass unexamined (and unflagged)."""
+
+    name = "skips_long_texts"
+
+    def __init__(self) -> None:
+        self.inner = SecretDetector()
+
+    def initial(self) -> Any:
+        return self.inner.initial()
+
+    def feed(self, state: Any, text: str, n_tokens: int) -> ClassifierVerdict:
+        if len(text) > 40:
+            return ClassifierVerdict(state=state)
+        return self.inner.feed(state, text, n_tokens)
+
+
+async def _classified(classifier: Any) -> tuple[int, int]:
+    """(chars the classifiers reported, chars of the conversation) over a two-turn chain."""
+    async with open_engine(classifier=classifier) as engine:
+        session = engine.session()
+        before = engine.counters.snapshot()
+        first = await session.create(
+            p.ResponseCreate(model=MODEL, input="hi", instructions="Be brief.", store=False)
+        )
+        assert first is not None
+        second = await session.create(
+            p.ResponseCreate(
+                model=MODEL,
+                input="a longer message that goes well past forty characters of text",
+                instructions="Be brief.",  # the same prefix: not classified again
+                previous_response_id=first.id,
+                store=False,
+            )
+        )
+        assert second is not None
+        delta = engine.counters.snapshot() - before
+        return delta.chars_classified, conversation_chars(engine, second)
+
+
+async def test_an_honest_classifier_accounts_for_every_character() -> None:
+    with trio.fail_after(DEADLINE):
+        reported, conversation = await _classified(ClassifierSet([SecretDetector()]))
+    assert reported == conversation > 60
+
+
+async def test_a_classifier_that_skips_input_shows_in_the_counter() -> None:
+    with trio.fail_after(DEADLINE):
+        reported, conversation = await _classified(ClassifierSet([SkipsLongTexts()]))
+    assert reported < conversation  # the check the counter tests make would fail
+
+
+async def test_decoding_is_counted_and_timed() -> None:
+    """Every client message decoded adds its bytes to `bytes_decoded` and one observation to
+    the `decode` stage histogram, over HTTP and over WebSocket."""
+    body = json.dumps({"model": MODEL, "input": "hello", "store": False})
+    frame = json.dumps({"type": "response.create", "model": MODEL, "input": "hi", "store": False})
+    with trio.fail_after(DEADLINE):
+        async with open_test_server() as url:
+            async with httpx.AsyncClient() as client:
+                resp = await client.post(
+                    f"{url}/responses", content=body, headers={"content-type": "application/json"}
+                )
+                assert resp.status_code == 200
+            async with open_ws(url) as ws:
+                await ws.send_raw(frame)
+                await ws.until_terminal()
+            metrics = await fetch_metrics(url)
+    assert counters(metrics)["bytes_decoded"] == len(body) + len(frame)
+    assert metrics[("rollout_stage_seconds_count", frozenset({("stage", "decode")}))] == 2
+
+
+async def fetch_metrics(base_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    async with httpx.AsyncClient() as client:
+        resp = await client.get(f"{base_url.removesuffix('/v1')}/metrics")
+    resp.raise_for_status()
+    return parse_metrics(resp.text)
