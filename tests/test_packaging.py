@@ -241,7 +241,8 @@ def _copy_source(dest: Path) -> Path:
         ignore=shutil.ignore_patterns(
             ".git",
             ".venv",
-            "*cache*",
+            "__pycache__",
+            ".*_cache",
             ".hypothesis",
             "build",
             "dist",

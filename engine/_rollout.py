@@ -1,0 +1,506 @@
+"""The rollout coroutine: one response, from its request to its terminal event.
+
+    pre-inference, once     validate, render, classify the new input; route (`Session.prepare`)
+    start                   response.created, response.in_progress
+    loop:
+      sample                one turn from the backend, streamed; its output rendered and
+                            classified into the state
+      hosted tools ran      their results are in the output: sample again
+      tool calls, rollout   suspend: response.done with the pending call ids, then wait until
+                            `Rollout.append` has delivered every output; resume:
+                            response.in_progress, and sample again, in the same response
+      otherwise             the response is complete (or incomplete: max_output_tokens)
+    post-inference, once    usage (and, with store: true, the response) committed; only then
+                            the terminal event goes out
+
+Every mode runs this coroutine. A create (stateless or with `previous_response_id`) never
+suspends: its tool calls end the response, and the client continues with a new create. A
+rollout (the extension, `rollout: true`) suspends at them, so pre- and post-inference happen
+once for the whole agent loop. That is the only difference, which is what makes the modes
+equal.
+
+`_Run.end` is the one exit: whatever ended the response (completion, a flag, a backend
+failure, a shutdown, a bug), its usage is committed and then its one terminal event is sent.
+A response cut off by a disconnect or a cancellation sends nothing; its usage goes to the
+post-inference writer without blocking (`_Run.release`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+from rollout.protocol import (
+    Item,
+    ReasoningConfig,
+    RemoteProtocolError,
+    Response,
+    ResponseAppend,
+    ResponseCompleted,
+    ResponseCreate,
+    ResponseError,
+    ResponseIncomplete,
+    ResponseStream,
+    ServerEvent,
+    TextConfig,
+    Usage,
+    call_of,
+    echo_tools,
+)
+
+from ._compact import CompactionPolicy, compact_state
+from ._errors import BackendError
+from ._ids import new_id
+from ._interfaces import Flag, UsageRecord
+from ._pipeline import invalid
+from ._postinfer import PostJob
+from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
+from ._state import ResponseState
+
+if TYPE_CHECKING:
+    from ._session import Prepared, Session
+
+__all__ = ["MAX_HOSTED_ROUNDS", "SERVER_ERROR", "Emit", "Rollout", "run_response"]
+
+Emit = Callable[[ServerEvent], Awaitable[None]]
+_Terminal = ResponseCompleted | ResponseIncomplete
+
+log = logging.getLogger("rollout.engine")
+
+# Sampling steps one response may spend on hosted tools before its model must answer the
+# client (a model that keeps searching cannot hold a response forever).
+MAX_HOSTED_ROUNDS = 16
+
+# What a response that failed on an unexpected error says (the traceback goes to the log).
+SERVER_ERROR = ResponseError(
+    code="server_error",
+    message="The server had an error while processing your request. Sorry about that!",
+)
+# What a response interrupted by a shutdown past the grace period says.
+_SHUTDOWN_ERROR = ResponseError(
+    code="server_error",
+    message="The server is shutting down; this response was interrupted. Retry it.",
+)
+
+
+async def run_response(
+    session: Session, request: ResponseCreate, emit: Emit, rollout: Rollout | None
+) -> ResponseState | None:
+    """Run one response; its events go to `emit`. Returns the final state (None when it
+    failed). Request errors raise `RemoteProtocolError` before any event is sent."""
+    prepared = await session.prepare(request)  # pre-inference, once
+    run = _Run(session, request, emit, rollout, prepared)
+    await run.start()
+    try:
+        return await run.drive()
+    except Exception as exc:
+        await run.crashed(exc)
+        return None
+    finally:
+        run.release()
+
+
+class _Fail(Exception):
+    """The response fails with `error` (raised inside the loop, handled by `_Run.drive`)."""
+
+    def __init__(self, error: ResponseError, usage: Usage | None, *, evict: bool) -> None:
+        self.error = error
+        self.usage = usage
+        self.evict = evict
+
+
+class _Run:
+    """One response in flight: its event stream, the usage of its sampling steps, and the
+    one exit (`end`)."""
+
+    def __init__(
+        self,
+        session: Session,
+        request: ResponseCreate,
+        emit: Emit,
+        rollout: Rollout | None,
+        prepared: Prepared,
+    ) -> None:
+        self.session = session
+        self.engine = session.engine
+        self.request = request
+        self.emit = emit
+        self.rollout = rollout
+        self.prepared = prepared
+        self.response = _new_response(request, self.engine.now())
+        self.stream = ResponseStream(self.response)
+        self.records: list[UsageRecord] = []  # one per sampling step
+        self.total = Usage()
+        self.progress = Progress()  # of the step being sampled
+        self.committed = False
+
+    @property
+    def response_id(self) -> str:
+        return self.response.id
+
+    async def start(self) -> None:
+        if self.rollout is not None:
+            # Named before `response.created` goes out: a client may answer that event at once
+            # (an early append must get `rollout_not_suspended`, not `rollout_not_found`).
+            self.rollout.response_id = self.response_id
+        for event in self.stream.start():
+            await self.emit(event)
+        if self.rollout is not None:
+            self.session.rollouts[self.response_id] = self.rollout
+
+    async def drive(self) -> ResponseState | None:
+        prepared = self.prepared
+        if prepared.flags:
+            return await self.fail(_flagged(prepared.flags[0], appended=False), None, evict=True)
+        state = prepared.state
+        if not prepared.generate:  # a warm-up: pre-inference only
+            completed = self.stream.complete(usage=Usage(), completed_at=self.engine.now())
+            return await self.finish(state, completed)
+        state, cached = await self._compact_if_over(state)
+        try:
+            with self.engine.interruptible() as interrupted:
+                state, terminal = await self.loop(state, cached)
+        except _Fail as failure:
+            return await self.fail(failure.error, failure.usage, evict=failure.evict)
+        if interrupted.cancelled_caught:  # a shutdown past its grace period
+            self._close_step()
+            await self.abort(_SHUTDOWN_ERROR)
+            return None
+        return await self.finish(state, terminal)
+
+    async def loop(self, state: ResponseState, cached: int) -> tuple[ResponseState, _Terminal]:
+        """Sample, suspend and resume until the response ends; returns the final state and
+        the terminal event (not yet sent)."""
+        hosted_rounds = 0
+        while True:
+            before = state.context_tokens
+            step = await self.sample(state, cached)
+            state = step.state
+            if step.finish == "max_output_tokens":
+                return await self._cut_short(state, step)
+            if step.hosted and not state.open_calls and hosted_rounds < MAX_HOSTED_ROUNDS:
+                hosted_rounds += 1  # the hosted tools' results are in: sample again
+                cached = before
+                continue
+            if self.rollout is not None and state.open_calls:
+                cached = state.context_tokens
+                resumed = await self.suspend(state)
+                if resumed is None:
+                    return state, await self._incomplete("rollout_timeout")
+                state = resumed
+                continue
+            completed = self.stream.complete(usage=self.total, completed_at=self.engine.now())
+            return state, completed
+
+    async def sample(self, state: ResponseState, cached: int) -> Step:
+        self.progress = Progress()
+        try:
+            step = await sample_turn(
+                self.engine, state, self.request, self.stream, self.emit, cached, self.progress
+            )
+        except BackendError as exc:
+            usage = self.total + usage_of(self.progress)
+            self._close_step()
+            error = ResponseError(code=exc.code, message=exc.message)
+            raise _Fail(error, usage, evict=True) from None
+        self._close_step(complete=True)
+        self.total = self.total + step.usage
+        return step
+
+    async def suspend(self, state: ResponseState) -> ResponseState | None:
+        """Suspend at the pending tool calls; the state with the appended input once every
+        call has its output, or None when the suspend limit passed."""
+        assert self.rollout is not None
+        rollout = self.rollout
+        rollout._suspend(state)  # appends are accepted from response.done on
+        await self.emit(self.stream.suspend([cid for cid, _ in state.open_calls]))
+        resumed = await rollout._wait_resume(self.engine.rollout_suspend_limit)
+        self.session.last_timings = rollout.timings
+        if resumed is None:
+            return None
+        state, flags = resumed
+        if flags:
+            raise _Fail(_flagged(flags[0], appended=True), self.total, evict=False)
+        await self.emit(self.stream.resume())
+        return state
+
+    # --- the one exit: post-inference once, then the terminal event ---------------------------
+
+    async def finish(self, state: ResponseState, terminal: _Terminal) -> ResponseState:
+        """Completed or incomplete: the response (if stored) and its usage are committed,
+        then the terminal event goes out."""
+        final = terminal.response
+        final_state = await self.session.finish(
+            state, final, self.prepared.parent_stored, self.records
+        )
+        await self._end(terminal, final.status, final_state)
+        return final_state
+
+    async def fail(
+        self, error: ResponseError, usage: Usage | None, *, evict: bool
+    ) -> ResponseState | None:
+        if self.records:
+            await self.engine.post.commit(PostJob(records=self.records))
+        self.committed = True
+        if evict:
+            self._evict_parent()
+        return await self._end(self.stream.fail(error=error, usage=usage), "failed", None)
+
+    async def abort(self, error: ResponseError) -> None:
+        """Ended from outside the loop (a shutdown): the stream may be in any state."""
+        await self.engine.post.commit(PostJob(records=self.records))
+        self.committed = True
+        failed = self.stream.abort(error=error, usage=self.total)
+        await self._end(failed, "failed", None)
+
+    async def crashed(self, exc: Exception) -> None:
+        """A bug, ours or a backend's: the response fails (with a logged traceback); the
+        connection, its queue and other responses carry on. A transport that closed under
+        the response (the client left, or stopped reading) is not a bug."""
+        if isinstance(exc, trio.ClosedResourceError | trio.BrokenResourceError):
+            log.info("response %s ended: its connection closed (%s)", self.response_id, exc)
+        else:
+            log.exception("response %s failed with an unexpected error", self.response_id)
+        failed = self.stream.abort(error=SERVER_ERROR, usage=self.total + usage_of(self.progress))
+        if not self.committed:
+            self._close_step()
+            with contextlib.suppress(Exception):  # the writer may be what broke
+                await self.engine.post.commit(PostJob(records=self.records))
+            self.committed = True
+        if failed is not None:
+            self._evict_parent()
+            with contextlib.suppress(Exception):  # the emitter itself may be what broke
+                await self._end(failed, "failed", None)
+
+    async def _end(
+        self, terminal: ServerEvent | None, status: str, state: ResponseState | None
+    ) -> ResponseState | None:
+        self.committed = True
+        if terminal is not None:
+            self.engine.record_status(status)
+            await self.emit(terminal)
+        return state
+
+    def release(self) -> None:
+        """Always, last: the rollout handle is done; usage never committed (a disconnect, a
+        cancellation) goes to the post-inference writer without blocking."""
+        if self.rollout is not None:
+            self.rollout._finished()
+            self.session.rollouts.pop(self.response_id, None)
+        if not self.committed:
+            self._close_step()
+            self.engine.post.submit_nowait(PostJob(records=self.records))
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _close_step(self, *, complete: bool = False) -> None:
+        """Record the usage of the step being sampled, if it started (once)."""
+        if not self.progress.started:
+            return
+        response = self.response
+        self.records.append(
+            UsageRecord(
+                response_id=response.id,
+                step=len(self.records),
+                owner=self.session.owner,
+                model=response.model,
+                input_tokens=self.progress.input_tokens,
+                cached_tokens=self.progress.cached_tokens,
+                output_tokens=self.progress.output_tokens,
+                complete=complete,
+                created_at=self.engine.wall_clock(),
+            )
+        )
+        self.progress = Progress()
+
+    async def _incomplete(self, reason: str) -> ResponseIncomplete:
+        """Close what is open as incomplete and send that; the terminal event waits."""
+        events = self.stream.incomplete(
+            reason=reason, usage=self.total, completed_at=self.engine.now()
+        )
+        for event in events[:-1]:
+            await self.emit(event)
+        terminal = events[-1]
+        assert isinstance(terminal, ResponseIncomplete)
+        return terminal
+
+    async def _cut_short(self, state: ResponseState, step: Step) -> tuple[ResponseState, _Terminal]:
+        """max_output_tokens: the open item closes incomplete and joins the state."""
+        first = self.stream.output_count
+        terminal = await self._incomplete("max_output_tokens")
+        outputs = step.pending_outputs + self.stream.output_since(first)
+        return extend_state(self.engine.pipeline, state, outputs), terminal
+
+    async def _compact_if_over(self, state: ResponseState) -> tuple[ResponseState, int]:
+        """Automatic compaction (`context_management`): past the threshold the conversation
+        continues from the compacted window, whose item is the response's first output."""
+        prepared = self.prepared
+        cached = 0 if prepared.hydrated else prepared.cached_tokens
+        threshold = prepared.compact_threshold
+        if threshold is None or state.context_tokens <= threshold:
+            return state, cached
+        state, item = compact_state(
+            self.engine.pipeline,
+            state,
+            CompactionPolicy(budget_tokens=threshold // 2),
+            self.engine.seal,
+            owner=self.session.owner,
+        )
+        for event in self.stream.add_item(item):
+            await self.emit(event)
+        return state, 0
+
+    def _evict_parent(self) -> None:
+        # A failed continuation evicts its parent from the connection's cache (OpenAI's rule).
+        if self.prepared.parent is not None:
+            self.session.cache.evict(self.prepared.parent.id)
+
+
+def _flagged(flag: Flag, *, appended: bool) -> ResponseError:
+    what = "appended input" if appended else "input"
+    return ResponseError(
+        code="invalid_prompt",
+        message=f"The {what} was flagged by the {flag.classifier} classifier: {flag.message}",
+    )
+
+
+def _new_response(request: ResponseCreate, now: int) -> Response:
+    assert request.model is not None
+    return Response(
+        id=new_id("resp"),
+        created_at=now,
+        model=request.model,
+        instructions=request.instructions,
+        tools=echo_tools(request.tools or ()),
+        tool_choice=request.tool_choice or "auto",
+        parallel_tool_calls=request.parallel_tool_calls is not False,
+        previous_response_id=request.previous_response_id,
+        store=request.store is not False,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        metadata=dict(request.metadata or {}),
+        max_output_tokens=request.max_output_tokens,
+        max_tool_calls=request.max_tool_calls,
+        truncation=request.truncation or "disabled",
+        safety_identifier=request.safety_identifier,
+        prompt_cache_key=request.prompt_cache_key,
+        user=request.user,
+        text=request.text or TextConfig(),
+        reasoning=request.reasoning or ReasoningConfig(),
+        top_logprobs=request.top_logprobs or 0,
+        prompt_cache_retention=request.prompt_cache_retention,
+        client_metadata=request.client_metadata,
+    )
+
+
+_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
+
+
+class Rollout:
+    """A rollout in flight (the extension). Iterate it for events up to the next suspension
+    or the end; `pending_calls` names the calls whose outputs resume it; `append` delivers
+    outputs. Missing outputs are waited for: a partial append is accepted, and the rollout
+    resumes when every pending call has its output."""
+
+    def __init__(
+        self, session: Session, events: trio.MemoryReceiveChannel[ServerEvent] | None = None
+    ) -> None:
+        self.session = session
+        self.response_id: str | None = None
+        self.error: RemoteProtocolError | None = None
+        self.response: Response | None = None
+        self._events = events
+        self._state: ResponseState | None = None  # set while suspended
+        self._flags: tuple[Any, ...] = ()
+        # Pre-inference stage timings of the appends since the last suspension (the resumed
+        # turn's `Session.last_timings`, reported like a create's).
+        self.timings: dict[str, float] = {}
+        self._wake = trio.Event()
+        self._done = False
+        self.ended = False  # a terminal event was emitted
+
+    @property
+    def suspended(self) -> bool:
+        return self._state is not None
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def pending_calls(self) -> list[tuple[str, str]]:
+        """(call_id, name) of the calls the suspended rollout waits for."""
+        return list(self._state.open_calls) if self._state is not None else []
+
+    def __aiter__(self) -> AsyncIterator[ServerEvent]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[ServerEvent]:
+        if self._events is None:
+            raise RuntimeError("this rollout streams to its emitter; it can't be iterated")
+        async for event in self._events:
+            response = getattr(event, "response", None)
+            if response is not None:
+                self.response = response
+            if event.type in _ENDS:
+                self.ended = True
+            yield event
+            if event.type in _ENDS or event.type == "response.done":
+                return
+
+    def append(self, items: Sequence[Item] | ResponseAppend) -> None:
+        """Deliver tool outputs (and any other input items) to the suspended rollout.
+        Raises `RemoteProtocolError` for a rollout that is not suspended or an output that
+        answers no pending call; the rollout stays suspended and resumable after an error."""
+        if isinstance(items, ResponseAppend):
+            items = items.input
+        state = self._state
+        if state is None:
+            raise invalid(
+                "The rollout is not suspended: append tool outputs after response.done.",
+                code="rollout_not_suspended",
+                param="response_id",
+            )
+        engine = self.session.engine
+        staged = engine.pipeline.stage(
+            items,
+            lineage=state.lineage,
+            n_items=state.n_items,
+            classifier_state=state.classifier_state,
+            open_calls=dict(state.open_calls),
+            param="input",
+            timings=self.timings,
+        )
+        if any(call_of(i) is not None for i in items):
+            raise invalid(
+                "response.append carries tool outputs and messages, not tool calls.",
+                param="input",
+            )
+        self._state = engine.pipeline.commit(state, staged)
+        self._flags += staged.flags
+        if not self._state.open_calls or self._flags:
+            self._wake.set()
+
+    def _suspend(self, state: ResponseState) -> None:
+        self._state = state
+        self._flags = ()
+        self.timings = {}
+        self._wake = trio.Event()
+
+    async def _wait_resume(self, limit: float) -> tuple[ResponseState, tuple[Any, ...]] | None:
+        try:
+            with trio.move_on_after(limit if math.isfinite(limit) else math.inf):
+                await self._wake.wait()
+                assert self._state is not None
+                return self._state, self._flags
+            return None
+        finally:
+            self._state = None
+
+    def _finished(self) -> None:
+        self._done = True
+        self._state = None

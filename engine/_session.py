@@ -1,0 +1,381 @@
+"""The connection scope: a `Session` resolves parents (its cache, else the store) and runs
+responses through the rollout coroutine (`_rollout.py`).
+
+- `create` runs a response, stateless or continuing a parent; `open_rollout` runs the rollout
+  extension (one long-lived response that suspends at tool calls); `respond`, `prepare_only`
+  and `compact` serve the HTTP API's other routes.
+- `prepare` is pre-inference, once per response: the parent, the input's references and
+  compaction items, then the pipeline's validate / render / classify / route on the new items.
+- `finish` is post-inference: the final state is cached and, with its usage and (store: true)
+  the stored response, committed before the terminal event goes out.
+- Hydration rebuilds a state from stored responses when the parent is not cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+from rollout.protocol import (
+    Compaction,
+    Item,
+    ItemReference,
+    RemoteProtocolError,
+    Response,
+    ResponseCreate,
+    ServerEvent,
+    Usage,
+    as_listed,
+    to_wire,
+)
+
+from ._cache import ResponseCache
+from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, restore_state
+from ._errors import previous_response_not_found, server_error, shutting_down
+from ._ids import new_id
+from ._interfaces import Flag, StoredResponse, UsageRecord
+from ._pipeline import invalid, normalize_input
+from ._postinfer import PostJob
+from ._rollout import Emit, Rollout, run_response
+from ._state import ResponseState
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["ROLLOUT_EVENT_BUFFER", "Prepared", "Session"]
+
+log = logging.getLogger("rollout.engine")
+
+# Events a rollout may buffer for a reader that is slower than sampling (embedded API).
+ROLLOUT_EVENT_BUFFER = 256
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Prepared:
+    """What pre-inference hands to the coroutine: the state to sample from and its origin."""
+
+    state: ResponseState
+    flags: tuple[Flag, ...]
+    cached_tokens: int  # context tokens reused from the parent without rendering
+    parent: ResponseState | None
+    parent_stored: bool  # the conversation so far is in the store (a stored child links to it)
+    hydrated: bool  # the parent was rebuilt from the store (nothing was reused)
+    generate: bool  # False: a warm-up (generate: false), pre-inference only
+    compact_threshold: int | None
+
+
+class Session:
+    """The connection scope. Not safe for concurrent `create`s: callers serialize them
+    (the WebSocket handler runs its FIFO queue one request at a time)."""
+
+    def __init__(self, engine: Engine, *, owner: str | None, cache: ResponseCache) -> None:
+        self.engine = engine
+        self.owner = owner
+        self.cache = cache
+        self.rollouts: dict[str, Rollout] = {}
+        self.last_timings: dict[str, float] = {}
+
+    # --- parents ---
+    async def resolve(self, response_id: str, timings: dict[str, float]) -> ResponseState:
+        counters = self.engine.counters
+        with self.engine.timer.measure("resolve", timings):
+            state = self.cache.get(response_id)
+            if state is not None:
+                counters.cache_hits += 1
+                return state
+            counters.cache_misses += 1
+        with self.engine.timer.measure("store", timings):
+            try:
+                chain = await self.engine.stored_chain(response_id, owner=self.owner)
+            except LookupError:
+                raise previous_response_not_found(response_id) from None
+        return self._hydrate(chain, timings)
+
+    def _hydrate(self, chain: list[StoredResponse], timings: dict[str, float]) -> ResponseState:
+        """Rebuild a state from stored responses (newest first): re-render and re-classify."""
+        engine = self.engine
+        engine.counters.hydrations += 1
+        target = chain[0]
+        items: list[Item] = []
+        for stored in reversed(chain):
+            items.extend(stored.items)
+        root = engine.empty_state()
+        pipeline = engine.pipeline
+        route = pipeline.route(target.response.model, None, timings)
+        prefix = pipeline.prefix(target.instructions, target.tools, None, timings)
+        staged = pipeline.stage(
+            items,
+            lineage=root.lineage,
+            n_items=0,
+            classifier_state=root.classifier_state,
+            open_calls={},
+            param="input",
+            timings=timings,
+        )
+        own = 0 if target.is_root else len(items) - len(target.items)
+        state = pipeline.commit(
+            root, staged, prefix=prefix, route=route, first_new_item=own, response=target.response
+        )
+        self.cache.put(state)
+        return state
+
+    # --- responses ---
+    async def create(
+        self, request: ResponseCreate, emit: Emit | None = None
+    ) -> ResponseState | None:
+        """Run one response (stateless or continuing), sending its events to `emit`.
+        Returns the final state (None when the response failed). Request errors raise
+        `RemoteProtocolError` before any event is sent."""
+        if request.rollout:
+            raise invalid(
+                "Use open_rollout() (or the WebSocket transport) for rollout mode.",
+                param="rollout",
+            )
+        return await run_response(self, request, emit or _discard, None)
+
+    async def respond(self, request: ResponseCreate) -> Response:
+        """Run one response and return the final Response object."""
+        final: list[Response] = []
+
+        async def keep(event: ServerEvent) -> None:
+            response = getattr(event, "response", None)
+            if response is not None:
+                final[:] = [response]
+
+        await run_response(self, request, keep, None)
+        return final[-1]
+
+    @asynccontextmanager
+    async def open_rollout(self, request: ResponseCreate) -> AsyncIterator[Rollout]:
+        """Run `request` as a rollout: iterate the Rollout for events up to each suspension,
+        `append` the tool outputs, iterate again, until `rollout.response` is final."""
+        send, recv = trio.open_memory_channel[ServerEvent](ROLLOUT_EVENT_BUFFER)
+        rollout = Rollout(self, recv)
+        async with trio.open_nursery() as nursery:
+
+            async def body() -> None:
+                # Closed with the synchronous close(), not `async with send`: aclose()'s
+                # checkpoint would let the reader leave the block and cancel this task while
+                # an exception is on its way out, and Cancelled would replace (lose) it.
+                try:
+                    await run_response(self, request, send.send, rollout)
+                except RemoteProtocolError as exc:
+                    # Kept without its traceback: the traceback's frames hold `rollout`,
+                    # which would hold the error back (a reference cycle per failed rollout).
+                    rollout.error = exc.with_traceback(None)
+                    await send.send(exc.error_event())
+                finally:
+                    send.close()
+
+            nursery.start_soon(body)
+            try:
+                yield rollout
+            finally:
+                # A rollout left before its end is cancelled (its usage is still recorded);
+                # one that ended is left to finish its post-inference hand-off.
+                if not rollout.ended:
+                    nursery.cancel_scope.cancel()
+
+    async def prepare_only(self, request: ResponseCreate) -> ResponseState:
+        """The state a request would sample from (validated, rendered, classified), without
+        sampling: for counting input tokens and for compaction."""
+        timings: dict[str, float] = {}
+        parent = None
+        if request.previous_response_id is not None:
+            parent = await self.resolve(request.previous_response_id, timings)
+        new_items, root = await self._resolve_inputs(normalize_input(request.input), parent)
+        prepared = self.engine.pipeline.prepare(
+            request,
+            parent,
+            root=root,
+            new_items=new_items,
+            timings=timings,
+            require_outputs=False,
+            offset=_input_offset(request),
+        )
+        return prepared.state
+
+    async def compact(
+        self, request: ResponseCreate, *, budget_tokens: int = DEFAULT_COMPACT_BUDGET
+    ) -> dict[str, Any]:
+        """`POST /v1/responses/compact`: the compacted window of a conversation (given as
+        input items or previous_response_id), ending with its compaction item."""
+        engine = self.engine
+        source = await self.prepare_only(request)
+        window, item = compact_state(
+            engine.pipeline,
+            source,
+            CompactionPolicy(budget_tokens=budget_tokens),
+            engine.seal,
+            owner=self.owner,
+        )
+        usage = Usage.of(input_tokens=source.context_tokens, output_tokens=window.item_tokens)
+        return {
+            "id": new_id("resp"),
+            "object": "response.compaction",
+            "created_at": engine.now(),
+            "output": [to_wire(as_listed(i)) for i in [*window.items, item]],
+            "usage": to_wire(usage),
+        }
+
+    async def run_rollout(self, request: ResponseCreate, emit: Emit, rollout: Rollout) -> None:
+        """Server-side form: run the rollout in the caller's task, emitting to `emit`."""
+        await run_response(self, request, emit, rollout)
+
+    # --- pre-inference ---
+    async def prepare(self, request: ResponseCreate) -> Prepared:
+        """Pre-inference, once per response: resolve the parent (the cache, else the store),
+        resolve the input (item references, compaction items), then validate, render, classify
+        the new items and route. Request errors raise `RemoteProtocolError`; a failed
+        continuation evicts its parent from the cache."""
+        engine = self.engine
+        if engine.draining:
+            raise shutting_down()
+        timings: dict[str, float] = {}
+        self.last_timings = timings
+        parent: ResponseState | None = None
+        generate = _generates(request)
+        hydrated = False
+        try:
+            if request.previous_response_id is not None:
+                hydrated = request.previous_response_id not in self.cache
+                parent = await self.resolve(request.previous_response_id, timings)
+            threshold = _compact_threshold(request)
+            new_items, root = await self._resolve_inputs(normalize_input(request.input), parent)
+            prepared = engine.pipeline.prepare(
+                request,
+                parent,
+                root=root,
+                new_items=new_items,
+                timings=timings,
+                require_outputs=generate,
+                offset=_input_offset(request),
+            )
+        except RemoteProtocolError:
+            engine.counters.request_errors += 1
+            if parent is not None:
+                self.cache.evict(parent.id)
+            raise
+        except Exception:
+            log.exception("a request failed before its response started")
+            engine.counters.request_errors += 1
+            raise server_error() from None
+        return Prepared(
+            state=prepared.state,
+            flags=prepared.flags,
+            cached_tokens=prepared.cached_tokens,
+            parent=parent,
+            parent_stored=root.stored,
+            hydrated=hydrated,
+            generate=generate,
+            compact_threshold=threshold,
+        )
+
+    async def _resolve_inputs(
+        self, items: list[Item], parent: ResponseState | None
+    ) -> tuple[list[Item], ResponseState]:
+        """Resolve item references and compaction items of the new input. Returns the items
+        to stage and the state to stage them onto (the parent, a restored compacted state, or
+        an empty state)."""
+        engine = self.engine
+        root = parent or engine.empty_state()
+        last = max(
+            (i for i, item in enumerate(items) if isinstance(item, Compaction)), default=None
+        )
+        start = 0  # the index in the request's input of the first item returned
+        if last is not None:
+            where = f"input[{last}]"
+            if parent is not None:
+                raise invalid(
+                    "A compaction item starts a new chain: omit previous_response_id.",
+                    param=where,
+                )
+            compaction = items[last]
+            assert isinstance(compaction, Compaction)
+            payload = engine.seal.open(
+                compaction.encrypted_content, param=f"{where}.encrypted_content", owner=self.owner
+            )
+            root = restore_state(engine.pipeline, root, payload, param=where)
+            items = items[last + 1 :]
+            start = last + 1
+        if any(isinstance(item, ItemReference) for item in items):
+            items = [
+                await self._dereference(item, parent, start + i) for i, item in enumerate(items)
+            ]
+        return items, root
+
+    async def _dereference(self, item: Item, parent: ResponseState | None, index: int) -> Item:
+        if not isinstance(item, ItemReference):
+            return item
+        found = parent.lineage.find(item.id, parent.n_items) if parent is not None else None
+        if found is None:
+            found = await self.engine.find_stored_item(item.id, owner=self.owner)
+        if found is None or isinstance(found, ItemReference | Compaction):
+            raise invalid(
+                f"Item with id '{item.id}' not found.",
+                code="item_not_found",
+                param=f"input[{index}].id",
+            )
+        return found
+
+    async def finish(
+        self,
+        state: ResponseState,
+        final: Response,
+        parent_stored: bool,
+        records: list[UsageRecord],
+    ) -> ResponseState:
+        engine = self.engine
+        stored = final.store and parent_stored
+        state = attrs.evolve(state, response=final, stored=stored)
+        self.cache.put(state)
+        job_store = None
+        if final.store:
+            job_store = StoredResponse(
+                response=final,
+                items=state.own_items
+                if parent_stored and state.first_new_item
+                else list(state.items),
+                instructions=state.prefix.instructions,
+                tools=list(state.prefix.tools),
+                parent_id=final.previous_response_id,
+                is_root=not (parent_stored and state.first_new_item),
+                owner=self.owner,
+            )
+        await engine.post.commit(PostJob(records=records, stored=job_store))
+        return state
+
+
+def _generates(request: ResponseCreate) -> bool:
+    """Whether a request samples: not with `generate: false` (a warm-up), nor with
+    `prompt_cache_options.prewarm: true`, which overrides `generate` to false."""
+    options = request.prompt_cache_options or {}
+    return request.generate is not False and options.get("prewarm") is not True
+
+
+def _input_offset(request: ResponseCreate) -> int:
+    """The index in the request's input of the first item staged (after a compaction item)."""
+    items = normalize_input(request.input)
+    return max((i + 1 for i, item in enumerate(items) if isinstance(item, Compaction)), default=0)
+
+
+def _compact_threshold(request: ResponseCreate) -> int | None:
+    """`context_management: [{"type": "compaction", "compact_threshold": N}]` -> N."""
+    for entry in request.context_management or ():
+        if entry.get("type") == "compaction":
+            value = entry.get("compact_threshold")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+            raise invalid(
+                "context_management compaction needs a positive integer compact_threshold.",
+                param="context_management",
+            )
+    return None
+
+
+async def _discard(_event: ServerEvent) -> None:
+    return None
