@@ -266,10 +266,6 @@ def decode_items(data: Sequence[Any]) -> list[Item]:
     return [from_wire(item, Item, strict=False) for item in data]
 
 
-def tokens_bytes(tokens: array[int]) -> bytes:
-    return tokens.tobytes()
-
-
 def tokens_from(data: bytes, typecode: str = "I") -> array[int]:
     out = array(typecode)
     out.frombytes(data)

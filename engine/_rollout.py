@@ -149,8 +149,6 @@ class _Run:
             self.rollout.response_id = self.response_id
         for event in self.stream.start():
             await self.emit(event)
-        if self.rollout is not None:
-            self.session.rollouts[self.response_id] = self.rollout
 
     async def drive(self) -> ResponseState | None:
         prepared = self.prepared
@@ -290,7 +288,6 @@ class _Run:
         cancellation) goes to the post-inference writer without blocking."""
         if self.rollout is not None:
             self.rollout._finished()
-            self.session.rollouts.pop(self.response_id, None)
         if not self.committed:
             self._close_step()
             self.engine.post.submit_nowait(PostJob(records=self.records))

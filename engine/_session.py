@@ -76,7 +76,6 @@ class Session:
         self.engine = engine
         self.owner = owner
         self.cache = cache
-        self.rollouts: dict[str, Rollout] = {}
         self.last_timings: dict[str, float] = {}
 
     # --- parents ---
@@ -187,11 +186,11 @@ class Session:
         parent = None
         if request.previous_response_id is not None:
             parent = await self.resolve(request.previous_response_id, timings)
-        new_items, root = await self._resolve_inputs(normalize_input(request.input), parent)
+        new_items, base = await self._resolve_inputs(normalize_input(request.input), parent)
         prepared = self.engine.pipeline.prepare(
             request,
             parent,
-            root=root,
+            root=base,
             new_items=new_items,
             timings=timings,
             require_outputs=False,
@@ -245,11 +244,11 @@ class Session:
                 hydrated = request.previous_response_id not in self.cache
                 parent = await self.resolve(request.previous_response_id, timings)
             threshold = _compact_threshold(request)
-            new_items, root = await self._resolve_inputs(normalize_input(request.input), parent)
+            new_items, base = await self._resolve_inputs(normalize_input(request.input), parent)
             prepared = engine.pipeline.prepare(
                 request,
                 parent,
-                root=root,
+                root=base,
                 new_items=new_items,
                 timings=timings,
                 require_outputs=generate,
@@ -269,7 +268,7 @@ class Session:
             flags=prepared.flags,
             cached_tokens=prepared.cached_tokens,
             parent=parent,
-            parent_stored=root.stored,
+            parent_stored=base.stored,
             hydrated=hydrated,
             generate=generate,
             compact_threshold=threshold,
@@ -282,7 +281,7 @@ class Session:
         to stage and the state to stage them onto (the parent, a restored compacted state, or
         an empty state)."""
         engine = self.engine
-        root = parent or engine.empty_state()
+        base = parent or engine.empty_state()
         last = max(
             (i for i, item in enumerate(items) if isinstance(item, Compaction)), default=None
         )
@@ -299,14 +298,14 @@ class Session:
             payload = engine.seal.open(
                 compaction.encrypted_content, param=f"{where}.encrypted_content", owner=self.owner
             )
-            root = restore_state(engine.pipeline, root, payload, param=where)
+            base = restore_state(engine.pipeline, base, payload, param=where)
             items = items[last + 1 :]
             start = last + 1
         if any(isinstance(item, ItemReference) for item in items):
             items = [
                 await self._dereference(item, parent, start + i) for i, item in enumerate(items)
             ]
-        return items, root
+        return items, base
 
     async def _dereference(self, item: Item, parent: ResponseState | None, index: int) -> Item:
         if not isinstance(item, ItemReference):

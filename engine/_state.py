@@ -59,11 +59,11 @@ class Lineage:
 
     __slots__ = (
         "_calls",
-        "_csu",
         "_digests",
         "_ends",
         "_ids",
         "_media",
+        "_since_user",
         "derived",
         "items",
         "tokens",
@@ -77,7 +77,7 @@ class Lineage:
         self.tokens: array[int] = array("I")
         self._ends: array[int] = array("Q")  # cumulative token count after each item
         self._digests: list[bytes] = []  # chained context digest after each item
-        self._csu: array[int] = array("I")  # tool calls since the last user message
+        self._since_user: array[int] = array("I")  # tool calls since the last user message
         # (images, files) in content since the last user message, that message included
         self._media: list[tuple[int, int]] = []
         self._calls: dict[str, CallRecord] = {}
@@ -93,7 +93,7 @@ class Lineage:
         return self._digests[n_items - 1] if n_items else _EMPTY_DIGEST
 
     def calls_since_user(self, n_items: int) -> int:
-        return self._csu[n_items - 1] if n_items else 0
+        return self._since_user[n_items - 1] if n_items else 0
 
     def media_since_user(self, n_items: int) -> tuple[int, int]:
         return self._media[n_items - 1] if n_items else (0, 0)
@@ -123,18 +123,18 @@ class Lineage:
         self.tokens.extend(item_tokens)
         self._ends.append(len(self.tokens))
         self._digests.append(_chain(self.digest(index), digest_tokens(item_tokens)))
-        csu = self.calls_since_user(index)
+        since_user = self.calls_since_user(index)
         images, files = self.media_since_user(index)
         call = call_of(item)
         if isinstance(item, Message) and item.role == "user":
-            csu = 0
+            since_user = 0
             images = files = 0
         elif call is not None:
-            csu += 1
+            since_user += 1
             self._calls[call[0]] = CallRecord(call[1], call[2], index)
         elif isinstance(item, OpaqueItem) and item.type.endswith("_call"):
-            csu += 1  # a hosted tool's call (web_search_call, mcp_call, ...)
-        self._csu.append(csu)
+            since_user += 1  # a hosted tool's call (web_search_call, mcp_call, ...)
+        self._since_user.append(since_user)
         more_images, more_files = _parts_media(item)
         self._media.append((images + more_images, files + more_files))
 
@@ -145,10 +145,10 @@ class Lineage:
         tokens: array[int],
         ends: array[int],
         digests: list[bytes],
-        csu: array[int],
+        since_user: array[int],
     ) -> Lineage:
         """A lineage rebuilt from a snapshot (see `snapshot`), without rendering."""
-        if not (len(items) == len(ends) == len(digests) == len(csu)) or (
+        if not (len(items) == len(ends) == len(digests) == len(since_user)) or (
             ends and ends[-1] != len(tokens)
         ):
             raise ValueError("inconsistent lineage snapshot")
@@ -157,7 +157,7 @@ class Lineage:
         new.tokens = tokens
         new._ends = ends
         new._digests = digests
-        new._csu = csu
+        new._since_user = since_user
         new._media = _media_counts(items)
         for i, item in enumerate(items):
             call = call_of(item)
@@ -175,7 +175,7 @@ class Lineage:
             "tokens": self.tokens[: self.token_count(n_items)].tobytes(),
             "ends": self._ends[:n_items].tobytes(),
             "digests": self._digests[:n_items],
-            "csu": self._csu[:n_items].tobytes(),
+            "csu": self._since_user[:n_items].tobytes(),  # calls since the user message
         }
 
     def fork(self, n_items: int) -> Lineage:
@@ -185,7 +185,7 @@ class Lineage:
         new._ends = self._ends[:n_items]
         new.tokens = self.tokens[: self.token_count(n_items)]
         new._digests = self._digests[:n_items]
-        new._csu = self._csu[:n_items]
+        new._since_user = self._since_user[:n_items]
         new._media = self._media[:n_items]
         new._calls = {k: v for k, v in self._calls.items() if v.added_at < n_items}
         new._ids = {k: v for k, v in self._ids.items() if v < n_items}
