@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 import httpx
-import trio
+import stamina
 from rollout.protocol import RESPONSE_ERROR_CODES, CallKind
 
 from ._chat import NAMESPACE_SEPARATOR, ChatEncoder, ChatTool, ChatToolset
@@ -43,6 +43,8 @@ from ._interfaces import (
 
 __all__ = ["UpstreamBackend", "UpstreamConfig", "UpstreamCounters"]
 
+# The longest wait between two attempts, whatever the backoff doubling reaches (seconds).
+MAX_RETRY_WAIT = 30.0
 # The largest single SSE line accepted from an upstream (a chunk is a few hundred bytes).
 MAX_UPSTREAM_LINE = 1 << 20
 
@@ -164,64 +166,74 @@ class UpstreamBackend:
         body = self.body(request, toolset)
         self.counters.bytes_sent += len(body)
         cfg = self.config
-        attempt = 0
-        while True:
-            self.counters.requests += 1
-            started = False
-            answered = False  # response headers arrived
-            try:
-                async with self._http().stream("POST", "/chat/completions", content=body) as resp:
-                    answered = True
-                    if resp.status_code >= 400:
-                        message, code = await _error_of(resp)
-                        if resp.status_code >= 500 and attempt < cfg.retries:
-                            raise _Retry(message)
-                        self.counters.failures += 1
-                        shown = f"{resp.status_code} ({code})" if code else str(resp.status_code)
-                        raise BackendError(
-                            f"The upstream model server answered {shown}: {message}",
-                            code=_response_code(code, resp.status_code),
-                        )
-                    async for event in _parse_stream(resp, toolset):
-                        started = True
+        # Retried (stamina: exponential backoff, no jitter) only before the first token: on
+        # connect errors, a 5xx answer, or a reused connection dropped before any answer.
+        retries = stamina.retry_context(
+            on=_Retryable,
+            attempts=cfg.retries + 1,
+            timeout=None,
+            wait_initial=cfg.retry_backoff,
+            wait_max=MAX_RETRY_WAIT,
+            wait_jitter=0,
+            wait_exp_base=2,
+        )
+        try:
+            async for attempt in retries:
+                with attempt:
+                    if attempt.num > 1:
+                        self.counters.retries += 1
+                    self.counters.requests += 1
+                    async for event in self._attempt(body, toolset):
                         yield event
                     return
-            except _Retry as exc:
-                await self._backoff(attempt, str(exc))
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-                if started or attempt >= cfg.retries:
-                    self.counters.failures += 1
-                    raise BackendError(
-                        f"Could not connect to the upstream model server at {cfg.base_url}: "
-                        f"{exc.__class__.__name__}",
-                    ) from None
-                await self._backoff(attempt, str(exc))
-            except httpx.TimeoutException as exc:
-                self.counters.failures += 1
-                raise BackendError(
-                    f"The upstream model server timed out ({exc.__class__.__name__})."
-                ) from None
-            except (httpx.HTTPError, httpx.StreamError) as exc:
-                # Dropped before any answer (typically a keep-alive connection the upstream
-                # closed as we reused it): nothing was received, so it is retried like a
-                # connect error.
-                dropped = not answered and isinstance(exc, httpx.TransportError)
-                if dropped and attempt < cfg.retries:
-                    await self._backoff(attempt, str(exc))
-                else:
-                    self.counters.failures += 1
-                    what = (
-                        "The upstream closed the connection without answering"
-                        if dropped
-                        else "The upstream stream broke"
-                    )
-                    raise BackendError(f"{what}: {exc.__class__.__name__}: {exc}") from None
-            attempt += 1
+        except _Retryable as exc:  # the last attempt failed too
+            self.counters.failures += 1
+            raise BackendError(exc.message, code=exc.code) from None
 
-    async def _backoff(self, attempt: int, why: str) -> None:
-        del why
-        self.counters.retries += 1
-        await trio.sleep(self.config.retry_backoff * (2**attempt))
+    async def _attempt(
+        self, body: bytes, toolset: ChatToolset
+    ) -> AsyncGenerator[SampleEvent, None]:
+        """One request to the upstream, streamed. Raises `_Retryable` for a failure before
+        anything was received, `BackendError` for the rest."""
+        cfg = self.config
+        answered = False  # response headers arrived
+        try:
+            async with self._http().stream("POST", "/chat/completions", content=body) as resp:
+                answered = True
+                if resp.status_code >= 400:
+                    message, code = await _error_of(resp)
+                    shown = f"{resp.status_code} ({code})" if code else str(resp.status_code)
+                    text = f"The upstream model server answered {shown}: {message}"
+                    response_code = _response_code(code, resp.status_code)
+                    if resp.status_code >= 500:
+                        raise _Retryable(text, response_code)
+                    self.counters.failures += 1
+                    raise BackendError(text, code=response_code)
+                async for event in _parse_stream(resp, toolset):
+                    yield event
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise _Retryable(
+                f"Could not connect to the upstream model server at {cfg.base_url}: "
+                f"{exc.__class__.__name__}"
+            ) from None
+        except httpx.TimeoutException as exc:
+            self.counters.failures += 1
+            raise BackendError(
+                f"The upstream model server timed out ({exc.__class__.__name__})."
+            ) from None
+        except (httpx.HTTPError, httpx.StreamError) as exc:
+            # Dropped before any answer (typically a keep-alive connection the upstream
+            # closed as we reused it): nothing was received, so it is retried like a
+            # connect error.
+            if not answered and isinstance(exc, httpx.TransportError):
+                raise _Retryable(
+                    "The upstream closed the connection without answering: "
+                    f"{exc.__class__.__name__}: {exc}"
+                ) from None
+            self.counters.failures += 1
+            raise BackendError(
+                f"The upstream stream broke: {exc.__class__.__name__}: {exc}"
+            ) from None
 
 
 def _response_code(code: str | None, status: int) -> str:
@@ -235,8 +247,13 @@ def _response_code(code: str | None, status: int) -> str:
     return "server_error" if status >= 500 else "invalid_prompt"
 
 
-class _Retry(Exception):
-    pass
+class _Retryable(Exception):
+    """A failure before anything was received: worth another attempt."""
+
+    def __init__(self, message: str, code: str = "server_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
 
 
 async def _error_of(resp: httpx.Response) -> tuple[str, str | None]:
