@@ -66,6 +66,10 @@ neither, the encrypted content's string (a stand-in for its cost).
 Rendering is context-free and ignores `id`, `call_id` and `status`: the same conversation
 renders to the same tokens whatever ids were generated, and
 ``render(history + new) == render(history) + render(new)``.
+
+Why one module of ~520 lines: it is the template, one renderer with the text of every item kind
+it renders (tokens and the classifiers' text must agree item by item), kept together so a
+change to one kind's rendering is read next to the others.
 """
 
 from __future__ import annotations

@@ -29,17 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
+import attrs
 import trio
 from rollout.protocol import (
-    Item,
     ReasoningConfig,
-    RemoteProtocolError,
     Response,
-    ResponseAppend,
     ResponseCompleted,
     ResponseCreate,
     ResponseError,
@@ -48,18 +45,17 @@ from rollout.protocol import (
     ServerEvent,
     TextConfig,
     Usage,
-    call_of,
     echo_tools,
 )
 
 from ._compact import CompactionPolicy, compact_state
 from ._errors import BackendError
 from ._ids import new_id
-from ._interfaces import Flag, UsageRecord
-from ._pipeline import invalid
+from ._interfaces import Flag, StoredResponse, UsageRecord
 from ._postinfer import PostJob
 from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._state import ResponseState
+from ._suspend import Rollout
 
 if TYPE_CHECKING:
     from ._session import Prepared, Session
@@ -88,11 +84,14 @@ _SHUTDOWN_ERROR = ResponseError(
 
 
 async def run_response(
-    session: Session, request: ResponseCreate, emit: Emit, rollout: Rollout | None
+    session: Session,
+    prepared: Prepared,
+    request: ResponseCreate,
+    emit: Emit,
+    rollout: Rollout | None,
 ) -> ResponseState | None:
-    """Run one response; its events go to `emit`. Returns the final state (None when it
-    failed). Request errors raise `RemoteProtocolError` before any event is sent."""
-    prepared = await session.prepare(request)  # pre-inference, once
+    """Run one response whose pre-inference is done (`Session.prepare`); its events go to
+    `emit`. Returns the final state (None when it failed)."""
     run = _Run(session, request, emit, rollout, prepared)
     await run.start()
     try:
@@ -232,9 +231,7 @@ class _Run:
         """Completed or incomplete: the response (if stored) and its usage are committed,
         then the terminal event goes out."""
         final = terminal.response
-        final_state = await self.session.finish(
-            state, final, self.prepared.parent_stored, self.records
-        )
+        final_state = await self._commit_final(state, final)
         await self._end(terminal, final.status, final_state)
         return final_state
 
@@ -281,6 +278,31 @@ class _Run:
         if terminal is not None:
             self.engine.record_status(status)
             await self.emit(terminal)
+        return state
+
+    async def _commit_final(self, state: ResponseState, final: Response) -> ResponseState:
+        """Post-inference, once: the final state joins the connection's cache; its usage and,
+        with store: true, the stored response are committed."""
+        engine = self.engine
+        parent_stored = self.prepared.parent_stored
+        records = self.records
+        stored = final.store and parent_stored
+        state = attrs.evolve(state, response=final, stored=stored)
+        self.session.cache.put(state)
+        job_store = None
+        if final.store:
+            job_store = StoredResponse(
+                response=final,
+                items=state.own_items
+                if parent_stored and state.first_new_item
+                else list(state.items),
+                instructions=state.prefix.instructions,
+                tools=list(state.prefix.tools),
+                parent_id=final.previous_response_id,
+                is_root=not (parent_stored and state.first_new_item),
+                owner=self.session.owner,
+            )
+        await engine.post.commit(PostJob(records=records, stored=job_store))
         return state
 
     def release(self) -> None:
@@ -392,112 +414,3 @@ def _new_response(request: ResponseCreate, now: int) -> Response:
         prompt_cache_retention=request.prompt_cache_retention,
         client_metadata=request.client_metadata,
     )
-
-
-_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
-
-
-class Rollout:
-    """A rollout in flight (the extension). Iterate it for events up to the next suspension
-    or the end; `pending_calls` names the calls whose outputs resume it; `append` delivers
-    outputs. Missing outputs are waited for: a partial append is accepted, and the rollout
-    resumes when every pending call has its output."""
-
-    def __init__(
-        self, session: Session, events: trio.MemoryReceiveChannel[ServerEvent] | None = None
-    ) -> None:
-        self.session = session
-        self.response_id: str | None = None
-        self.error: RemoteProtocolError | None = None
-        self.response: Response | None = None
-        self._events = events
-        self._state: ResponseState | None = None  # set while suspended
-        self._flags: tuple[Any, ...] = ()
-        # Pre-inference stage timings of the appends since the last suspension (the resumed
-        # turn's `Session.last_timings`, reported like a create's).
-        self.timings: dict[str, float] = {}
-        self._wake = trio.Event()
-        self._done = False
-        self.ended = False  # a terminal event was emitted
-
-    @property
-    def suspended(self) -> bool:
-        return self._state is not None
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    @property
-    def pending_calls(self) -> list[tuple[str, str]]:
-        """(call_id, name) of the calls the suspended rollout waits for."""
-        return list(self._state.open_calls) if self._state is not None else []
-
-    def __aiter__(self) -> AsyncIterator[ServerEvent]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[ServerEvent]:
-        if self._events is None:
-            raise RuntimeError("this rollout streams to its emitter; it can't be iterated")
-        async for event in self._events:
-            response = getattr(event, "response", None)
-            if response is not None:
-                self.response = response
-            if event.type in _ENDS:
-                self.ended = True
-            yield event
-            if event.type in _ENDS or event.type == "response.done":
-                return
-
-    def append(self, items: Sequence[Item] | ResponseAppend) -> None:
-        """Deliver tool outputs (and any other input items) to the suspended rollout.
-        Raises `RemoteProtocolError` for a rollout that is not suspended or an output that
-        answers no pending call; the rollout stays suspended and resumable after an error."""
-        if isinstance(items, ResponseAppend):
-            items = items.input
-        state = self._state
-        if state is None:
-            raise invalid(
-                "The rollout is not suspended: append tool outputs after response.done.",
-                code="rollout_not_suspended",
-                param="response_id",
-            )
-        engine = self.session.engine
-        staged = engine.pipeline.stage(
-            items,
-            lineage=state.lineage,
-            n_items=state.n_items,
-            classifier_state=state.classifier_state,
-            open_calls=dict(state.open_calls),
-            param="input",
-            timings=self.timings,
-        )
-        if any(call_of(i) is not None for i in items):
-            raise invalid(
-                "response.append carries tool outputs and messages, not tool calls.",
-                param="input",
-            )
-        self._state = engine.pipeline.commit(state, staged)
-        self._flags += staged.flags
-        if not self._state.open_calls or self._flags:
-            self._wake.set()
-
-    def _suspend(self, state: ResponseState) -> None:
-        self._state = state
-        self._flags = ()
-        self.timings = {}
-        self._wake = trio.Event()
-
-    async def _wait_resume(self, limit: float) -> tuple[ResponseState, tuple[Any, ...]] | None:
-        try:
-            with trio.move_on_after(limit if math.isfinite(limit) else math.inf):
-                await self._wake.wait()
-                assert self._state is not None
-                return self._state, self._flags
-            return None
-        finally:
-            self._state = None
-
-    def _finished(self) -> None:
-        self._done = True
-        self._state = None

@@ -6,8 +6,6 @@ responses through the rollout coroutine (`_rollout.py`).
   and `compact` serve the HTTP API's other routes.
 - `prepare` is pre-inference, once per response: the parent, the input's references and
   compaction items, then the pipeline's validate / render / classify / route on the new items.
-- `finish` is post-inference: the final state is cached and, with its usage and (store: true)
-  the stored response, committed before the terminal event goes out.
 - Hydration rebuilds a state from stored responses when the parent is not cached.
 """
 
@@ -37,9 +35,8 @@ from ._cache import ResponseCache
 from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, restore_state
 from ._errors import previous_response_not_found, server_error, shutting_down
 from ._ids import new_id
-from ._interfaces import Flag, StoredResponse, UsageRecord
+from ._interfaces import Flag, StoredResponse
 from ._pipeline import invalid, normalize_input
-from ._postinfer import PostJob
 from ._rollout import Emit, Rollout, run_response
 from ._state import ResponseState
 
@@ -134,7 +131,7 @@ class Session:
                 "Use open_rollout() (or the WebSocket transport) for rollout mode.",
                 param="rollout",
             )
-        return await run_response(self, request, emit or _discard, None)
+        return await self._respond(request, emit or _discard, None)
 
     async def respond(self, request: ResponseCreate) -> Response:
         """Run one response and return the final Response object."""
@@ -145,7 +142,7 @@ class Session:
             if response is not None:
                 final[:] = [response]
 
-        await run_response(self, request, keep, None)
+        await self._respond(request, keep, None)
         return final[-1]
 
     @asynccontextmanager
@@ -161,7 +158,7 @@ class Session:
                 # checkpoint would let the reader leave the block and cancel this task while
                 # an exception is on its way out, and Cancelled would replace (lose) it.
                 try:
-                    await run_response(self, request, send.send, rollout)
+                    await self._respond(request, send.send, rollout)
                 except RemoteProtocolError as exc:
                     # Kept without its traceback: the traceback's frames hold `rollout`,
                     # which would hold the error back (a reference cycle per failed rollout).
@@ -223,7 +220,14 @@ class Session:
 
     async def run_rollout(self, request: ResponseCreate, emit: Emit, rollout: Rollout) -> None:
         """Server-side form: run the rollout in the caller's task, emitting to `emit`."""
-        await run_response(self, request, emit, rollout)
+        await self._respond(request, emit, rollout)
+
+    async def _respond(
+        self, request: ResponseCreate, emit: Emit, rollout: Rollout | None
+    ) -> ResponseState | None:
+        """Pre-inference here, then the rollout coroutine (which never calls back up)."""
+        prepared = await self.prepare(request)
+        return await run_response(self, prepared, request, emit, rollout)
 
     # --- pre-inference ---
     async def prepare(self, request: ResponseCreate) -> Prepared:
@@ -320,33 +324,6 @@ class Session:
                 param=f"input[{index}].id",
             )
         return found
-
-    async def finish(
-        self,
-        state: ResponseState,
-        final: Response,
-        parent_stored: bool,
-        records: list[UsageRecord],
-    ) -> ResponseState:
-        engine = self.engine
-        stored = final.store and parent_stored
-        state = attrs.evolve(state, response=final, stored=stored)
-        self.cache.put(state)
-        job_store = None
-        if final.store:
-            job_store = StoredResponse(
-                response=final,
-                items=state.own_items
-                if parent_stored and state.first_new_item
-                else list(state.items),
-                instructions=state.prefix.instructions,
-                tools=list(state.prefix.tools),
-                parent_id=final.previous_response_id,
-                is_root=not (parent_stored and state.first_new_item),
-                owner=self.owner,
-            )
-        await engine.post.commit(PostJob(records=records, stored=job_store))
-        return state
 
 
 def _generates(request: ResponseCreate) -> bool:
