@@ -115,8 +115,9 @@ class RolloutApp:
         self._routes = self._route_table()
 
     def _route_table(self) -> tuple[Route, ...]:
-        """Tried in order; `\\Z` where the old exact comparisons allowed no trailing newline,
-        `/*` where they ignored trailing slashes."""
+        """Tried in order, each pattern from the start of the path. Fixed paths end in `\\Z`
+        (with `/*`, trailing slashes are ignored); the id patterns end in `$`, which also
+        takes one trailing newline (a `%0A`), as these routes always have."""
         size = self.config.max_message_size
         responses = ResponsesApi(self.engine, max_message_size=size)
         chat = ChatApi(self.engine, max_message_size=size)

@@ -9,7 +9,6 @@ with its first frame, so a request error found before any event still gets a JSO
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import trio
 from rollout.protocol import RemoteProtocolError, ServerEvent, encode_json
@@ -59,7 +58,7 @@ class EventStream:
 
 
 async def run_until_disconnect(
-    receive: Receive, work: Awaitable[Any]
+    receive: Receive, work: Awaitable[object]
 ) -> RemoteProtocolError | None:
     """Run `work` until it ends or the client disconnects (which cancels it). Returns the
     request error it raised, if any."""
