@@ -35,7 +35,7 @@ class ChatApi:
             request.model or "",
             stream=streaming,
             include_usage=include_usage,
-            send_chunk=stream.frame,
+            send_chunk=lambda chunk: stream.frame(sse_data(chunk)),
         )
         session = self.engine.session(owner=req.owner, max_cached_responses=1)
         error = await run_until_disconnect(req.receive, session.create(request, emitter))
