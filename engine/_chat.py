@@ -542,7 +542,8 @@ def request_from_chat(body: Any) -> ResponseCreate:
 
 
 class ChatCompletionEmitter:
-    """Turns a response's events into a chat completion (or its chunks, when streaming)."""
+    """Turns a response's events into a chat completion (or its chunks, when streaming: each
+    chunk's JSON goes to `send_chunk`, which frames it for its transport)."""
 
     def __init__(
         self,
@@ -573,7 +574,7 @@ class ChatCompletionEmitter:
             "model": self.model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         }
-        return b"data: " + _dumps(body) + b"\n\n"
+        return _dumps(body)
 
     async def _out(self, delta: dict[str, Any], finish: str | None = None) -> None:
         if self.stream and self._send is not None:
@@ -637,7 +638,7 @@ class ChatCompletionEmitter:
                     "choices": [],
                     "usage": self.usage,
                 }
-                await self._send(b"data: " + _dumps(body) + b"\n\n")
+                await self._send(_dumps(body))
 
     def completion(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
