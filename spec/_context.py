@@ -99,7 +99,11 @@ class Case:
 
 def load_cases() -> list[Case]:
     """The case list shipped beside the specification (spec/checks.json)."""
-    text = importlib.resources.files("spec").joinpath("checks.json").read_text(encoding="utf-8")
+    text = (
+        importlib.resources.files("rollout.spec")
+        .joinpath("checks.json")
+        .read_text(encoding="utf-8")
+    )
     data = json.loads(text)
     return [
         Case(
