@@ -30,7 +30,7 @@ import trio
 from rollout import spec
 from rollout.engine import ModelRegistry, ModelSpec, SampleEvent, SampleRequest, SimBackend
 from rollout.engine._serve import ServerConfig, open_server
-from rollout.spec._context import CHECKS
+from rollout.spec._catalog import CHECKS
 
 SPEC_DIR = Path(spec.__file__).parent
 API_KEY = "sk-conform-test"
