@@ -22,9 +22,9 @@ from ._requests import (
 )
 from ._steps import completed, first_event
 
-__all__ = ["CHECKS"]
+__all__ = ["checks"]
 
-CHECKS = checks = CheckSet()
+checks = CheckSet()
 
 # === WS-4: continuation, cache, store ========================================================
 

@@ -24,7 +24,7 @@ import attrs
 
 from ._analysis import expect_error
 from ._client import CheckFailed, WsClient, describe_value
-from ._context import CheckFn, Context
+from ._context import CheckSet, Context
 from ._requests import (
     TEXT_PROMPT,
     append_event,
@@ -45,7 +45,7 @@ from ._steps import (
     suspended,
 )
 
-__all__ = ["CHECKS", "ERROR_ROWS", "After", "ErrorRow", "Prior", "Setup", "run_row"]
+__all__ = ["ERROR_ROWS", "After", "ErrorRow", "Prior", "Setup", "checks", "run_row"]
 
 # How far beyond the server's message size limit the oversized requests go, in bytes.
 OVERSIZE = 1024
@@ -332,13 +332,11 @@ async def run_row(row: ErrorRow, ctx: Context) -> None:
         await _run_ws(ctx, row)
 
 
-def _checks() -> dict[str, CheckFn]:
-    by_id: dict[str, CheckFn] = {}
-    for row in ERROR_ROWS:
-        if row.id in by_id:
-            raise ValueError(f"error row {row.id!r} appears twice")
-        by_id[row.id] = functools.partial(run_row, row)
-    return by_id
+def _register(rows: tuple[ErrorRow, ...]) -> CheckSet:
+    registered = CheckSet()
+    for row in rows:
+        registered.add(row.id, functools.partial(run_row, row))
+    return registered
 
 
-CHECKS = _checks()
+checks = _register(ERROR_ROWS)

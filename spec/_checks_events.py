@@ -16,9 +16,9 @@ from ._context import CheckSet, Context
 from ._requests import text_body, tool_body
 from ._steps import completed, fail_on, first_event, response_field_problems, response_of
 
-__all__ = ["CHECKS"]
+__all__ = ["checks"]
 
-CHECKS = checks = CheckSet()
+checks = CheckSet()
 
 # === WS-3: event stream ======================================================================
 

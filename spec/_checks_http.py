@@ -9,9 +9,9 @@ from ._context import CheckSet, Context
 from ._requests import text_body
 from ._steps import fail_on, response_field_problems
 
-__all__ = ["CHECKS"]
+__all__ = ["checks"]
 
-CHECKS = checks = CheckSet()
+checks = CheckSet()
 
 # === HTTP ====================================================================================
 

@@ -34,9 +34,9 @@ from ._steps import (
     suspended,
 )
 
-__all__ = ["CHECKS"]
+__all__ = ["checks"]
 
-CHECKS = checks = CheckSet()
+checks = CheckSet()
 
 
 @checks("rollout.suspend")

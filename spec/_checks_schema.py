@@ -14,9 +14,9 @@ from ._requests import append_event, text_body, tool_body, tool_output
 from ._schema import event_problems, response_problems
 from ._steps import SUSPEND_OR_END, completed, first_event, pending_calls, response_of, suspended
 
-__all__ = ["CHECKS"]
+__all__ = ["checks"]
 
-CHECKS = checks = CheckSet()
+checks = CheckSet()
 
 # === SCHEMA: what the server emits is valid ==================================================
 

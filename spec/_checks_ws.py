@@ -28,9 +28,9 @@ from ._requests import (
 )
 from ._steps import completed, fail_on, first_event, response_of
 
-__all__ = ["CHECKS"]
+__all__ = ["checks"]
 
-CHECKS = checks = CheckSet()
+checks = CheckSet()
 
 # A connection left idle (with pings) this long must stay open (WS-1.5).
 IDLE_SECONDS = 1.0
