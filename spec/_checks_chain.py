@@ -5,7 +5,7 @@ are rows of the error table (`_checks_errors`)."""
 
 from __future__ import annotations
 
-from ._analysis import call_items, error_problems
+from ._analysis import error_problems
 from ._client import CheckFailed, describe_value
 from ._context import CheckSet, Context
 from ._probes import compare_outputs
@@ -20,7 +20,7 @@ from ._requests import (
     tool_output,
     unknown_id,
 )
-from ._steps import completed, first_event
+from ._steps import completed, first_event, forced_calls
 
 __all__ = ["checks"]
 
@@ -33,9 +33,7 @@ checks = CheckSet()
 async def ws_continuation_new_items(ctx: Context) -> None:
     async with ctx.ws() as ws:
         _, first = await completed(ctx, ws, tool_body(ctx), "a forced tool call")
-        calls = call_items(first["output"])
-        if not calls:
-            raise CheckFailed("the forced tool call produced no function_call item")
+        calls = forced_calls(first)
         body = {
             "model": ctx.model,
             "previous_response_id": first["id"],
@@ -58,9 +56,7 @@ async def ws_continuation_new_items(ctx: Context) -> None:
 async def ws_continuation_equals_stateless(ctx: Context) -> None:
     async with ctx.ws() as ws:
         _, first = await completed(ctx, ws, tool_body(ctx), "a forced tool call")
-        calls = call_items(first["output"])
-        if not calls:
-            raise CheckFailed("the forced tool call produced no function_call item")
+        calls = forced_calls(first)
         tail = {"tools": [WEATHER_TOOL], "tool_choice": "none", "store": False, "model": ctx.model}
         _, chained = await completed(
             ctx,
@@ -85,9 +81,7 @@ async def ws_continuation_equals_stateless(ctx: Context) -> None:
 async def ws_evicted_after_failure(ctx: Context) -> None:
     async with ctx.ws() as ws:
         _, first = await completed(ctx, ws, tool_body(ctx), "a forced tool call (store: false)")
-        calls = call_items(first["output"])
-        if not calls:
-            raise CheckFailed("the forced tool call produced no function_call item")
+        calls = forced_calls(first)
         tail = {
             "model": ctx.model,
             "tools": [WEATHER_TOOL],
@@ -122,9 +116,7 @@ async def ws_store_hydration(ctx: Context) -> None:
         _, first = await completed(
             ctx, ws, tool_body(ctx, store=True), "a forced tool call (store: true)"
         )
-    calls = call_items(first["output"])
-    if not calls:
-        raise CheckFailed("the forced tool call produced no function_call item")
+    calls = forced_calls(first)
     body = {
         "model": ctx.model,
         "previous_response_id": first["id"],

@@ -14,7 +14,14 @@ from ._analysis import (
 from ._client import CheckFailed, describe_value
 from ._context import CheckSet, Context
 from ._requests import text_body, tool_body
-from ._steps import completed, fail_on, first_event, response_field_problems, response_of
+from ._steps import (
+    completed,
+    fail_on,
+    first_event,
+    forced_calls,
+    response_field_problems,
+    response_of,
+)
 
 __all__ = ["checks"]
 
@@ -112,9 +119,7 @@ async def ws_function_call_consistency(ctx: Context) -> None:
 async def ws_item_id_call_id(ctx: Context) -> None:
     async with ctx.ws() as ws:
         events, response = await completed(ctx, ws, tool_body(ctx), "a forced tool call")
-    calls = call_items(response["output"])
-    if not calls:
-        raise CheckFailed("the forced tool call produced no function_call item")
+    calls = forced_calls(response)
     for call in calls:
         if call.get("id") == call.get("call_id"):
             raise CheckFailed(f"a function_call's id equals its call_id {call.get('id')!r}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._analysis import completed_response
+from ._analysis import call_items, completed_response
 from ._client import TERMINAL, CheckFailed, WsClient, describe_value
 from ._context import Context
 from ._requests import append_event, tool_body, tool_output
@@ -20,6 +20,7 @@ __all__ = [
     "expect_resume",
     "fail_on",
     "first_event",
+    "forced_calls",
     "pending_calls",
     "response_field_problems",
     "response_of",
@@ -52,6 +53,14 @@ async def completed(
     ctx.step = f"waiting for {what}"
     events = await ws.create(body)
     return events, completed_response(events, what)
+
+
+def forced_calls(response: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The function calls of the response to a forced tool call: at least one."""
+    calls = call_items(response.get("output") or [])
+    if not calls:
+        raise CheckFailed("the forced tool call produced no function_call item")
+    return calls
 
 
 async def first_event(ctx: Context, ws: WsClient, message: Mapping[str, Any] | str) -> Event:
