@@ -146,7 +146,7 @@ STAYS_SUSPENDED_AND_REMEMBERS = After(_then_refuses_answered)
 @attrs.frozen(kw_only=True)
 class ErrorRow:
     """One error check: send `request` over `transport` (after `setup`), expect one error
-    with `status`, `code`, `param` (`...`: not checked) and `type` (None: any string), then
+    with `status`, `code`, `param` (`...`: not checked) and `error_type` (None: any string), then
     verify `after`."""
 
     id: str
@@ -156,7 +156,7 @@ class ErrorRow:
     status: int
     code: str
     param: str | EllipsisType | None
-    type: str | None = "invalid_request_error"
+    error_type: str | None = "invalid_request_error"
     setup: Setup = NOTHING
     after: After = NOTHING_AFTER
 
@@ -193,7 +193,7 @@ ERROR_ROWS: tuple[ErrorRow, ...] = (
     ErrorRow(
         id="http.error_body_too_large", rule="HTTP-2.4", transport="http",
         request=_oversized_body,
-        status=413, code="message_too_large", param=..., type=None,
+        status=413, code="message_too_large", param=..., error_type=None,
     ),
     ErrorRow(
         id="rollout.http_rejected", rule="RX-1.1", transport="http",
@@ -285,7 +285,9 @@ ERROR_ROWS: tuple[ErrorRow, ...] = (
 
 
 def _expect(row: ErrorRow, event: Mapping[str, Any]) -> None:
-    expect_error(event, status=row.status, code=row.code, param=row.param, error_type=row.type)
+    expect_error(
+        event, status=row.status, code=row.code, param=row.param, error_type=row.error_type
+    )
 
 
 async def _run_http(ctx: Context, row: ErrorRow) -> None:
