@@ -4,15 +4,13 @@ goes back on the wire, so the I/O layer never has to invent error text."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Literal
 
 import attrs
 
-if TYPE_CHECKING:
-    from ._events import ErrorEvent
-
 __all__ = [
     "ErrorBody",
+    "ErrorEvent",
     "LocalProtocolError",
     "ProtocolError",
     "RemoteProtocolError",
@@ -28,6 +26,17 @@ class ErrorBody:
     code: str | None = None
     message: str
     param: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ErrorEvent:
+    """The WebSocket `error` event, nested: `{"type": "error", "status", "error": {...}}`.
+    (Here rather than in `_events`, which re-exports it: a remote error builds it.)"""
+
+    type: Literal["error"] = "error"
+    status: int | None = None
+    sequence_number: int | None = None
+    error: ErrorBody
 
 
 class ProtocolError(Exception):
@@ -65,8 +74,6 @@ class RemoteProtocolError(ProtocolError):
         return self.body.param
 
     def error_event(self) -> ErrorEvent:
-        from ._events import ErrorEvent
-
         return ErrorEvent(status=self.status, error=self.body)
 
     def __repr__(self) -> str:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal, TypeAlias
 
 import attrs
 
-from ._errors import ErrorBody
+from ._errors import ErrorEvent  # defined beside the error it carries (no import cycle)
 from ._items import ContentPart, Item
 from ._response import ReasoningConfig, Response, TextConfig
 from ._tools import Tool, ToolChoice, check_tool
@@ -360,16 +360,6 @@ class CustomToolCallInputDone:
     item_id: str
     output_index: int
     input: str
-
-
-@attrs.frozen(kw_only=True)
-class ErrorEvent:
-    """The WebSocket `error` event, nested: `{"type": "error", "status", "error": {...}}`."""
-
-    type: Literal["error"] = "error"
-    status: int | None = None
-    sequence_number: int | None = None
-    error: ErrorBody
 
 
 @attrs.frozen(kw_only=True)

@@ -1,5 +1,5 @@
 """What a check runs with: the options, the case list, a `Context` (connections, HTTP,
-probes of the server's features), and the registry of check functions."""
+probes of the server's features), and `CheckSet`, how a module registers its checks."""
 
 from __future__ import annotations
 
@@ -27,13 +27,12 @@ from ._client import (
 )
 
 __all__ = [
-    "CHECKS",
     "Case",
     "CheckFn",
+    "CheckSet",
     "Context",
     "Options",
     "Probes",
-    "check",
     "load_cases",
 ]
 
@@ -99,7 +98,11 @@ class Case:
 
 def load_cases() -> list[Case]:
     """The case list shipped beside the specification (spec/checks.json)."""
-    text = importlib.resources.files("spec").joinpath("checks.json").read_text(encoding="utf-8")
+    text = (
+        importlib.resources.files("rollout.spec")
+        .joinpath("checks.json")
+        .read_text(encoding="utf-8")
+    )
     data = json.loads(text)
     return [
         Case(
@@ -248,16 +251,23 @@ class Context:
 
 
 CheckFn = Callable[[Context], Awaitable[None]]
-CHECKS: dict[str, CheckFn] = {}
 
 
-def check(check_id: str) -> Callable[[CheckFn], CheckFn]:
-    """Register a check function under its id (its rule and title live in checks.json)."""
+class CheckSet:
+    """The checks of one module by id; `@checks("http.create")` registers a function (its
+    rule and title live in checks.json). `_catalog` gathers the sets."""
 
-    def register(fn: CheckFn) -> CheckFn:
-        if check_id in CHECKS:
+    def __init__(self) -> None:
+        self.by_id: dict[str, CheckFn] = {}
+
+    def add(self, check_id: str, fn: CheckFn) -> None:
+        if check_id in self.by_id:
             raise ValueError(f"check {check_id!r} is registered twice")
-        CHECKS[check_id] = fn
-        return fn
+        self.by_id[check_id] = fn
 
-    return register
+    def __call__(self, check_id: str) -> Callable[[CheckFn], CheckFn]:
+        def register(fn: CheckFn) -> CheckFn:
+            self.add(check_id, fn)
+            return fn
+
+        return register

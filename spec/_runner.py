@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 import httpx
 import trio
 
-from . import _checks
+from ._catalog import CHECKS, FEATURE_PROBES
 from ._client import CheckFailed, CheckSkipped
-from ._context import CHECKS, OPTION_FLAGS, Case, Context, Options, Probes, load_cases
+from ._context import OPTION_FLAGS, Case, Context, Options, Probes, load_cases
 from ._report import CheckResult, Outcome, Report
 
 __all__ = ["run_conformance", "run_conformance_sync", "select_cases"]
@@ -104,7 +104,7 @@ async def _run_case(
             missing = [n for n in case.needs if getattr(options, n, None) is None]
             if missing:
                 raise CheckSkipped("needs " + ", ".join(OPTION_FLAGS.get(n, n) for n in missing))
-            probe = _checks.FEATURE_PROBES.get(case.feature)
+            probe = FEATURE_PROBES.get(case.feature)
             if probe is not None:
                 why_not = await probes.get(case.feature, functools.partial(probe, ctx))
                 if why_not:

@@ -73,7 +73,9 @@ _CALL_TYPES = frozenset(
 @functools.cache
 def load_schema() -> dict[str, Any]:
     """The schema document, read once from the package."""
-    text = importlib.resources.files("spec").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    text = (
+        importlib.resources.files("rollout.spec").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    )
     schema: dict[str, Any] = json.loads(text)
     return schema
 

@@ -30,7 +30,8 @@ import trio
 from rollout import spec
 from rollout.engine import ModelRegistry, ModelSpec, SampleEvent, SampleRequest, SimBackend
 from rollout.engine._serve import ServerConfig, open_server
-from rollout.spec._context import CHECKS
+from rollout.spec._catalog import CHECKS
+from rollout.spec._checks_errors import ERROR_ROWS
 
 SPEC_DIR = Path(spec.__file__).parent
 API_KEY = "sk-conform-test"
@@ -145,6 +146,20 @@ def test_every_rule_has_a_check_and_every_check_a_rule() -> None:
         )
         keyword = re.search(r"\b(MUST|SHOULD|MAY)\b", text)
         assert keyword, f"{rule} has no MUST/SHOULD/MAY"
+
+
+def test_error_table_agrees_with_the_case_list_and_the_spec() -> None:
+    """Each row of the error table names its check's rule as checks.json does, its transport
+    as the check id implies, and the error code its rule's text names."""
+    rules = spec_rules()
+    cases = {c.id: c for c in spec.load_cases()}
+    assert len(ERROR_ROWS) >= 15
+    for row in ERROR_ROWS:
+        assert row.id in cases, row.id
+        assert row.rule == cases[row.id].rule, (row.id, row.rule, cases[row.id].rule)
+        http = row.id.startswith("http.") or row.id == "rollout.http_rejected"
+        assert row.transport == ("http" if http else "ws"), row.id
+        assert f"`{row.code}`" in rules[row.rule][0], (row.id, row.code)
 
 
 def test_required_checks_verify_must_rules() -> None:

@@ -296,7 +296,8 @@ def test_wheel_contents(wheel: Path) -> None:
 def test_wheel_installs_in_a_fresh_venv_and_runs_from_root(wheel: Path, tmp_path: Path) -> None:
     """`pip install rollout-engine` from the built wheel into a new virtual environment (its
     dependencies from the package index, or pip's cache): from `/`, `rollout --version` runs,
-    `rollout.engine` imports from the venv, and none of the old top-level names exist."""
+    `rollout.engine` imports from the venv, the spec finds its case list and schema in the
+    package, and none of the old top-level names exist."""
     venv = tmp_path / "venv"
     result = run([sys.executable, "-m", "venv", venv])
     assert result.returncode == 0, result.stdout + result.stderr
@@ -316,6 +317,12 @@ print(json.dumps([rollout.engine.__file__, rollout.__version__, old]))
     engine_file, version, old = json.loads(result.stdout)
     assert Path(engine_file).is_relative_to(venv) and version == VERSION
     assert old == []
+    # The spec's data files are found inside the installed package (not beside a checkout).
+    code = "from rollout.spec import load_cases; from rollout.spec._schema import load_schema\n"
+    code += "print(len(load_cases()), bool(load_schema()))"
+    result = run([python, "-I", "-c", code], cwd="/")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split()[1] == "True" and int(result.stdout.split()[0]) >= 40
     site = next((venv / "lib").glob("python3*/site-packages"))
     record = next(site.glob("rollout_engine-*.dist-info")) / "RECORD"
     tops = {line.split("/")[0].split(",")[0] for line in record.read_text().splitlines()}
