@@ -58,9 +58,9 @@ from ._state import ResponseState
 from ._suspend import Rollout
 
 if TYPE_CHECKING:
-    from ._session import Prepared, Session
+    from ._services import ConnectionScope
 
-__all__ = ["MAX_HOSTED_ROUNDS", "SERVER_ERROR", "Emit", "Rollout", "run_response"]
+__all__ = ["MAX_HOSTED_ROUNDS", "SERVER_ERROR", "Emit", "Prepared", "Rollout", "run_response"]
 
 Emit = Callable[[ServerEvent], Awaitable[None]]
 _Terminal = ResponseCompleted | ResponseIncomplete
@@ -83,8 +83,22 @@ _SHUTDOWN_ERROR = ResponseError(
 )
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class Prepared:
+    """What pre-inference hands to the coroutine: the state to sample from and its origin."""
+
+    state: ResponseState
+    flags: tuple[Flag, ...]
+    cached_tokens: int  # context tokens reused from the parent without rendering
+    parent: ResponseState | None
+    parent_stored: bool  # the conversation so far is in the store (a stored child links to it)
+    hydrated: bool  # the parent was rebuilt from the store (nothing was reused)
+    generate: bool  # False: a warm-up (generate: false), pre-inference only
+    compact_threshold: int | None
+
+
 async def run_response(
-    session: Session,
+    session: ConnectionScope,
     prepared: Prepared,
     request: ResponseCreate,
     emit: Emit,
@@ -118,7 +132,7 @@ class _Run:
 
     def __init__(
         self,
-        session: Session,
+        session: ConnectionScope,
         request: ResponseCreate,
         emit: Emit,
         rollout: Rollout | None,

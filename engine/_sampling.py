@@ -47,7 +47,7 @@ from ._state import ResponseState
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from ._engine import Engine
+    from ._services import EngineServices
 
     Emit = Callable[[ServerEvent], Awaitable[None]]
 
@@ -76,7 +76,7 @@ class Step:
 
 
 async def sample_turn(
-    engine: Engine,
+    engine: EngineServices,
     state: ResponseState,
     request: ResponseCreate,
     stream: ResponseStream,
@@ -160,7 +160,7 @@ async def sample_turn(
 
 
 async def _run_hosted(
-    engine: Engine, state: ResponseState, call: CallStart, arguments: str
+    engine: EngineServices, state: ResponseState, call: CallStart, arguments: str
 ) -> Sequence[Item]:
     """Run a hosted tool's call with its configured executor; its items join the output."""
     executor = engine.hosted[call.kind]

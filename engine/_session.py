@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import trio
 from rollout.protocol import (
     Compaction,
@@ -35,15 +34,15 @@ from ._cache import ResponseCache
 from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, restore_state
 from ._errors import previous_response_not_found, server_error, shutting_down
 from ._ids import new_id
-from ._interfaces import Flag, StoredResponse
+from ._interfaces import StoredResponse
 from ._pipeline import invalid, normalize_input
-from ._rollout import Emit, Rollout, run_response
+from ._rollout import Emit, Prepared, Rollout, run_response
 from ._state import ResponseState
 
 if TYPE_CHECKING:
-    from ._engine import Engine
+    from ._services import EngineServices
 
-__all__ = ["ROLLOUT_EVENT_BUFFER", "Prepared", "Session"]
+__all__ = ["ROLLOUT_EVENT_BUFFER", "Session"]
 
 log = logging.getLogger("rollout.engine")
 
@@ -51,25 +50,11 @@ log = logging.getLogger("rollout.engine")
 ROLLOUT_EVENT_BUFFER = 256
 
 
-@attrs.frozen(kw_only=True, eq=False)
-class Prepared:
-    """What pre-inference hands to the coroutine: the state to sample from and its origin."""
-
-    state: ResponseState
-    flags: tuple[Flag, ...]
-    cached_tokens: int  # context tokens reused from the parent without rendering
-    parent: ResponseState | None
-    parent_stored: bool  # the conversation so far is in the store (a stored child links to it)
-    hydrated: bool  # the parent was rebuilt from the store (nothing was reused)
-    generate: bool  # False: a warm-up (generate: false), pre-inference only
-    compact_threshold: int | None
-
-
 class Session:
     """The connection scope. Not safe for concurrent `create`s: callers serialize them
     (the WebSocket handler runs its FIFO queue one request at a time)."""
 
-    def __init__(self, engine: Engine, *, owner: str | None, cache: ResponseCache) -> None:
+    def __init__(self, engine: EngineServices, *, owner: str | None, cache: ResponseCache) -> None:
         self.engine = engine
         self.owner = owner
         self.cache = cache

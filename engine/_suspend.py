@@ -27,7 +27,7 @@ from ._pipeline import invalid
 from ._state import ResponseState
 
 if TYPE_CHECKING:
-    from ._session import Session
+    from ._services import ConnectionScope
 
 __all__ = ["Rollout"]
 
@@ -41,7 +41,7 @@ class Rollout:
     resumes when every pending call has its output."""
 
     def __init__(
-        self, session: Session, events: trio.MemoryReceiveChannel[ServerEvent] | None = None
+        self, session: ConnectionScope, events: trio.MemoryReceiveChannel[ServerEvent] | None = None
     ) -> None:
         self.session = session
         self.response_id: str | None = None

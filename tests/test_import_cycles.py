@@ -1,6 +1,6 @@
-"""No import cycles inside a package: the modules of `rollout.spec` and `rollout.protocol`
-import each other in one direction only, read from their source (every `import`, at module
-level, inside functions and under `TYPE_CHECKING` alike).
+"""No import cycles inside a package: the modules of `rollout.spec`, `.protocol`, `.engine`,
+and `.bench` import each other in one direction only, read from their source (every
+`import`, at module level, inside functions and under `TYPE_CHECKING` alike).
 
 `from . import name` counts as an import of the package itself (its `__init__`), as well as of
 the submodule `name`: a module that reaches back into its package's namespace is a cycle
@@ -17,7 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Import package -> its folder in the checkout (pyproject's package-dir).
-PACKAGES = {"rollout.spec": "spec", "rollout.protocol": "protocol"}
+PACKAGES = {
+    "rollout.spec": "spec",
+    "rollout.protocol": "protocol",
+    "rollout.engine": "engine",
+    "rollout.bench": "bench",
+}
 
 
 def module_files(package: str, folder: str) -> dict[str, Path]:

@@ -1,0 +1,82 @@
+"""What a connection and the rollout coroutine need from the engine, as Protocols.
+
+The session (`_session.py`), the coroutine (`_rollout.py`), one sampling turn (`_sampling.py`)
+and the suspension handle (`_suspend.py`) sit below the engine in the import order (the engine
+opens sessions): they see these views, which `Engine` and `Session` satisfy, instead of
+importing them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from typing import Protocol, TypeVar
+
+import trio
+from rollout.protocol import Item
+
+from ._cache import ResponseCache
+from ._compact import SnapshotSeal
+from ._counters import Counters, StageTimer
+from ._interfaces import HostedTool, StoredResponse
+from ._pipeline import Pipeline
+from ._postinfer import PostInference
+from ._state import ResponseState
+
+_Raw = TypeVar("_Raw", str, bytes)
+_Decoded = TypeVar("_Decoded")
+
+__all__ = ["ConnectionScope", "EngineServices"]
+
+
+class EngineServices(Protocol):
+    """The shared machinery a response uses (an `Engine`)."""
+
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def pipeline(self) -> Pipeline: ...
+    @property
+    def hosted(self) -> dict[str, HostedTool]: ...
+    @property
+    def post(self) -> PostInference: ...
+    @property
+    def seal(self) -> SnapshotSeal: ...
+    @property
+    def wall_clock(self) -> Callable[[], float]: ...
+    @property
+    def rollout_suspend_limit(self) -> float: ...
+
+    @property
+    def timer(self) -> StageTimer: ...
+    @property
+    def draining(self) -> bool: ...
+
+    def now(self) -> int: ...
+
+    def interruptible(self) -> AbstractContextManager[trio.CancelScope]: ...
+
+    def record_status(self, status: str) -> None: ...
+
+    def empty_state(self) -> ResponseState: ...
+
+    def decode(self, decode: Callable[[_Raw], _Decoded], data: _Raw) -> Awaitable[_Decoded]: ...
+
+    async def stored_chain(
+        self, response_id: str, *, owner: str | None
+    ) -> list[StoredResponse]: ...
+
+    async def find_stored_item(self, item_id: str, *, owner: str | None) -> Item | None: ...
+
+
+class ConnectionScope(Protocol):
+    """The connection a response runs on (a `Session`)."""
+
+    @property
+    def engine(self) -> EngineServices: ...
+    @property
+    def owner(self) -> str | None: ...
+    @property
+    def cache(self) -> ResponseCache: ...
+
+    last_timings: dict[str, float]
