@@ -44,15 +44,16 @@ from ._interfaces import (
     UsageRecord,
 )
 from ._ledger import MemoryUsageLedger, SQLiteUsageLedger, open_sqlite_ledger
+from ._memory import MemoryResponseStore
 from ._models import ModelRegistry, ModelSpec
-from ._pipeline import ConversationValidator, Validator
 from ._render import ChatTemplateRenderer
 from ._serve import ServerConfig, open_server, serve
 from ._sim import SimBackend
 from ._state import ResponseState
-from ._store import MemoryResponseStore, SQLiteResponseStore, open_sqlite_store
+from ._store import SQLiteResponseStore, open_sqlite_store
 from ._tokenizer import O200kTokenizer
 from ._upstream import UpstreamBackend, UpstreamConfig
+from ._validate import ConversationValidator, Validator
 
 __version__ = "0.1.0"
 

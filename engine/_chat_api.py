@@ -14,7 +14,7 @@ from typing import Any
 from rollout.protocol import RemoteProtocolError, ResponseCreate
 
 from ._asgi import HttpRequest, read_json, send_json
-from ._chat import ChatCompletionEmitter, request_from_chat
+from ._chat_serve import ChatCompletionEmitter, request_from_chat
 from ._engine import Engine
 from ._http_stream import EventStream, run_until_disconnect, sse_data
 

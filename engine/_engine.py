@@ -36,11 +36,12 @@ from ._interfaces import (
     UsageLedger,
 )
 from ._models import ModelRegistry
-from ._pipeline import ConversationValidator, Pipeline, Validator
+from ._pipeline import Pipeline
 from ._postinfer import PostInference
 from ._rollout import MAX_HOSTED_ROUNDS, Emit, Rollout
 from ._session import Session
 from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens
+from ._validate import ConversationValidator, Validator
 
 __all__ = [
     "DEFAULT_CACHE_RESPONSES",

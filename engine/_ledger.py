@@ -33,9 +33,9 @@ from typing import Any, TypeAlias
 import trio
 
 from ._interfaces import UsageRecord
+from ._memory import MemoryResource
 from ._store import (
     DEFAULT_BUSY_TIMEOUT,
-    MemoryResource,
     Synchronous,
     _SQLiteResource,
     connect,

@@ -141,7 +141,7 @@ async def serve(
         ledger = await open_sqlite_ledger(config.data_dir / "usage.sqlite3")
     else:
         from ._ledger import MemoryUsageLedger
-        from ._store import MemoryResponseStore
+        from ._memory import MemoryResponseStore
 
         store, ledger = MemoryResponseStore(), MemoryUsageLedger()
     try:

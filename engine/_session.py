@@ -35,9 +35,9 @@ from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, r
 from ._errors import previous_response_not_found, server_error, shutting_down
 from ._ids import new_id
 from ._interfaces import StoredResponse
-from ._pipeline import invalid, normalize_input
 from ._rollout import Emit, Prepared, Rollout, run_response
 from ._state import ResponseState
+from ._validate import invalid, normalize_input
 
 if TYPE_CHECKING:
     from ._services import EngineServices

@@ -23,8 +23,8 @@ from rollout.protocol import (
     call_of,
 )
 
-from ._pipeline import invalid
 from ._state import ResponseState
+from ._validate import invalid
 
 if TYPE_CHECKING:
     from ._services import ConnectionScope

@@ -19,7 +19,7 @@ import pytest
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rollout.engine._chat import request_from_chat
+from rollout.engine._chat_serve import request_from_chat
 from rollout.protocol import RemoteProtocolError, ResponseCreate
 
 from tests.upstream_harness import (

@@ -26,7 +26,7 @@ import openai
 import pytest
 import trio
 from rollout import protocol as p
-from rollout.engine import ChatTemplateRenderer, O200kTokenizer, _pipeline
+from rollout.engine import ChatTemplateRenderer, O200kTokenizer, _validate
 from rollout.engine._chat import ChatEncoder
 from rollout.engine._render import FILE_TOKENS, IMAGE, IMAGE_TOKENS
 
@@ -315,8 +315,8 @@ SMALL_ENOUGH = [
 
 @pytest.fixture
 def small_limits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_pipeline, "MAX_IMAGE_BYTES", SMALL_LIMIT)
-    monkeypatch.setattr(_pipeline, "MAX_FILE_BYTES", SMALL_LIMIT)
+    monkeypatch.setattr(_validate, "MAX_IMAGE_BYTES", SMALL_LIMIT)
+    monkeypatch.setattr(_validate, "MAX_FILE_BYTES", SMALL_LIMIT)
 
 
 def body_of(case: Bad) -> dict[str, Any]:

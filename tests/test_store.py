@@ -10,10 +10,10 @@ import pytest
 import trio
 import trio.testing
 from rollout.engine._interfaces import ResponseStore, StoredResponse
+from rollout.engine._memory import MemoryResponseStore
 from rollout.engine._store import (
     MAX_CHAIN_DEPTH,
     RESPONSES_SCHEMA_VERSION,
-    MemoryResponseStore,
     SQLiteResponseStore,
     open_sqlite_store,
 )
