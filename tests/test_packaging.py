@@ -54,6 +54,18 @@ EXPECTED_PROTOCOL_NAMES = {
     "LocalProtocolError",
     "ProtocolError",
     "RemoteProtocolError",
+    # connections (WebSocket mode) and server-sent events
+    "DEFAULT_MAX_QUEUED_CREATES",
+    "DEFAULT_MAX_REMEMBERED_RESPONSES",
+    "ClientConnection",
+    "ServerConnection",
+    "Move",
+    "Phase",
+    "DEFAULT_MAX_SSE_EVENT_SIZE",
+    "ServerSentEvent",
+    "SseDecoder",
+    "encode_sse",
+    "encode_sse_event",
     # builder
     "BuilderState",
     "InvalidToolPayload",
