@@ -43,7 +43,7 @@ from rollout.protocol import (
     ServerEvent,
     as_listed,
     decode_create_body,
-    encode_json,
+    encode_sse_event,
     to_wire,
 )
 
@@ -440,7 +440,7 @@ class RolloutApp:
         )
 
         async def emit(event: ServerEvent) -> None:
-            await stream.frame(f"event: {event.type}\ndata: {encode_json(event)}\n\n".encode())
+            await stream.frame(encode_sse_event(event))
 
         error = await _until_disconnect(receive, session.create(request, emit))
         if error is not None:
