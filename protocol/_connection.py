@@ -21,8 +21,10 @@ response interleaved with the first). `awaiting` tells whether the server still 
 
 Request errors (`error` events) answer one message and carry no sequence number. Which
 message a client cannot always tell (an accepted append is silent), so the client
-attributes an error to its latest append while a rollout is suspended, else to a queued
-create: exact for a client with one request unanswered at a time, as the SDKs are.
+attributes an error first to a message the server could only refuse (sent raw: not JSON, an
+unknown type, an append with nothing suspended), then to its latest append while a rollout
+is suspended, else to a queued create: exact for a client with one request unanswered at a
+time, as the SDKs are.
 """
 
 from __future__ import annotations
@@ -203,6 +205,17 @@ class ServerConnection:
             raise
 
 
+def _output_call_ids(items: Any) -> list[str]:
+    """The call ids a raw append's tool outputs name (leniently: anything else is skipped)."""
+    ids = []
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, Mapping) and str(item.get("type", "")).endswith("_output"):
+            call_id = item.get("call_id")
+            if isinstance(call_id, str):
+                ids.append(call_id)
+    return ids
+
+
 class ClientConnection:
     """The client's side of one WebSocket-mode connection."""
 
@@ -212,6 +225,7 @@ class ClientConnection:
         self._creates: collections.deque[bool] = collections.deque()  # queued: is a rollout
         self._appends: list[frozenset[str]] = []  # unanswered appends: the calls they answer
         self._answered: set[str] = set()  # pending calls the client has sent outputs for
+        self._refusable = 0  # raw messages sent that the server can only refuse
 
     # --- state ---
     @property
@@ -241,12 +255,17 @@ class ClientConnection:
 
     @property
     def awaiting(self) -> bool:
-        """Whether the server owes events: a response runs or is queued, or a suspended
-        rollout has every output and is due to resume."""
+        """Whether the server owes events: a response runs or is queued, a message it can only
+        refuse awaits its error, or a suspended rollout has every output and is due to
+        resume."""
         phase = self._tracker.phase
         if phase is Phase.ERROR:
             return False
-        if self._creates or phase in (Phase.QUEUED, Phase.CREATED, Phase.RUNNING):
+        if (
+            self._creates
+            or self._refusable
+            or phase in (Phase.QUEUED, Phase.CREATED, Phase.RUNNING)
+        ):
             return True
         return phase is Phase.SUSPENDED and not self.pending_call_ids
 
@@ -271,13 +290,16 @@ class ClientConnection:
             try:
                 value = json.loads(message)
             except ValueError:
-                return
-        if not isinstance(value, Mapping):
-            return
-        if value.get("type") == "response.create":
+                value = None
+        kind = value.get("type") if isinstance(value, Mapping) else None
+        if kind == "response.create":
             self._creates.append(bool(value.get("rollout")))
-        elif value.get("type") == "response.append" and self.suspended:
-            self._appends.append(frozenset())
+        elif kind == "response.append" and self.suspended:
+            answered = frozenset(_output_call_ids(value.get("input")))
+            self._answered |= answered
+            self._appends.append(answered)
+        else:  # not a message the server can accept: it owes an error for it
+            self._refusable += 1
 
     def _check_append(self, event: ResponseAppend) -> frozenset[str]:
         tracker = self._tracker
@@ -380,7 +402,9 @@ class ClientConnection:
             self._answered.clear()
 
     def _request_error(self) -> None:
-        if self._appends and self.suspended:
+        if self._refusable:
+            self._refusable -= 1  # answered at once, as it arrived
+        elif self._appends and self.suspended:
             self._answered -= self._appends.pop()  # that append's outputs were not committed
         elif self._creates:
             # While a response runs the error answers the latest create (refused on arrival);

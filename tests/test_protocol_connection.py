@@ -300,8 +300,11 @@ def test_client_passes_extension_frames_and_errors_through() -> None:
     client.sent_raw("{not json")
     client.sent_raw({"type": "response.create", "model": "m"})
     assert client.awaiting
-    client.receive_json({"type": "error", "status": 400, "error": {"code": "invalid_json"}})
-    assert not client.awaiting
+    error = {"type": "error", "status": 400, "error": {"code": "invalid_json"}}
+    client.receive_json(error)  # answers the message that was not JSON
+    assert client.awaiting and client.queued == 1
+    client.receive_json(error)  # refuses the create
+    assert not client.awaiting and client.queued == 0
 
 
 # --- the server's rules -----------------------------------------------------------------------
