@@ -10,10 +10,12 @@ the slot is free; request errors (`error` events) answer a message and are outsi
 response grammar.
 
     IDLE --start--> STARTING --created--> CREATED --in_progress--> RUNNING --terminal--> IDLE
-                       |  ^                  |                     |  ^ item
-                     queued                terminal         done   |  | in_progress
-                       v  |                  v            (rollout)v  |
-                      QUEUED               IDLE                SUSPENDED --terminal--> IDLE
+                       |                  ^                        |  ^ item
+                     queued               |                 done   |  | in_progress
+                       v                  |            (rollout)   v  |
+                      QUEUED --created----+                    SUSPENDED --terminal--> IDLE
+
+(A suspended rollout that times out may end without resuming, RX-3.2.)
 
 `ResponseTracker` applies the table and the rules a table cannot say: sequence numbers
 start at 0 and grow by one, every lifecycle event names the same response, `response.done`
@@ -72,7 +74,7 @@ PLAIN_TRANSITIONS: Table = {
     Phase.IDLE: {},
     Phase.STARTING: {Move.QUEUED: Phase.QUEUED, Move.CREATED: Phase.CREATED},
     Phase.QUEUED: {Move.CREATED: Phase.CREATED},
-    Phase.CREATED: {Move.IN_PROGRESS: Phase.RUNNING, Move.TERMINAL: Phase.IDLE},
+    Phase.CREATED: {Move.IN_PROGRESS: Phase.RUNNING},
     Phase.RUNNING: {Move.ITEM: Phase.RUNNING, Move.TERMINAL: Phase.IDLE},
     Phase.ERROR: {},
 }

@@ -197,8 +197,8 @@ def check_mutation(exchange: Exchange, how: str, where: float) -> None:
     # Never the terminal event for a drop (dropping it leaves a legal prefix).
     at = min(int(where * (len(events) - 1)), len(events) - 2)
     if how == "skip":
-        # A lifecycle event whose absence no later event makes up for (one followed by the
-        # terminal event may be missing: a response may fail before it runs, or time out).
+        # A lifecycle event whose absence no later event makes up for (a suspended rollout
+        # may end without resuming: the in_progress before a terminal may be missing).
         candidates = [
             i
             for i, e in enumerate(events[:-1])
