@@ -1,4 +1,6 @@
-"""rollout's wire layer: the Responses API types, codec and event builders. Sans-IO."""
+"""rollout's wire layer, sans-IO: the Responses API types, codec and event builders, the
+WebSocket-mode connections (`ServerConnection`, `ClientConnection`, over the state table of
+`_state.py`) and the server-sent-events codec (`encode_sse_event`, `SseDecoder`)."""
 
 from ._builder import BuilderState, InvalidToolPayload, ResponseStream, iter_chunks
 from ._codec import (

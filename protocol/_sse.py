@@ -96,17 +96,20 @@ class SseDecoder:
             self._skip_lf = False
             if data[:1] == b"\n":
                 data = data[1:]
+        # What the buffer held is an unended line, free of line ends: scan only the new bytes
+        # (a long event arriving in many chunks costs linear time, not quadratic).
+        scan_from = len(self._buffer)
         self._buffer += data
         if not self._started:
             if len(self._buffer) < len(_BOM) and _BOM.startswith(self._buffer):
                 return []  # maybe the start of a byte order mark
-            self._started = True
+            self._started, scan_from = True, 0
             if self._buffer.startswith(_BOM):
                 del self._buffer[: len(_BOM)]
         events: list[ServerSentEvent] = []
         start = 0
         buffer = self._buffer
-        for match in _LINE_END.finditer(buffer):
+        for match in _LINE_END.finditer(buffer, scan_from):
             end = match.start()
             if match.group() == b"\r" and match.end() == len(buffer):
                 self._skip_lf = True  # a CRLF may be split across feeds
