@@ -68,7 +68,23 @@ def _refusal(message: str, *, code: str, param: str | None = None, status: int =
     return ErrorEvent(status=status, error=ErrorBody(code=code, message=message, param=param))
 
 
-class ServerConnection:
+class _Connection:
+    """What both sides show of the connection's one response slot."""
+
+    _tracker: ResponseTracker
+
+    @property
+    def phase(self) -> Phase:
+        """The phase of the response being answered (IDLE between responses)."""
+        return self._tracker.phase
+
+    @property
+    def response_id(self) -> str | None:
+        """The id of that response (once its `response.created` went over the wire)."""
+        return self._tracker.response_id
+
+
+class ServerConnection(_Connection):
     """The server's side of one WebSocket-mode connection."""
 
     def __init__(
@@ -84,16 +100,6 @@ class ServerConnection:
         self._tracker = ResponseTracker()
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._max_ended = max_remembered_responses
-
-    # --- state ---
-    @property
-    def phase(self) -> Phase:
-        return self._tracker.phase
-
-    @property
-    def response_id(self) -> str | None:
-        """The id of the response being answered (once `response.created` was sent)."""
-        return self._tracker.response_id
 
     @property
     def pending_call_ids(self) -> tuple[str, ...]:
@@ -216,7 +222,7 @@ def _output_call_ids(items: Any) -> list[str]:
     return ids
 
 
-class ClientConnection:
+class ClientConnection(_Connection):
     """The client's side of one WebSocket-mode connection."""
 
     def __init__(self, *, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> None:
@@ -228,15 +234,6 @@ class ClientConnection:
         self._refusable = 0  # raw messages sent that the server can only refuse
 
     # --- state ---
-    @property
-    def phase(self) -> Phase:
-        """The phase of the response being received (IDLE between responses)."""
-        return self._tracker.phase
-
-    @property
-    def response_id(self) -> str | None:
-        return self._tracker.response_id
-
     @property
     def queued(self) -> int:
         """Creates sent whose response has not started (nor been refused)."""

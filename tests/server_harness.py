@@ -37,6 +37,7 @@ __all__ = [
     "open_ws",
     "parse_metrics",
     "run_in_thread",
+    "sse_data",
     "strip_ids",
     "ws_url",
 ]
@@ -178,6 +179,15 @@ async def open_ws(
         disconnect_timeout=5,
     ) as ws:
         yield WsClient(ws)
+
+
+async def sse_data(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON data of each server-sent event of a streaming response (read with the
+    protocol's `SseDecoder`)."""
+    decoder = p.SseDecoder()
+    async for chunk in resp.aiter_bytes():
+        for event in decoder.feed(chunk):
+            yield json.loads(event.data)
 
 
 def function_outputs(items: Sequence[Any], output: str = "ok") -> list[dict[str, Any]]:
