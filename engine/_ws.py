@@ -106,8 +106,10 @@ class WebSocketConnection:
         self._closing = False  # a close frame is queued
         self._disconnected = False  # the peer closed or went away
         self._opened_at = trio.current_time()
+        # The connection bounds the queue (the creates waiting behind the running one, and
+        # between responses one more that starts at once): the channel never fills.
         self._queue_send, self._queue_recv = trio.open_memory_channel[ResponseCreate](
-            limits.max_queued_creates
+            limits.max_queued_creates + 1
         )
         self._rollout: Rollout | None = None
         self.protocol = ServerConnection(

@@ -96,7 +96,7 @@ class ServerConnection(_Connection):
     ) -> None:
         self.max_message_size = max_message_size
         self.max_queued_creates = max_queued_creates
-        self.queued = 0  # creates received and not started
+        self.queued = 0  # creates received and not started (at most max_queued_creates + 1)
         self._tracker = ResponseTracker()
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._max_ended = max_remembered_responses
@@ -134,7 +134,9 @@ class ServerConnection(_Connection):
                 code="unsupported_parameter",
                 param="stream_id",
             )
-        if self.queued >= self.max_queued_creates:
+        # Between responses the first queued create starts at once: it waits behind nothing.
+        waiting = self.queued - (self._tracker.phase is Phase.IDLE)
+        if waiting >= self.max_queued_creates:
             return _refusal(
                 f"Too many queued requests on this connection (the limit is "
                 f"{self.max_queued_creates}); wait for a response to finish.",

@@ -311,8 +311,10 @@ def test_client_passes_extension_frames_and_errors_through() -> None:
 
 
 def test_server_routes_appends_and_bounds_the_queue() -> None:
-    server = p.ServerConnection(max_queued_creates=2)
+    server = p.ServerConnection(max_queued_creates=1)
     create = p.encode_json(p.ResponseCreate(model="m", rollout=True))
+    # Between responses: one starts at once, one waits behind it, the next is refused,
+    # whether or not the first has started yet.
     assert isinstance(server.receive_text(create)[0], p.ResponseCreate)
     assert isinstance(server.receive_text(create)[0], p.ResponseCreate)
     (refused,) = server.receive_text(create)
@@ -328,6 +330,7 @@ def test_server_routes_appends_and_bounds_the_queue() -> None:
         return answer.error.code if isinstance(answer, p.ErrorEvent) else None
 
     server.start(p.ResponseCreate(model="m", rollout=True))
+    assert server.queued == 1 and isinstance(server.receive_text(create)[0], p.ErrorEvent)
     assert code(_append_json("resp_1")) == "rollout_not_found"
     server.send(p.ResponseCreated(sequence_number=0, response=_response("resp_1")))
     server.send(p.ResponseInProgress(sequence_number=1, response=_response("resp_1")))
