@@ -244,11 +244,9 @@ class WebSocketConnection:
                 continue
             for event in self.protocol.receive_event(decoded):
                 if isinstance(event, ErrorEvent):
-                    if event.error.code == "too_many_queued_requests":
-                        await self.send_event(event)  # not counted as a request error
-                    else:
+                    if event.error.code != "too_many_queued_requests":  # (a 429 is not one)
                         self.session.engine.counters.request_errors += 1
-                        await self.send_event(event)
+                    await self.send_event(event)
                 elif isinstance(event, ResponseCreate):
                     try:
                         self._queue_send.send_nowait(event)
