@@ -349,11 +349,12 @@ class ClientConnection(_Connection):
         """Follow one server event given as parsed JSON (the caller did `json.loads`): only
         `type`, `sequence_number`, `response.id` and `pending_call_ids` are read."""
         self._usable()
-        kind = event.get("type")
+        kind = event.get("type") if isinstance(event, Mapping) else None
         if not isinstance(kind, str):
             self._tracker.phase = Phase.ERROR
             raise RemoteProtocolError.invalid(
-                "A server event has no string `type`.", code="invalid_server_event"
+                "A server event is not a JSON object with a string `type`.",
+                code="invalid_server_event",
             )
         response = event.get("response")
         response_id = response.get("id") if isinstance(response, Mapping) else None

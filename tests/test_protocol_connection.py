@@ -344,3 +344,57 @@ def test_server_routes_appends_and_bounds_the_queue() -> None:
         server.refuse(p.RemoteProtocolError.invalid("late", code="x"))
     with pytest.raises(p.LocalProtocolError, match="earlier"):
         server.send(p.ResponseInProgress(sequence_number=3, response=_response("resp_1")))
+
+
+# --- receive-path fuzzing -----------------------------------------------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_frames = (
+    st.text(max_size=60)
+    | _json.map(json.dumps)
+    | st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(
+                [
+                    "response.create",
+                    "response.append",
+                    "response.created",
+                    "response.done",
+                    "response.output_text.delta",
+                    "error",
+                ]
+            )
+        },
+        optional={
+            "sequence_number": _json,
+            "response": _json,
+            "response_id": _json,
+            "input": _json,
+            "pending_call_ids": _json,
+            "rollout": _json,
+        },
+    ).map(json.dumps)
+)
+
+
+@given(st.lists(_frames, max_size=6))
+def test_garbage_in_only_protocol_errors_out(frames: list[str]) -> None:
+    """The server answers anything with an event to act on or an `error` to send (never a
+    crash, never a 5xx); the client refuses anything it cannot follow with a protocol error."""
+    server, client = p.ServerConnection(), p.ClientConnection()
+    for frame in frames:
+        (answer,) = server.receive_text(frame)
+        if isinstance(answer, p.ErrorEvent):
+            assert answer.status is not None and 400 <= answer.status < 500
+        try:
+            client.receive_json(json.loads(frame))
+        except ValueError:
+            continue  # not JSON: the wrapper's json.loads refuses it first
+        except p.ProtocolError:
+            continue
