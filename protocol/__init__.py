@@ -107,7 +107,7 @@ from ._sse import (
     encode_sse,
     encode_sse_event,
 )
-from ._state import Move, Phase
+from ._state import Move, Phase, sequence_problem
 from ._tools import (
     CLIENT_BUILTIN_TOOLS,
     BuiltinTool,
@@ -246,5 +246,6 @@ __all__ = [
     "iter_chunks",
     "make_converter",
     "output_of",
+    "sequence_problem",
     "to_wire",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "Phase",
     "ResponseTracker",
     "move_of",
+    "sequence_problem",
 ]
 
 
@@ -90,6 +91,18 @@ def move_of(event_type: str) -> Move:
     return _LIFECYCLE.get(event_type, Move.ITEM)
 
 
+def sequence_problem(event_type: object, sequence_number: object, expected: int) -> str | None:
+    """The numbering rule (WS-3.2): an event's `sequence_number` is an integer, the one
+    after its predecessor's in the same response (0 for the first)."""
+    if (
+        isinstance(sequence_number, int)
+        and not isinstance(sequence_number, bool)
+        and sequence_number == expected
+    ):
+        return None
+    return f"{event_type} has sequence_number {sequence_number!r}, expected {expected}"
+
+
 class ResponseTracker:
     """The slot of one connection: its phase, and the running response's id, next sequence
     number and (while suspended) pending call ids."""
@@ -136,14 +149,9 @@ class ResponseTracker:
                 + (f" ({self.response_id})" if self.response_id else "")
             )
         expected = self.next_sequence_number
-        if (
-            not isinstance(sequence_number, int)
-            or isinstance(sequence_number, bool)
-            or sequence_number != expected
-        ):
-            raise LocalProtocolError(
-                f"{event_type} has sequence_number {sequence_number!r}, expected {expected}"
-            )
+        problem = sequence_problem(event_type, sequence_number, expected)
+        if problem is not None:
+            raise LocalProtocolError(problem)
         if move in (Move.QUEUED, Move.CREATED) and self.response_id is None:
             self.response_id = response_id
         elif move in _LIFECYCLE.values() and response_id != self.response_id:

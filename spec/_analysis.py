@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import EllipsisType
 from typing import Any
 
-from rollout.protocol import ClientConnection, Phase, RemoteProtocolError
+from rollout.protocol import ClientConnection, Phase, RemoteProtocolError, sequence_problem
 
 from ._client import CheckFailed, describe_value
 
@@ -147,15 +147,12 @@ def expect_error(event: Mapping[str, Any], **expected: Any) -> None:
 
 def sequence_problems(events: Sequence[Event], *, start: int = 0) -> list[str]:
     """Every event carries an integer `sequence_number`; they start at `start` and grow by
-    exactly one per event."""
-    expected = start
-    for event in events:
-        seq = event.get("sequence_number")
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            return [f"{event.get('type')} has sequence_number {_q(seq)}, expected {expected}"]
-        if seq != expected:
-            return [f"{event.get('type')} has sequence_number {seq}, expected {expected}"]
-        expected += 1
+    exactly one per event (the protocol's numbering rule, applied to a list that may begin
+    mid-response, e.g. after a rollout resumed)."""
+    for expected, event in enumerate(events, start=start):
+        problem = sequence_problem(event.get("type"), event.get("sequence_number"), expected)
+        if problem is not None:
+            return [problem]
     return []
 
 

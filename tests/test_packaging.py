@@ -61,6 +61,7 @@ EXPECTED_PROTOCOL_NAMES = {
     "ServerConnection",
     "Move",
     "Phase",
+    "sequence_problem",
     "DEFAULT_MAX_SSE_EVENT_SIZE",
     "ServerSentEvent",
     "SseDecoder",
