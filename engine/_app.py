@@ -43,6 +43,7 @@ from rollout.protocol import (
     ServerEvent,
     as_listed,
     decode_create_body,
+    encode_sse,
     encode_sse_event,
     to_wire,
 )
@@ -621,13 +622,13 @@ class RolloutApp:
         if emitter.error is not None:
             if not stream.started:
                 return await _json(send, 500, {"error": emitter.error})
-            await stream.frame(b"data: " + json.dumps({"error": emitter.error}).encode() + b"\n\n")
+            await stream.frame(encode_sse(json.dumps({"error": emitter.error})))
         if not streaming:
             if emitter.finish_reason is None:
                 return 499
             return await _json(send, 200, emitter.completion())
         if stream.started:
-            await stream.frame(b"data: [DONE]\n\n")
+            await stream.frame(encode_sse("[DONE]"))
         return await stream.end()
 
     async def _retrieve(self, send: Send, response_id: str, owner: str | None) -> int:

@@ -49,6 +49,7 @@ from rollout.protocol import (
     ToolChoice,
     ToolChoiceAllowed,
     call_of,
+    encode_sse,
     from_wire,
     output_of,
 )
@@ -68,8 +69,12 @@ __all__ = [
 NAMESPACE_SEPARATOR = "__"
 
 
+def _json_text(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return _json_text(obj).encode()
 
 
 def tool_name(name: str, namespace: str | None) -> str:
@@ -573,7 +578,7 @@ class ChatCompletionEmitter:
             "model": self.model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         }
-        return b"data: " + _dumps(body) + b"\n\n"
+        return encode_sse(_json_text(body))
 
     async def _out(self, delta: dict[str, Any], finish: str | None = None) -> None:
         if self.stream and self._send is not None:
@@ -637,7 +642,7 @@ class ChatCompletionEmitter:
                     "choices": [],
                     "usage": self.usage,
                 }
-                await self._send(b"data: " + _dumps(body) + b"\n\n")
+                await self._send(encode_sse(_json_text(body)))
 
     def completion(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
