@@ -20,7 +20,10 @@ stage timings (`rollout.timing` frames over WebSocket, the `Server-Timing` heade
 and, in a counting pass, the deltas of the server's /metrics work counters.
 
 Events are decoded with `json.loads` and dispatched on `type` only: the client must stay cheaper
-than the server it measures.
+than the server it measures. Over WebSocket the client is `rollout.spec.WsClient` (strict)
+on its cheap path: `ClientConnection.receive_json` reads four keys of the parsed event to
+follow the protocol and says when the turn is over; server-sent events are read with the
+protocol's `SseDecoder`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import Any
 import attrs
 import httpx
 import trio
+from rollout.protocol import ProtocolError, SseDecoder
+from rollout.spec import WsClient
 from trio_websocket import (
     ConnectionClosed,
     HandshakeError,
@@ -319,12 +324,11 @@ class _HttpTransport(_Transport):
                 )
             reader.turn.stages = parse_server_timing(response.headers.get("server-timing"))
             done = False
-            async for line in response.aiter_lines():
-                if done or not line.startswith("data:"):
-                    continue
-                event = json.loads(line[5:])
-                if reader.feed(event, time.perf_counter()):
-                    done = True  # read on to the end of the stream, keeping the connection
+            decoder = SseDecoder()
+            async for chunk in response.aiter_bytes():
+                for sse in decoder.feed(chunk):
+                    if not done and reader.feed(json.loads(sse.data), time.perf_counter()):
+                        done = True  # read on to the end of the stream, keeping the connection
 
 
 class _WsTransport(_Transport):
@@ -332,7 +336,7 @@ class _WsTransport(_Transport):
         self, ws: WebSocketConnection, spec: RolloutSpec, *, rollout: bool, store: bool = False
     ) -> None:
         self.mode = "ws-rollout" if rollout else "ws-chain-stored" if store else "ws-chain"
-        self.ws = ws
+        self.ws = WsClient(conn=ws, timeout=spec.timeout, strict=True)
         self.spec = spec
         self.rollout = rollout
         self.store = store
@@ -359,14 +363,16 @@ class _WsTransport(_Transport):
                 message["rollout"] = True
             elif self.previous is not None:
                 message["previous_response_id"] = self.previous
-        text = _dumps(message)
+        client = self.ws
+        text = client.encode(message)
         reader = _TurnReader(record, self.mode)
         record.sent = time.perf_counter()
         try:
-            await self.ws.send_message(text)
+            await client.conn.send_message(text)
             while True:
-                raw = await self.ws.get_message()
-                if reader.feed(json.loads(raw), time.perf_counter()):
+                event = await client.next_event()
+                reader.feed(event, time.perf_counter())
+                if not client.awaiting:  # completed, suspended, or refused
                     break
         except ConnectionClosed as exc:
             raise ServerError(
@@ -428,6 +434,10 @@ async def run_rollout(
     except (httpx.HTTPError, HandshakeError, ConnectionClosed, OSError) as exc:
         raise ServerError(
             f"{mode}, turn {len(record.turns)}: transport error: {type(exc).__name__}: {exc}"
+        ) from None
+    except ProtocolError as exc:  # the server broke the event order, or an oversized event
+        raise ServerError(
+            f"{mode}, turn {len(record.turns)}: the server broke the protocol: {exc}"
         ) from None
     except (ValueError, KeyError) as exc:  # undecodable JSON, an event missing its fields
         raise ServerError(
@@ -509,9 +519,10 @@ async def probe_rollout_extension(
     try:
         with trio.fail_after(limit):
             async with _open_ws(endpoint, timing=False) as ws:
-                await ws.send_message(_dumps(message))
+                client = WsClient(conn=ws, timeout=limit)
+                await client.send(message)
                 while True:
-                    event = json.loads(await ws.get_message())
+                    event = await client.next_event()
                     kind = event.get("type")
                     if kind == "response.done" and "pending_call_ids" in event:
                         return True, ""

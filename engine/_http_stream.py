@@ -1,7 +1,7 @@
 """Streaming HTTP responses: server-sent events, and work that ends when the client leaves.
 
-`sse_event` / `sse_data` are the only places the server builds SSE bytes (a sans-IO encoder
-in `protocol/` can replace their bodies). `EventStream` starts the response (200, headers)
+`sse_event` / `sse_data` are the only places the server frames SSE, with the protocol's
+sans-IO encoder. `EventStream` starts the response (200, headers)
 with its first frame, so a request error found before any event still gets a JSON answer.
 `run_until_disconnect` runs a response and cancels it when the client disconnects.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import trio
-from rollout.protocol import RemoteProtocolError, ServerEvent, encode_json
+from rollout.protocol import RemoteProtocolError, ServerEvent, encode_sse, encode_sse_event
 
 from ._asgi import Receive, Send
 
@@ -20,12 +20,12 @@ __all__ = ["EventStream", "run_until_disconnect", "sse_data", "sse_event"]
 
 def sse_event(event: ServerEvent) -> bytes:
     """One Responses API event as an SSE frame (`event:` its type, `data:` its JSON)."""
-    return f"event: {event.type}\ndata: {encode_json(event)}\n\n".encode()
+    return encode_sse_event(event)
 
 
 def sse_data(data: bytes) -> bytes:
     """A data-only SSE frame (chat completions' chunks, errors and `[DONE]`)."""
-    return b"data: " + data + b"\n\n"
+    return encode_sse(data.decode())
 
 
 class EventStream:

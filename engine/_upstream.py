@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import httpx
 import stamina
-from rollout.protocol import RESPONSE_ERROR_CODES, CallKind
+from rollout.protocol import RESPONSE_ERROR_CODES, CallKind, RemoteProtocolError, SseDecoder
 
 from ._chat import NAMESPACE_SEPARATOR, ChatEncoder, ChatTool, ChatToolset
 from ._errors import BackendError
@@ -45,7 +45,7 @@ __all__ = ["UpstreamBackend", "UpstreamConfig", "UpstreamCounters"]
 
 # The longest wait between two attempts, whatever the backoff doubling reaches (seconds).
 MAX_RETRY_WAIT = 30.0
-# The largest single SSE line accepted from an upstream (a chunk is a few hundred bytes).
+# The largest server-sent event accepted from an upstream (a chunk is a few hundred bytes).
 MAX_UPSTREAM_LINE = 1 << 20
 
 
@@ -317,65 +317,69 @@ async def _parse_stream(resp: httpx.Response, toolset: ChatToolset) -> AsyncIter
     finish: str | None = None
     usage: dict[str, Any] | None = None
     done = False
-    async for line in resp.aiter_lines():
-        if len(line) > MAX_UPSTREAM_LINE:
-            raise BackendError("The upstream sent an oversized chunk.")
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            done = True
-            break
+    decoder = SseDecoder(max_event_size=MAX_UPSTREAM_LINE)
+    async for raw in resp.aiter_bytes():
         try:
-            chunk = json.loads(data)
-            if chunk.get("error"):
-                error = chunk["error"]
-                code = error.get("code") if isinstance(error, dict) else None
-                raise BackendError(
-                    f"The upstream failed mid-stream: {error.get('message', error)}",
-                    code=_response_code(code if isinstance(code, str) else None, 500),
-                )
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            choices = chunk.get("choices") or []
-            if not choices:
-                continue
-            choice = choices[0]
-            delta = choice.get("delta") or {}
-            content = delta.get("content")
-            if content:
-                if call is not None:
-                    for event in call.end():
-                        yield event
-                    call, open_kind = None, None
-                if open_kind is None:
-                    yield TextStart()
-                    open_kind = "text"
-                yield TextDelta(content, 1)
-            for piece in delta.get("tool_calls") or []:
-                index = piece.get("index", 0)
-                function = piece.get("function") or {}
-                if index != call_index:
-                    if open_kind == "text":
-                        yield TextEnd()
-                    elif call is not None:
+            events = decoder.feed(raw)
+        except RemoteProtocolError:
+            raise BackendError("The upstream sent an oversized chunk.") from None
+        for sse in events:
+            data = sse.data.strip()
+            if data == "[DONE]":
+                done = True
+                break
+            try:
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    error = chunk["error"]
+                    code = error.get("code") if isinstance(error, dict) else None
+                    raise BackendError(
+                        f"The upstream failed mid-stream: {error.get('message', error)}",
+                        code=_response_code(code if isinstance(code, str) else None, 500),
+                    )
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                choice = choices[0]
+                delta = choice.get("delta") or {}
+                content = delta.get("content")
+                if content:
+                    if call is not None:
                         for event in call.end():
                             yield event
-                    chat_name = str(function.get("name", ""))
-                    call = _OpenCall(toolset.find(chat_name))
-                    yield call.start(chat_name)
-                    open_kind, call_index = "call", index
-                arguments = function.get("arguments")
-                if arguments and call is not None:
-                    more = call.delta(arguments)
-                    if more is not None:
-                        yield more
-            if choice.get("finish_reason"):
-                finish = choice["finish_reason"]
-        except BackendError:
-            raise
-        except (ValueError, AttributeError, TypeError, KeyError) as exc:
-            raise BackendError(f"The upstream sent a malformed chunk: {exc}") from None
+                        call, open_kind = None, None
+                    if open_kind is None:
+                        yield TextStart()
+                        open_kind = "text"
+                    yield TextDelta(content, 1)
+                for piece in delta.get("tool_calls") or []:
+                    index = piece.get("index", 0)
+                    function = piece.get("function") or {}
+                    if index != call_index:
+                        if open_kind == "text":
+                            yield TextEnd()
+                        elif call is not None:
+                            for event in call.end():
+                                yield event
+                        chat_name = str(function.get("name", ""))
+                        call = _OpenCall(toolset.find(chat_name))
+                        yield call.start(chat_name)
+                        open_kind, call_index = "call", index
+                    arguments = function.get("arguments")
+                    if arguments and call is not None:
+                        more = call.delta(arguments)
+                        if more is not None:
+                            yield more
+                if choice.get("finish_reason"):
+                    finish = choice["finish_reason"]
+            except BackendError:
+                raise
+            except (ValueError, AttributeError, TypeError, KeyError) as exc:
+                raise BackendError(f"The upstream sent a malformed chunk: {exc}") from None
+        if done:
+            break
     if finish is None:
         raise BackendError(
             "The upstream stream ended before the answer finished"

@@ -1,9 +1,12 @@
 """WebSocket mode: one connection, one Session, requests run one at a time in FIFO order.
 
-The wrapper is thin and mechanical (after trio-websocket): a reader task decodes frames and
-either queues a `response.create` or delivers a `response.append` to the rollout it names; a
-runner task takes creates off the queue and runs them through the session; a writer task sends
-the frames in order from a bounded outbox. Request-scoped errors are answered with the nested
+The rules of the connection live in `rollout.protocol.ServerConnection` (sans-IO): it decodes
+client messages, decides what a create or an append may do (queue, lanes, the suspended
+rollout), and encodes every event after checking it against the response grammar. This
+wrapper is thin and mechanical (after trio-websocket): a reader task feeds frames to it and
+either queues a `response.create` or delivers a `response.append` to the rollout; a runner
+task takes creates off the queue and runs them through the session; a writer task sends the
+frames in order from a bounded outbox. Request-scoped errors are answered with the nested
 `error` event and never close the socket. A connection older than its age limit answers its
 next create with `websocket_connection_limit_reached` and then closes cleanly (1000).
 
@@ -18,7 +21,6 @@ shielded from cancellation, so a frame already handed to it waits for the peer o
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -28,14 +30,14 @@ import attrs
 import trio
 from rollout.protocol import (
     DEFAULT_MAX_MESSAGE_SIZE,
+    DEFAULT_MAX_QUEUED_CREATES,
     ErrorBody,
     ErrorEvent,
     RemoteProtocolError,
     ResponseAppend,
     ResponseCreate,
+    ServerConnection,
     ServerEvent,
-    decode_client_event,
-    encode_json,
 )
 
 from ._engine import Rollout, Session, server_error
@@ -51,9 +53,6 @@ log = logging.getLogger("rollout.ws")
 
 # The OpenAI API closes WebSocket-mode connections after 60 minutes.
 DEFAULT_CONNECTION_AGE_LIMIT = 3600.0
-# Creates a client may queue behind the running one. Agents send one at a time; a few more
-# allow pipelining, and the bound keeps a misbehaving client from queueing without limit.
-DEFAULT_MAX_QUEUED_CREATES = 16
 # Encoded frames a connection may hold for a client that reads slower than the server writes:
 # enough for thousands of deltas or a large response.completed, small enough that a thousand
 # such clients cost a few GB at most.
@@ -107,10 +106,15 @@ class WebSocketConnection:
         self._closing = False  # a close frame is queued
         self._disconnected = False  # the peer closed or went away
         self._opened_at = trio.current_time()
+        # The connection bounds the queue (the creates waiting behind the running one, and
+        # between responses one more that starts at once): the channel never fills.
         self._queue_send, self._queue_recv = trio.open_memory_channel[ResponseCreate](
-            limits.max_queued_creates
+            limits.max_queued_creates + 1
         )
         self._rollout: Rollout | None = None
+        self.protocol = ServerConnection(
+            max_message_size=limits.max_message_size, max_queued_creates=limits.max_queued_creates
+        )
         self._closed = False
         self._shutting_down = shutting_down if shutting_down is not None else trio.Event()
         self._idle = trio.Event()  # set while no request runs and none is queued
@@ -122,7 +126,8 @@ class WebSocketConnection:
     async def send_event(self, event: ServerEvent | dict[str, Any]) -> None:
         """Queue a frame (in order). Waits while the outbox is full; raises `SlowConsumer`
         when it stays full for the stall limit, `ClosedResourceError` once closed."""
-        text = encode_json(event) if not isinstance(event, dict) else _dumps(event)
+        # A dict is an extension frame outside the response grammar (`rollout.timing`).
+        text = self.protocol.send(event) if not isinstance(event, dict) else _dumps(event)
         await self._enqueue({"type": "websocket.send", "text": text}, len(text))
 
     async def close(self, code: int = 1000) -> None:
@@ -229,10 +234,7 @@ class WebSocketConnection:
             if data is None:
                 data = message.get("bytes") or b""
             try:
-                event = await self.session.engine.decode(
-                    functools.partial(decode_client_event, max_size=self.limits.max_message_size),
-                    data,
-                )
+                decoded = await self.session.engine.decode(self.protocol.decode, data)
             except RemoteProtocolError as exc:
                 await self._answer_error(exc)
                 continue
@@ -240,55 +242,36 @@ class WebSocketConnection:
                 log.exception("decoding a WebSocket frame failed unexpectedly")
                 await self._answer_error(server_error())
                 continue
-            if isinstance(event, ResponseCreate) and event.stream_id is not None:
-                await self._answer_error(
-                    RemoteProtocolError.invalid(
-                        "Lanes (stream_id) are not supported by this server: omit stream_id to "
-                        "use the connection's single FIFO lane.",
-                        code="unsupported_parameter",
-                        param="stream_id",
-                    )
-                )
-                continue
-            if isinstance(event, ResponseCreate):
-                try:
-                    self._queue_send.send_nowait(event)
-                    if self._idle.is_set():
-                        self._idle = trio.Event()
-                except trio.WouldBlock:
-                    await self.send_event(
-                        _error(
-                            f"Too many queued requests on this connection (the limit is "
-                            f"{self.limits.max_queued_creates}); wait for a response to finish.",
-                            code="too_many_queued_requests",
-                            status=429,
-                        )
-                    )
-                except trio.ClosedResourceError:
-                    return
-            else:
-                await self._append(event)
+            for event in self.protocol.receive_event(decoded):
+                if isinstance(event, ErrorEvent):
+                    if event.error.code != "too_many_queued_requests":  # (a 429 is not one)
+                        self.session.engine.counters.request_errors += 1
+                    await self.send_event(event)
+                elif isinstance(event, ResponseCreate):
+                    try:
+                        self._queue_send.send_nowait(event)
+                        if self._idle.is_set():
+                            self._idle = trio.Event()
+                    except trio.ClosedResourceError:
+                        return
+                else:
+                    await self._append(event)
 
     async def _answer_error(self, exc: RemoteProtocolError) -> None:
         self.session.engine.counters.request_errors += 1
         await self.send_event(exc.error_event())
 
     async def _append(self, event: ResponseAppend) -> None:
-        rollout = self._rollout
+        """Deliver an append the connection let through (to its suspended rollout); the
+        rollout checks the items (pending call ids, item kinds)."""
         try:
-            if rollout is None or rollout.response_id != event.response_id:
-                if event.response_id in self.session.cache:
-                    raise RemoteProtocolError.invalid(
-                        f"Response '{event.response_id}' has already completed.",
-                        code="response_already_completed",
-                        param="response_id",
-                    )
+            if self._rollout is None:  # the rollout ended as the append arrived
                 raise RemoteProtocolError.invalid(
-                    f"No rollout with id '{event.response_id}' is running on this connection.",
-                    code="rollout_not_found",
+                    "The rollout is not suspended: append tool outputs after response.done.",
+                    code="rollout_not_suspended",
                     param="response_id",
                 )
-            rollout.append(event.input)
+            self._rollout.append(event.input)
         except RemoteProtocolError as exc:
             await self._answer_error(exc)
         except Exception:  # a bug: this append fails, the rollout and the socket live on
@@ -299,8 +282,9 @@ class WebSocketConnection:
         limit = self.limits.connection_age_limit
         async for request in self._queue_recv:
             age = trio.current_time() - self._opened_at
+            self.protocol.start(request)
             if math.isfinite(limit) and age > limit:
-                await self.send_event(
+                await self._refuse(
                     _error(
                         f"This connection is older than its limit of {limit:g} seconds; "
                         "open a new WebSocket connection to continue.",
@@ -331,9 +315,16 @@ class WebSocketConnection:
             else:
                 await self.session.create(request, emit)
         except RemoteProtocolError as exc:
-            await self._answer_error(exc)
+            self.session.engine.counters.request_errors += 1
+            await self._refuse(exc)
         finally:
             self._rollout = None
+
+    async def _refuse(self, error: RemoteProtocolError | ErrorEvent) -> None:
+        """Answer the started create with a request error (the connection checks that no
+        event of its response went out)."""
+        text = self.protocol.refuse(error)
+        await self._enqueue({"type": "websocket.send", "text": text}, len(text))
 
     def _emitter(self) -> Callable[[ServerEvent], Awaitable[None]]:
         if not self.timing:

@@ -1,4 +1,6 @@
-"""rollout's wire layer: the Responses API types, codec and event builders. Sans-IO."""
+"""rollout's wire layer, sans-IO: the Responses API types, codec and event builders, the
+WebSocket-mode connections (`ServerConnection`, `ClientConnection`, over the state table of
+`_state.py`) and the server-sent-events codec (`encode_sse_event`, `SseDecoder`)."""
 
 from ._builder import BuilderState, InvalidToolPayload, ResponseStream, iter_chunks
 from ._codec import (
@@ -11,6 +13,12 @@ from ._codec import (
     from_wire,
     make_converter,
     to_wire,
+)
+from ._connection import (
+    DEFAULT_MAX_QUEUED_CREATES,
+    DEFAULT_MAX_REMEMBERED_RESPONSES,
+    ClientConnection,
+    ServerConnection,
 )
 from ._errors import ErrorBody, LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._events import (
@@ -92,6 +100,14 @@ from ._response import (
     TextConfig,
     Usage,
 )
+from ._sse import (
+    DEFAULT_MAX_SSE_EVENT_SIZE,
+    ServerSentEvent,
+    SseDecoder,
+    encode_sse,
+    encode_sse_event,
+)
+from ._state import Move, Phase, sequence_problem
 from ._tools import (
     CLIENT_BUILTIN_TOOLS,
     BuiltinTool,
@@ -118,6 +134,9 @@ __all__ = [
     "CLIENT_BUILTIN_TOOLS",
     "CLIENT_EVENT_TYPES",
     "DEFAULT_MAX_MESSAGE_SIZE",
+    "DEFAULT_MAX_QUEUED_CREATES",
+    "DEFAULT_MAX_REMEMBERED_RESPONSES",
+    "DEFAULT_MAX_SSE_EVENT_SIZE",
     "RESPONSE_ERROR_CODES",
     "SERVER_EVENT_TYPES",
     "TERMINAL_EVENT_TYPES",
@@ -127,6 +146,7 @@ __all__ = [
     "BuilderState",
     "BuiltinTool",
     "CallKind",
+    "ClientConnection",
     "ClientEvent",
     "Compaction",
     "ComputerCall",
@@ -161,6 +181,7 @@ __all__ = [
     "LocalShellCall",
     "LocalShellCallOutput",
     "Message",
+    "Move",
     "NamespaceTool",
     "OpaqueItem",
     "OutputItemAdded",
@@ -169,6 +190,7 @@ __all__ = [
     "OutputTextDelta",
     "OutputTextDone",
     "OutputTokensDetails",
+    "Phase",
     "ProtocolError",
     "Reasoning",
     "ReasoningConfig",
@@ -187,11 +209,14 @@ __all__ = [
     "ResponseIncomplete",
     "ResponseQueued",
     "ResponseStream",
+    "ServerConnection",
     "ServerEvent",
+    "ServerSentEvent",
     "ShellAction",
     "ShellCall",
     "ShellCallOutput",
     "ShellOutput",
+    "SseDecoder",
     "SseErrorEvent",
     "SummaryText",
     "TextConfig",
@@ -215,9 +240,12 @@ __all__ = [
     "echo_tools",
     "encode_json",
     "encode_msgpack",
+    "encode_sse",
+    "encode_sse_event",
     "from_wire",
     "iter_chunks",
     "make_converter",
     "output_of",
+    "sequence_problem",
     "to_wire",
 ]

@@ -6,10 +6,11 @@ server against it.
     assert report.ok, report.failures
 
 `run_conformance_sync` does the same for synchronous callers; `rollout conform BASE_URL` is
-the command-line form.
+the command-line form. `WsClient` (opened with `open_ws`) is rollout's WebSocket-mode client,
+driving `rollout.protocol.ClientConnection`; the benchmark and the test suite use it too.
 """
 
-from ._client import CheckFailed, CheckSkipped
+from ._client import CheckFailed, CheckSkipped, WsClient, open_ws
 from ._context import Case, Options, load_cases
 from ._report import CheckResult, Outcome, Report
 from ._runner import run_conformance, run_conformance_sync, select_cases
@@ -24,7 +25,9 @@ __all__ = [
     "Options",
     "Outcome",
     "Report",
+    "WsClient",
     "load_cases",
+    "open_ws",
     "run_conformance",
     "run_conformance_sync",
     "select_cases",

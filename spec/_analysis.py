@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import EllipsisType
 from typing import Any
 
+from rollout.protocol import ClientConnection, Phase, RemoteProtocolError, sequence_problem
+
 from ._client import CheckFailed, describe_value
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "error_problems",
     "expect_error",
     "first_difference",
+    "lifecycle_problems",
     "message_text",
     "normal_items",
     "order_problems",
@@ -144,15 +147,44 @@ def expect_error(event: Mapping[str, Any], **expected: Any) -> None:
 
 def sequence_problems(events: Sequence[Event], *, start: int = 0) -> list[str]:
     """Every event carries an integer `sequence_number`; they start at `start` and grow by
-    exactly one per event."""
-    expected = start
-    for event in events:
-        seq = event.get("sequence_number")
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            return [f"{event.get('type')} has sequence_number {_q(seq)}, expected {expected}"]
-        if seq != expected:
-            return [f"{event.get('type')} has sequence_number {seq}, expected {expected}"]
-        expected += 1
+    exactly one per event (the protocol's numbering rule, applied to a list that may begin
+    mid-response, e.g. after a rollout resumed)."""
+    for expected, event in enumerate(events, start=start):
+        problem = sequence_problem(event.get("type"), event.get("sequence_number"), expected)
+        if problem is not None:
+            return [problem]
+    return []
+
+
+def lifecycle_problems(events: Sequence[Event], *, suspensions: bool = False) -> list[str]:
+    """The response-level order rules of WebSocket mode, as `rollout.protocol`'s client
+    connection applies them (one table for the server, the clients and this harness):
+    `[response.queued] response.created response.in_progress ... terminal`, sequence numbers
+    from 0 without gaps, every lifecycle event naming the same response, and with
+    `suspensions` (a rollout) `response.done` followed by `response.in_progress` once the
+    pending calls are answered. The first violation, or none."""
+    if not events:
+        return ["the response has no events"]
+    connection = ClientConnection()
+    connection.sent_raw({"type": "response.create", "rollout": suspensions})
+    for n, event in enumerate(events):
+        kind = event.get("type")
+        try:
+            connection.receive_json(event)
+        except RemoteProtocolError as exc:
+            return [f"event {n} ({kind}): {exc.__cause__ or exc}"]
+        if connection.response_id is None:
+            return [f"the response begins with {kind}, expected response.created"]
+        if kind == "response.done":  # answer every pending call, as the client would
+            outputs = [
+                {"type": "function_call_output", "call_id": call_id}
+                for call_id in connection.pending_call_ids
+            ]
+            connection.sent_raw(
+                {"type": "response.append", "response_id": connection.response_id, "input": outputs}
+            )
+    if connection.phase is not Phase.IDLE:
+        return [f"the response ends with {events[-1].get('type')}, expected a terminal event"]
     return []
 
 
@@ -167,37 +199,20 @@ def order_problems(events: Sequence[Event], *, suspensions: bool = False) -> lis
     function call has `function_call_arguments.delta`* then `.done` and no content parts.
     With `suspensions` (the rollout extension), `response.done` response.in_progress may
     appear between items. Events of unknown types are allowed between items or inside the
-    item their `output_index` names.
+    item their `output_index` names. The response-level rules (the lifecycle events, their
+    response id, the terminal event, suspensions) are `lifecycle_problems`, the protocol's;
+    the item-level grammar is checked here.
     """
-    problems: list[str] = []
-    types = [e.get("type") for e in events]
-    i = 0
-    if types[:1] == ["response.queued"]:
-        i = 1
-    if types[i : i + 2] != ["response.created", "response.in_progress"]:
-        return [
-            f"the response begins with {types[i : i + 2]}, expected "
-            "['response.created', 'response.in_progress']"
-        ]
-    if not types or types[-1] not in _ENDS:
-        return [f"the response ends with {types[-1:]}, expected a terminal response event"]
-    response_id = _response_id(events[i])
-    for event in events:
-        if event.get("type") in LIFECYCLE and _response_id(event) != response_id:
-            problems.append(
-                f"{event.get('type')} names response {_q(_response_id(event))}, expected "
-                f"{_q(response_id)}"
-            )
+    problems = lifecycle_problems(events, suspensions=suspensions)
+    if problems:
+        return problems
+    i = 1 if events[0].get("type") == "response.queued" else 0
     item: dict[str, Any] | None = None
     next_index = 0
-    suspended = False
     for n, event in enumerate(events[i + 2 : -1], start=i + 2):
         kind = event.get("type")
         where = f"event {n} ({kind})"
-        if suspended:
-            if kind != "response.in_progress":
-                problems.append(f"{where}: after response.done expected response.in_progress")
-            suspended = False
+        if kind == "response.in_progress":  # a rollout resumed (checked above)
             continue
         if kind == "response.output_item.added":
             if item is not None:
@@ -278,12 +293,9 @@ def order_problems(events: Sequence[Event], *, suspensions: bool = False) -> lis
                 problems.append(f"{where}: arguments after function_call_arguments.done")
             if kind.endswith(".done"):
                 item["args_done"] = True
-        elif kind == "response.done" and suspensions:
+        elif kind == "response.done":
             if item is not None:
                 problems.append(f"{where}: response.done while item {item['index']} is open")
-            suspended = True
-        elif kind in LIFECYCLE:
-            problems.append(f"{where}: unexpected in the middle of a response")
         elif "output_index" in event:
             if item is None or event.get("output_index") != item["index"]:
                 problems.append(

@@ -1,5 +1,13 @@
-"""A small client for the conformance checks: WebSocket mode over trio-websocket, HTTP and
-server-sent events over httpx.
+"""rollout's WebSocket-mode client over trio-websocket (the one the conformance checks, the
+benchmark and the test suite drive), and HTTP and server-sent events over httpx.
+
+`WsClient` is a thin wrapper around `rollout.protocol.ClientConnection`: every event received
+is followed by the connection (which response runs, whether a rollout is suspended and on
+which calls, whether the server still owes events), and the server's order violations are
+recorded in `violations`, or raised (`strict=True`) as `RemoteProtocolError`. The
+conformance checks read the violations through their own rules and stay lenient; the
+benchmark and the tests are strict. Server-sent events are read with the protocol's
+`SseDecoder`.
 
 It is deliberately lenient about what it receives (a check decides what is wrong) and strict
 about time: every network operation takes a deadline, and a failure to connect, a refused
@@ -21,6 +29,14 @@ import attrs
 import httpx
 import trio
 import trio_websocket
+from rollout.protocol import (
+    TERMINAL_EVENT_TYPES,
+    ClientConnection,
+    ClientEvent,
+    Phase,
+    RemoteProtocolError,
+    SseDecoder,
+)
 
 __all__ = [
     "RECEIVE_LIMIT",
@@ -39,7 +55,7 @@ __all__ = [
 ]
 
 # Events that end a request on the wire: the three terminal response events and `error`.
-TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
+TERMINAL = TERMINAL_EVENT_TYPES
 # The largest server message the client accepts, in bytes. Official clients accept any size
 # (`max_size=None`); a bound still keeps a runaway server from exhausting the harness.
 RECEIVE_LIMIT = 256 * 1024 * 1024
@@ -89,17 +105,59 @@ def ws_url_of(base_url: str, query: Mapping[str, str] | None = None) -> str:
 
 @attrs.define
 class WsClient:
-    """One WebSocket connection. `frames` counts what was received, by frame kind."""
+    """One WebSocket connection. `text_frames` / `binary_frames` count what was received;
+    `connection` follows the protocol (see the module docstring)."""
 
     conn: Any  # trio_websocket.WebSocketConnection
     timeout: float
     text_frames: int = 0
     binary_frames: int = 0
     log: list[dict[str, Any]] = attrs.field(factory=list)
+    strict: bool = False
+    connection: ClientConnection = attrs.field(factory=ClientConnection)
+    violations: list[str] = attrs.field(factory=list)
+
+    # --- the protocol ---
+    def encode(self, event: ClientEvent | Mapping[str, Any] | str | bytes) -> str | bytes:
+        """A typed event is checked by the connection (`LocalProtocolError` on misuse); a
+        JSON object, text or bytes are sent as they are (a check may send something invalid
+        on purpose) and only noted."""
+        if not isinstance(event, (str, bytes, Mapping)):
+            return self.connection.send(event)
+        if self.connection.phase is not Phase.ERROR:
+            self.connection.sent_raw(event)
+        if isinstance(event, (str, bytes)):
+            return event
+        return json.dumps(event, separators=(",", ":"))
+
+    def follow(self, event: Mapping[str, Any]) -> None:
+        """Follow a received event (parsed JSON). A violation of the order rules is recorded
+        (and raised when strict); the connection is not followed further after one."""
+        if self.connection.phase is Phase.ERROR:
+            return
+        try:
+            self.connection.receive_json(event)
+        except RemoteProtocolError as exc:
+            self.violations.append(str(exc))
+            if self.strict:
+                raise
+
+    async def next_event(self) -> dict[str, Any]:
+        """The next message parsed as JSON and followed, with no deadline of its own and the
+        transport's exceptions as they are: the cheap path (one `json.loads`)."""
+        message = await self.conn.get_message()
+        event: dict[str, Any] = json.loads(message)
+        self.follow(event)
+        return event
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether the server still owes events (see `ClientConnection.awaiting`)."""
+        return self.connection.awaiting
 
     # --- sending ---
-    async def send(self, event: Mapping[str, Any] | str) -> None:
-        text = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
+    async def send(self, event: ClientEvent | Mapping[str, Any] | str) -> None:
+        text = self.encode(event)
         try:
             with trio.fail_after(self.timeout):
                 await self.conn.send_message(text)
@@ -133,6 +191,7 @@ class WsClient:
         raw = await self.recv_raw(limit)
         event = decode_event(raw)
         self.log.append(event)
+        self.follow(event)
         return event
 
     async def poll(self, seconds: float) -> dict[str, Any] | None:
@@ -368,26 +427,17 @@ async def http_sse(
                     except ValueError:
                         parsed = raw
                     return HttpResult(r.status_code, r.headers, parsed, raw), events
-                name: str | None = None
-                data: list[str] = []
-                async for line in r.aiter_lines():
-                    if line == "":
-                        if data:
-                            events.append(SseEvent(name, _sse_data("\n".join(data))))
-                        name, data = None, []
-                    elif line.startswith(":"):
-                        continue
-                    elif line.startswith("event:"):
-                        name = line[6:].strip()
-                    elif line.startswith("data:"):
-                        data.append(line[5:].removeprefix(" "))
-                if data:
-                    events.append(SseEvent(name, _sse_data("\n".join(data))))
+                decoder = SseDecoder(max_event_size=RECEIVE_LIMIT)
+                async for chunk in r.aiter_bytes():
+                    for sse in decoder.feed(chunk):
+                        events.append(SseEvent(sse.event, _sse_data(sse.data)))
                 return HttpResult(r.status_code, r.headers, None, ""), events
     except trio.TooSlowError:
         raise CheckFailed(f"the event stream of POST {url} did not end within {limit:g}s") from None
     except httpx.HTTPError as exc:
         raise CheckFailed(f"POST {url} (stream) failed: {_describe_exc(exc)}") from None
+    except RemoteProtocolError as exc:
+        raise CheckFailed(f"the event stream of POST {url}: {exc}") from None
 
 
 def _sse_data(text: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Shared helpers of the end-to-end server tests: a real server on a loopback port (port 0),
-a small trio-websocket client speaking rollout's wire types, and a Prometheus text parser.
+the WebSocket-mode client of `rollout.spec` speaking rollout's wire types, and a Prometheus
+text parser.
 
 Every helper is I/O with a deadline set by the calling test (`trio.fail_after`); nothing here
 sleeps. `WsClient.assert_quiet` waits a short real time with `trio.move_on_after` to prove the
@@ -9,6 +10,7 @@ absence of a frame, the only way to observe "nothing was sent".
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -20,6 +22,7 @@ import httpx
 import trio
 import trio_websocket
 from rollout import protocol as p
+from rollout import spec
 from rollout.engine._serve import ServerConfig, open_server
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "open_ws",
     "parse_metrics",
     "run_in_thread",
+    "sse_data",
     "strip_ids",
     "ws_url",
 ]
@@ -106,26 +110,27 @@ def strip_ids(item: Any) -> dict[str, Any]:
     return wire
 
 
-class WsClient:
-    """A raw WebSocket-mode client: JSON text frames out, decoded server events in."""
+class WsClient(spec.WsClient):
+    """The suite's face of the one WebSocket-mode client (`rollout.spec`'s, strict: a server
+    event out of order fails the test): typed events in, the transport's exceptions as they
+    are, every frame also kept as parsed JSON in `raw`."""
 
     def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
+        super().__init__(conn=ws, timeout=math.inf, strict=True)
         self.ws = ws
-        self.raw: list[dict[str, Any]] = []  # every frame received, as parsed JSON
+        self.raw = self.log  # every frame received, as parsed JSON
 
     async def send(self, event: dict[str, Any] | Any) -> None:
-        if isinstance(event, dict):
-            await self.ws.send_message(json.dumps(event))
-        else:
-            await self.ws.send_message(p.encode_json(event))
+        await self.ws.send_message(self.encode(event))
 
     async def send_raw(self, data: str | bytes) -> None:
-        await self.ws.send_message(data)
+        await self.ws.send_message(self.encode(data))
 
-    async def recv(self) -> Any:
+    async def recv(self) -> Any:  # type: ignore[override]
         """The next server event, decoded with `protocol.decode_server_event`."""
         message = await self.ws.get_message()
         self.raw.append(json.loads(message))
+        self.follow(self.raw[-1])
         return p.decode_server_event(message)
 
     async def until_terminal(self) -> list[Any]:
@@ -137,7 +142,7 @@ class WsClient:
             if event.type in TERMINAL:
                 return events
 
-    async def create(self, **fields: Any) -> list[Any]:
+    async def create(self, **fields: Any) -> list[Any]:  # type: ignore[override]
         """Send a `response.create` and collect its events up to the terminal one."""
         await self.send({"type": "response.create", **fields})
         return await self.until_terminal()
@@ -174,6 +179,15 @@ async def open_ws(
         disconnect_timeout=5,
     ) as ws:
         yield WsClient(ws)
+
+
+async def sse_data(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON data of each server-sent event of a streaming response (read with the
+    protocol's `SseDecoder`)."""
+    decoder = p.SseDecoder()
+    async for chunk in resp.aiter_bytes():
+        for event in decoder.feed(chunk):
+            yield json.loads(event.data)
 
 
 def function_outputs(items: Sequence[Any], output: str = "ok") -> list[dict[str, Any]]:

@@ -471,3 +471,23 @@ async def test_no_frame_after_terminal_event_and_pings(tmp_path: Path) -> None:
             assert (await client.error()).error.code == "invalid_json"
             await client.assert_quiet()
             await client.ws.ping(b"still alive")
+
+
+async def test_append_to_an_ended_response_is_known_past_the_cache() -> None:
+    """The connection remembers the responses it ended (not only the 8 its cache keeps): an
+    append naming the first of ten is `response_already_completed` (RX-4.2), and one naming
+    a response of no connection is still `rollout_not_found` (RX-4.1)."""
+    with trio.fail_after(DEADLINE):
+        async with open_test_server() as url, open_ws(url) as client:
+            ids = []
+            for n in range(10):
+                events = await client.create(model="sim:tokens=1", input=f"turn {n}", store=False)
+                assert events[-1].type == "response.completed"
+                ids.append(events[-1].response.id)
+            for response_id, code in ((ids[0], "response_already_completed"),
+                                      ("resp_elsewhere", "rollout_not_found")):  # fmt: skip
+                await client.send(
+                    {"type": "response.append", "response_id": response_id, "input": []}
+                )
+                error = await client.error()
+                assert (error.error.code, error.error.param) == (code, "response_id")

@@ -9,7 +9,6 @@ A create sent on the socket after the interruption is refused (503), not started
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import trio
 import trio_websocket
 
 from tests.client_harness import open_rollout_process
-from tests.server_harness import open_ws
+from tests.server_harness import open_ws, sse_data
 
 DEADLINE = 30
 # ~100 s of output at 20 tokens/s: far longer than the 1 s grace period.
@@ -54,11 +53,10 @@ async def test_sigterm_ends_streams_longer_than_the_grace_period(tmp_path: Path)
                 httpx.AsyncClient(timeout=DEADLINE) as client,
                 client.stream("POST", f"{url}/responses", json={**LONG, "stream": True}) as resp,
             ):
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: "):
-                        sse_events.append(json.loads(line[6:]))
-                        if sse_events[-1]["type"] == "response.output_text.delta":
-                            started["sse"].set()
+                async for data in sse_data(resp):
+                    sse_events.append(data)
+                    if data["type"] == "response.output_text.delta":
+                        started["sse"].set()
 
         with trio.fail_after(DEADLINE):
             async with trio.open_nursery() as nursery:

@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import openai
 import trio
-import trio_websocket
 
+from tests.server_harness import open_ws
 from tests.upstream_harness import (
     SIM_MODEL,
     TOOLS,
@@ -43,7 +43,6 @@ from tests.upstream_harness import (
     run_in_thread,
     strip_ids,
     text_chunks,
-    ws_url,
 )
 
 DEADLINE = 30
@@ -289,23 +288,21 @@ async def test_follow_up_encodes_only_new_messages_but_sends_the_whole_conversat
             registry = gateway_registry(upstream_url)
             backend = backend_of(registry)
             async with open_rollout(registry=registry) as b:
-                async with trio_websocket.open_websocket_url(ws_url(b)) as ws:
+                async with open_ws(b) as ws:
 
                     async def create(**fields: Any) -> dict[str, Any]:
-                        await ws.send_message(
-                            json.dumps(
-                                {
-                                    "type": "response.create",
-                                    "model": "up",
-                                    "instructions": INSTRUCTIONS,
-                                    "tools": TOOLS,
-                                    "store": False,
-                                    **fields,
-                                }
-                            )
+                        await ws.send(
+                            {
+                                "type": "response.create",
+                                "model": "up",
+                                "instructions": INSTRUCTIONS,
+                                "tools": TOOLS,
+                                "store": False,
+                                **fields,
+                            }
                         )
                         while True:
-                            event = json.loads(await ws.get_message())
+                            event = await ws.next_event()
                             if event["type"] in ("response.completed", "response.failed", "error"):
                                 assert event["type"] == "response.completed", event
                                 response: dict[str, Any] = event["response"]

@@ -10,16 +10,15 @@ client to go away, which the test causes.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
-import trio_websocket
 from rollout.engine._ledger import open_sqlite_ledger
 
+from tests.server_harness import open_ws, sse_data
 from tests.upstream_harness import (
     Exchange,
     backend_of,
@@ -34,7 +33,6 @@ from tests.upstream_harness import (
     raw_sse_answer,
     read_request,
     text_chunks,
-    ws_url,
 )
 
 DEADLINE = 15
@@ -62,9 +60,8 @@ async def create_sse(url: str, **fields: Any) -> list[dict[str, Any]]:
         client.stream("POST", f"{url}/responses", json={**fields, "stream": True}) as resp,
     ):
         assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
+        async for data in sse_data(resp):
+            events.append(data)
     return events
 
 
@@ -379,13 +376,11 @@ async def test_websocket_client_disconnect_cancels_the_upstream_request(tmp_path
         async with open_fake_upstream(slow) as (upstream_url, upstream):
             registry = gateway_registry(upstream_url)
             async with open_rollout(registry=registry, data_dir=tmp_path) as b:
-                async with trio_websocket.open_websocket_url(ws_url(b)) as ws:
-                    await ws.send_message(
-                        json.dumps({"type": "response.create", "model": "up", "input": "Hi!"})
-                    )
+                async with open_ws(b) as ws:
+                    await ws.send({"type": "response.create", "model": "up", "input": "Hi!"})
                     response_id = None
                     while True:
-                        event = json.loads(await ws.get_message())
+                        event = await ws.next_event()
                         if event["type"] == "response.created":
                             response_id = event["response"]["id"]
                         if event["type"] == "response.output_text.delta":
@@ -395,12 +390,10 @@ async def test_websocket_client_disconnect_cancels_the_upstream_request(tmp_path
                 assert upstream.disconnects == 1
                 await assert_healthy(b)
                 # The WebSocket path too: a new connection gets a complete answer.
-                async with trio_websocket.open_websocket_url(ws_url(b)) as ws:
-                    await ws.send_message(
-                        json.dumps({"type": "response.create", "model": "up", "input": "Hi!"})
-                    )
+                async with open_ws(b) as ws:
+                    await ws.send({"type": "response.create", "model": "up", "input": "Hi!"})
                     while True:
-                        event = json.loads(await ws.get_message())
+                        event = await ws.next_event()
                         if event["type"] in ("response.completed", "response.failed", "error"):
                             break
                     assert event["type"] == "response.completed"

@@ -47,7 +47,6 @@ __all__ = [
     "run_in_thread",
     "strip_ids",
     "text_chunks",
-    "ws_url",
 ]
 
 T = TypeVar("T")
@@ -100,10 +99,6 @@ async def run_in_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run a blocking client (the openai SDK, or an asyncio loop) in a worker thread. The
     thread is abandoned if the test's deadline fires; closing the servers then ends it."""
     return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
-
-
-def ws_url(base_url: str) -> str:
-    return re.sub(r"^http", "ws", base_url.rstrip("/")) + "/responses"
 
 
 async def healthz(base_url: str) -> int:
