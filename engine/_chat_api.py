@@ -30,7 +30,7 @@ class ChatApi:
         body, request = await read_json(req.receive, self.max_message_size, _decode_chat)
         streaming = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        stream = EventStream(req.send)
+        stream = EventStream(req.send, counters=self.engine.counters)
         emitter = ChatCompletionEmitter(
             request.model or "",
             stream=streaming,

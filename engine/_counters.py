@@ -44,6 +44,8 @@ class Counters:
     tokens_sampled: int = 0
     hosted_calls: int = 0  # hosted tools' calls run by their executors
     bytes_decoded: int = 0  # client messages (WebSocket frames, HTTP bodies) decoded
+    ws_chars_encoded: int = 0  # characters of the WebSocket text frames encoded
+    sse_bytes_encoded: int = 0  # bytes of the server-sent-event frames encoded
     offloaded_decodes: int = 0  # client messages large enough to decode in a worker thread
     slow_consumers: int = 0  # WebSocket clients torn down for not reading (responses cancelled)
     responses_completed: int = 0

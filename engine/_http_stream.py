@@ -14,6 +14,7 @@ import trio
 from rollout.protocol import RemoteProtocolError, ServerEvent, encode_sse, encode_sse_event
 
 from ._asgi import Receive, Send
+from ._counters import Counters
 
 __all__ = ["EventStream", "run_until_disconnect", "sse_data", "sse_event"]
 
@@ -32,10 +33,15 @@ class EventStream:
     """A server-sent-events response, started (status 200, headers) with its first frame."""
 
     def __init__(
-        self, send: Send, extra_headers: Callable[[], list[tuple[bytes, bytes]]] | None = None
+        self,
+        send: Send,
+        extra_headers: Callable[[], list[tuple[bytes, bytes]]] | None = None,
+        *,
+        counters: Counters | None = None,
     ) -> None:
         self._send = send
         self._extra = extra_headers
+        self._counters = counters  # counts the bytes of the frames sent (`sse_bytes_encoded`)
         self.started = False
 
     async def frame(self, data: bytes) -> None:
@@ -47,6 +53,8 @@ class EventStream:
                 *(self._extra() if self._extra else ()),
             ]
             await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+        if self._counters is not None:
+            self._counters.sse_bytes_encoded += len(data)
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end(self) -> int:

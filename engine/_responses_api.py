@@ -81,6 +81,7 @@ class ResponsesApi:
         stream = EventStream(
             req.send,
             lambda: [(b"server-timing", _server_timing(session.last_timings).encode())],
+            counters=self.engine.counters,
         )
 
         async def emit(event: ServerEvent) -> None:

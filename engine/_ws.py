@@ -128,6 +128,7 @@ class WebSocketConnection:
         when it stays full for the stall limit, `ClosedResourceError` once closed."""
         # A dict is an extension frame outside the response grammar (`rollout.timing`).
         text = self.protocol.send(event) if not isinstance(event, dict) else _dumps(event)
+        self.session.engine.counters.ws_chars_encoded += len(text)
         await self._enqueue({"type": "websocket.send", "text": text}, len(text))
 
     async def close(self, code: int = 1000) -> None:

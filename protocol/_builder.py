@@ -87,26 +87,50 @@ class BuilderState(enum.Enum):
     ERROR = "error"  # misused; refuses everything but `abort`
 
 
-_S = BuilderState
 # action -> {state it is legal in: state after it}
 _TRANSITIONS: dict[str, dict[BuilderState, BuilderState]] = {
-    "start": {_S.NEW: _S.ACTIVE},
-    "begin_message": {_S.ACTIVE: _S.IN_MESSAGE},
-    "text_delta": {_S.IN_MESSAGE: _S.IN_MESSAGE},
-    "end_message": {_S.IN_MESSAGE: _S.ACTIVE},
-    "begin_call": {_S.ACTIVE: _S.IN_CALL},
-    "arguments_delta": {_S.IN_CALL: _S.IN_CALL},
-    "end_call": {_S.IN_CALL: _S.ACTIVE},
-    "add_item": {_S.ACTIVE: _S.ACTIVE},
-    "suspend": {_S.ACTIVE: _S.SUSPENDED},
-    "resume": {_S.SUSPENDED: _S.ACTIVE},
-    "complete": {_S.ACTIVE: _S.DONE},
-    "incomplete": {s: _S.DONE for s in (_S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED)},
+    "start": {BuilderState.NEW: BuilderState.ACTIVE},
+    "begin_message": {BuilderState.ACTIVE: BuilderState.IN_MESSAGE},
+    "text_delta": {BuilderState.IN_MESSAGE: BuilderState.IN_MESSAGE},
+    "end_message": {BuilderState.IN_MESSAGE: BuilderState.ACTIVE},
+    "begin_call": {BuilderState.ACTIVE: BuilderState.IN_CALL},
+    "arguments_delta": {BuilderState.IN_CALL: BuilderState.IN_CALL},
+    "end_call": {BuilderState.IN_CALL: BuilderState.ACTIVE},
+    "add_item": {BuilderState.ACTIVE: BuilderState.ACTIVE},
+    "suspend": {BuilderState.ACTIVE: BuilderState.SUSPENDED},
+    "resume": {BuilderState.SUSPENDED: BuilderState.ACTIVE},
+    "complete": {BuilderState.ACTIVE: BuilderState.DONE},
+    "incomplete": {
+        s: BuilderState.DONE
+        for s in (
+            BuilderState.ACTIVE,
+            BuilderState.IN_MESSAGE,
+            BuilderState.IN_CALL,
+            BuilderState.SUSPENDED,
+        )
+    },
     # Not from NEW: a response that never started has no `response.failed` (send an error).
-    "fail": {s: _S.DONE for s in (_S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED)},
+    "fail": {
+        s: BuilderState.DONE
+        for s in (
+            BuilderState.ACTIVE,
+            BuilderState.IN_MESSAGE,
+            BuilderState.IN_CALL,
+            BuilderState.SUSPENDED,
+        )
+    },
     # The last resort after a bug (ours, or a backend's): also from ERROR, so a response that
     # started always ends with a terminal event.
-    "abort": {s: _S.DONE for s in (_S.ACTIVE, _S.IN_MESSAGE, _S.IN_CALL, _S.SUSPENDED, _S.ERROR)},
+    "abort": {
+        s: BuilderState.DONE
+        for s in (
+            BuilderState.ACTIVE,
+            BuilderState.IN_MESSAGE,
+            BuilderState.IN_CALL,
+            BuilderState.SUSPENDED,
+            BuilderState.ERROR,
+        )
+    },
 }
 
 
@@ -172,7 +196,7 @@ class ResponseStream:
         return attrs.evolve(self._base, output=list(self._output))
 
     # --- machinery ---
-    def _go(self, action: str) -> None:
+    def _transition(self, action: str) -> None:
         nxt = _TRANSITIONS[action].get(self._state)
         if nxt is None:
             was = self._state
@@ -180,7 +204,7 @@ class ResponseStream:
             raise LocalProtocolError(f"can't {action} in state {was.value}")
         self._state = nxt
 
-    def _n(self) -> int:
+    def _next_sequence(self) -> int:
         n = self._seq
         self._seq += 1
         return n
@@ -188,22 +212,22 @@ class ResponseStream:
     # --- actions ---
     def start(self) -> list[ServerEvent]:
         """`response.created` then `response.in_progress`."""
-        self._go("start")
+        self._transition("start")
         snap = self.snapshot()
         return [
-            ResponseCreated(sequence_number=self._n(), response=snap),
-            ResponseInProgress(sequence_number=self._n(), response=snap),
+            ResponseCreated(sequence_number=self._next_sequence(), response=snap),
+            ResponseInProgress(sequence_number=self._next_sequence(), response=snap),
         ]
 
     def begin_message(self, item_id: str) -> list[ServerEvent]:
-        self._go("begin_message")
+        self._transition("begin_message")
         index = len(self._output)
         self._open = _Open(item_id=item_id, output_index=index, parts=[])
         item = Message(id=item_id, role="assistant", status="in_progress", content=[])
         return [
-            OutputItemAdded(sequence_number=self._n(), output_index=index, item=item),
+            OutputItemAdded(sequence_number=self._next_sequence(), output_index=index, item=item),
             ContentPartAdded(
-                sequence_number=self._n(),
+                sequence_number=self._next_sequence(),
                 item_id=item_id,
                 output_index=index,
                 content_index=0,
@@ -212,11 +236,11 @@ class ResponseStream:
         ]
 
     def text_delta(self, delta: str) -> ServerEvent:
-        self._go("text_delta")
+        self._transition("text_delta")
         assert self._open is not None
         self._open.parts.append(delta)
         return OutputTextDelta(
-            sequence_number=self._n(),
+            sequence_number=self._next_sequence(),
             item_id=self._open.item_id,
             output_index=self._open.output_index,
             content_index=0,
@@ -224,7 +248,7 @@ class ResponseStream:
         )
 
     def end_message(self, *, status: ItemStatus = "completed") -> list[ServerEvent]:
-        self._go("end_message")
+        self._transition("end_message")
         return self._close_message(status)
 
     def _close_message(self, status: ItemStatus) -> list[ServerEvent]:
@@ -241,9 +265,11 @@ class ResponseStream:
         self._output.append(item)
         common = {"item_id": o.item_id, "output_index": o.output_index, "content_index": 0}
         return [
-            OutputTextDone(sequence_number=self._n(), text=text, **common),  # type: ignore[arg-type]
-            ContentPartDone(sequence_number=self._n(), part=part, **common),  # type: ignore[arg-type]
-            OutputItemDone(sequence_number=self._n(), output_index=o.output_index, item=item),
+            OutputTextDone(sequence_number=self._next_sequence(), text=text, **common),  # type: ignore[arg-type]
+            ContentPartDone(sequence_number=self._next_sequence(), part=part, **common),  # type: ignore[arg-type]
+            OutputItemDone(
+                sequence_number=self._next_sequence(), output_index=o.output_index, item=item
+            ),
         ]
 
     def begin_call(
@@ -257,7 +283,7 @@ class ResponseStream:
     ) -> list[ServerEvent]:
         """Open a tool call. Function and custom calls are announced now; a built-in tool's
         call when it ends (its item needs the whole payload)."""
-        self._go("begin_call")
+        self._transition("begin_call")
         index = len(self._output)
         self._open = _Open(
             item_id=item_id,
@@ -271,25 +297,27 @@ class ResponseStream:
         if kind not in ("function", "custom"):
             return []
         item = self._call_item(self._open, "", "in_progress")
-        return [OutputItemAdded(sequence_number=self._n(), output_index=index, item=item)]
+        return [
+            OutputItemAdded(sequence_number=self._next_sequence(), output_index=index, item=item)
+        ]
 
     def arguments_delta(self, delta: str) -> ServerEvent | None:
         """More of the open call: function arguments or custom input (an event), or a built-in
         call's payload (kept until the call ends: None)."""
-        self._go("arguments_delta")
+        self._transition("arguments_delta")
         o = self._open
         assert o is not None
         o.parts.append(delta)
         if o.kind == "function":
             return FunctionCallArgumentsDelta(
-                sequence_number=self._n(),
+                sequence_number=self._next_sequence(),
                 item_id=o.item_id,
                 output_index=o.output_index,
                 delta=delta,
             )
         if o.kind == "custom":
             return CustomToolCallInputDelta(
-                sequence_number=self._n(),
+                sequence_number=self._next_sequence(),
                 item_id=o.item_id,
                 output_index=o.output_index,
                 delta=delta,
@@ -310,7 +338,7 @@ class ResponseStream:
             )
         ):
             self._call_item(o, "".join(o.parts), status)  # check before changing state
-        self._go("end_call")
+        self._transition("end_call")
         return self._close_call(status)
 
     def _call_item(self, o: _Open, text: str, status: ItemStatus) -> Item:
@@ -355,54 +383,57 @@ class ResponseStream:
         if o.kind == "function":
             return [
                 FunctionCallArgumentsDone(
-                    sequence_number=self._n(),
+                    sequence_number=self._next_sequence(),
                     item_id=o.item_id,
                     output_index=o.output_index,
                     arguments=text,
                 ),
-                attrs.evolve(done, sequence_number=self._n()),
+                attrs.evolve(done, sequence_number=self._next_sequence()),
             ]
         if o.kind == "custom":
             return [
                 CustomToolCallInputDone(
-                    sequence_number=self._n(),
+                    sequence_number=self._next_sequence(),
                     item_id=o.item_id,
                     output_index=o.output_index,
                     input=text,
                 ),
-                attrs.evolve(done, sequence_number=self._n()),
+                attrs.evolve(done, sequence_number=self._next_sequence()),
             ]
-        added = OutputItemAdded(sequence_number=self._n(), output_index=o.output_index, item=item)
-        return [added, attrs.evolve(done, sequence_number=self._n())]
+        added = OutputItemAdded(
+            sequence_number=self._next_sequence(), output_index=o.output_index, item=item
+        )
+        return [added, attrs.evolve(done, sequence_number=self._next_sequence())]
 
     def add_item(self, item: Item) -> list[ServerEvent]:
         """A finished item that is not streamed (e.g. a `compaction` item): added, then done."""
-        self._go("add_item")
+        self._transition("add_item")
         index = len(self._output)
         self._output.append(item)
         return [
-            OutputItemAdded(sequence_number=self._n(), output_index=index, item=item),
-            OutputItemDone(sequence_number=self._n(), output_index=index, item=item),
+            OutputItemAdded(sequence_number=self._next_sequence(), output_index=index, item=item),
+            OutputItemDone(sequence_number=self._next_sequence(), output_index=index, item=item),
         ]
 
     def suspend(self, pending_call_ids: list[str]) -> ResponseDone:
         """Rollout extension: the rollout waits for the outputs of `pending_call_ids`."""
-        self._go("suspend")
+        self._transition("suspend")
         return ResponseDone(
-            sequence_number=self._n(),
+            sequence_number=self._next_sequence(),
             response=self.snapshot(),
             pending_call_ids=list(pending_call_ids),
         )
 
     def resume(self) -> ResponseInProgress:
         """Rollout extension: outputs were appended; sampling continues in this response."""
-        self._go("resume")
-        return ResponseInProgress(sequence_number=self._n(), response=self.snapshot())
+        self._transition("resume")
+        return ResponseInProgress(sequence_number=self._next_sequence(), response=self.snapshot())
 
     def complete(self, *, usage: Usage, completed_at: int) -> ResponseCompleted:
-        self._go("complete")
+        self._transition("complete")
         return ResponseCompleted(
-            sequence_number=self._n(), response=self.final("completed", usage, completed_at)
+            sequence_number=self._next_sequence(),
+            response=self.final("completed", usage, completed_at),
         )
 
     def incomplete(self, *, reason: str, usage: Usage, completed_at: int) -> list[ServerEvent]:
@@ -410,7 +441,7 @@ class ResponseStream:
         closed as `incomplete`; an open built-in call (never announced: its payload is cut
         off) is dropped."""
         was = self._state
-        self._go("incomplete")
+        self._transition("incomplete")
         events: list[ServerEvent] = []
         if was is BuilderState.IN_MESSAGE:
             events += self._close_message("incomplete")
@@ -423,7 +454,7 @@ class ResponseStream:
             self.final("incomplete", usage, completed_at),
             incomplete_details=IncompleteDetails(reason=reason),  # type: ignore[arg-type]
         )
-        events.append(ResponseIncomplete(sequence_number=self._n(), response=response))
+        events.append(ResponseIncomplete(sequence_number=self._next_sequence(), response=response))
         return events
 
     def fail(self, *, error: ResponseError, usage: Usage | None) -> ResponseFailed:
@@ -431,10 +462,10 @@ class ResponseStream:
         if self._state is BuilderState.NEW:
             self._state = BuilderState.ERROR
             raise LocalProtocolError("can't fail before start(): send an error event instead")
-        self._go("fail")
+        self._transition("fail")
         self._open = None
         response = attrs.evolve(self.final("failed", usage, None), error=error)
-        return ResponseFailed(sequence_number=self._n(), response=response)
+        return ResponseFailed(sequence_number=self._next_sequence(), response=response)
 
     def abort(self, *, error: ResponseError, usage: Usage | None) -> ResponseFailed | None:
         """`response.failed` whatever went wrong before, even in ERROR (an item still open is
@@ -444,7 +475,7 @@ class ResponseStream:
         self._state = BuilderState.DONE
         self._open = None
         response = attrs.evolve(self.final("failed", usage, None), error=error)
-        return ResponseFailed(sequence_number=self._n(), response=response)
+        return ResponseFailed(sequence_number=self._next_sequence(), response=response)
 
     def final(
         self, status: ResponseStatus, usage: Usage | None, completed_at: int | None

@@ -101,3 +101,26 @@ async def fetch_metrics(base_url: str) -> dict[tuple[str, frozenset[tuple[str, s
         resp = await client.get(f"{base_url.removesuffix('/v1')}/metrics")
     resp.raise_for_status()
     return parse_metrics(resp.text)
+
+
+async def test_encoding_is_counted() -> None:
+    """`sse_bytes_encoded` is the SSE body the client received, byte for byte;
+    `ws_chars_encoded` the characters of every WebSocket text frame it received."""
+    body = json.dumps({"model": MODEL, "input": "hello", "store": False, "stream": True})
+    frame = json.dumps({"type": "response.create", "model": MODEL, "input": "hi", "store": False})
+    with trio.fail_after(DEADLINE):
+        async with open_test_server() as url:
+            before = counters(await fetch_metrics(url))
+            async with httpx.AsyncClient() as client:
+                resp = await client.post(
+                    f"{url}/responses", content=body, headers={"content-type": "application/json"}
+                )
+                assert resp.status_code == 200
+            async with open_ws(url) as ws:
+                await ws.send_raw(frame)
+                await ws.until_terminal()
+                received = sum(len(json.dumps(f, ensure_ascii=False, separators=(",", ":")))
+                               for f in ws.raw)  # fmt: skip
+            after = counters(await fetch_metrics(url))
+    assert after["sse_bytes_encoded"] - before["sse_bytes_encoded"] == len(resp.content)
+    assert after["ws_chars_encoded"] - before["ws_chars_encoded"] == received
