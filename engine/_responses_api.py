@@ -19,6 +19,7 @@ from rollout.protocol import (
     ServerEvent,
     as_listed,
     decode_create_body,
+    response_of,
     to_wire,
 )
 
@@ -64,7 +65,7 @@ class ResponsesApi:
         final: list[Response] = []
 
         async def keep(event: ServerEvent) -> None:
-            response = getattr(event, "response", None)
+            response = response_of(event)
             if response is not None:
                 final[:] = [response]
 

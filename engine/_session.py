@@ -27,6 +27,7 @@ from rollout.protocol import (
     ServerEvent,
     Usage,
     as_listed,
+    response_of,
     to_wire,
 )
 
@@ -123,7 +124,7 @@ class Session:
         final: list[Response] = []
 
         async def keep(event: ServerEvent) -> None:
-            response = getattr(event, "response", None)
+            response = response_of(event)
             if response is not None:
                 final[:] = [response]
 

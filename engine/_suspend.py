@@ -21,6 +21,7 @@ from rollout.protocol import (
     ResponseAppend,
     ServerEvent,
     call_of,
+    response_of,
 )
 
 from ._state import ResponseState
@@ -77,7 +78,7 @@ class Rollout:
         if self._events is None:
             raise RuntimeError("this rollout streams to its emitter; it can't be iterated")
         async for event in self._events:
-            response = getattr(event, "response", None)
+            response = response_of(event)
             if response is not None:
                 self.response = response
             if event.type in _ENDS:

@@ -42,12 +42,14 @@ from ._events import (
     ResponseCreate,
     ResponseCreated,
     ResponseDone,
+    ResponseEvent,
     ResponseFailed,
     ResponseIncomplete,
     ResponseInProgress,
     ResponseQueued,
     ServerEvent,
     SseErrorEvent,
+    response_of,
 )
 from ._items import (
     CALL_KINDS,
@@ -204,6 +206,7 @@ __all__ = [
     "ResponseCreated",
     "ResponseDone",
     "ResponseError",
+    "ResponseEvent",
     "ResponseFailed",
     "ResponseInProgress",
     "ResponseIncomplete",
@@ -246,6 +249,7 @@ __all__ = [
     "iter_chunks",
     "make_converter",
     "output_of",
+    "response_of",
     "sequence_problem",
     "to_wire",
 ]

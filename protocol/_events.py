@@ -8,6 +8,7 @@ Server events are the Responses streaming events, the nested WebSocket `error`, 
 
 from __future__ import annotations
 
+import typing
 from typing import Any, ClassVar, Literal, TypeAlias
 
 import attrs
@@ -45,12 +46,14 @@ __all__ = [
     "ResponseCreate",
     "ResponseCreated",
     "ResponseDone",
+    "ResponseEvent",
     "ResponseFailed",
     "ResponseInProgress",
     "ResponseIncomplete",
     "ResponseQueued",
     "ServerEvent",
     "SseErrorEvent",
+    "response_of",
 ]
 
 # OpenAI's documented limits on `metadata`: 16 pairs, 64-char keys, 512-char values.
@@ -395,6 +398,24 @@ ServerEvent: TypeAlias = (
     | CustomToolCallInputDone
     | ErrorEvent
 )
+
+
+# The events that carry the response object (its lifecycle), and the response they carry.
+ResponseEvent: TypeAlias = (
+    ResponseCreated
+    | ResponseInProgress
+    | ResponseQueued
+    | ResponseCompleted
+    | ResponseIncomplete
+    | ResponseFailed
+    | ResponseDone
+)
+_RESPONSE_EVENTS = typing.get_args(ResponseEvent)
+
+
+def response_of(event: ServerEvent) -> Response | None:
+    """The response a lifecycle event carries; None for item, part, delta and error events."""
+    return event.response if isinstance(event, _RESPONSE_EVENTS) else None
 
 
 # The WebSocket union; the SSE `error` shape shares the tag and is decoded separately.

@@ -95,6 +95,8 @@ EXPECTED_PROTOCOL_NAMES = {
     "ResponseInProgress",
     "ResponseIncomplete",
     "ResponseQueued",
+    "ResponseEvent",
+    "response_of",
     "ServerEvent",
     "SseErrorEvent",
     # items, parts, tools
