@@ -378,7 +378,8 @@ class SseErrorEvent:
     TRANSPORT: ClassVar[str] = "sse"
 
 
-ServerEvent: TypeAlias = (
+# The events that carry the response object (its lifecycle), and the response they carry.
+ResponseEvent: TypeAlias = (
     ResponseCreated
     | ResponseInProgress
     | ResponseQueued
@@ -386,6 +387,9 @@ ServerEvent: TypeAlias = (
     | ResponseIncomplete
     | ResponseFailed
     | ResponseDone
+)
+ServerEvent: TypeAlias = (
+    ResponseEvent
     | OutputItemAdded
     | OutputItemDone
     | ContentPartAdded
@@ -400,16 +404,6 @@ ServerEvent: TypeAlias = (
 )
 
 
-# The events that carry the response object (its lifecycle), and the response they carry.
-ResponseEvent: TypeAlias = (
-    ResponseCreated
-    | ResponseInProgress
-    | ResponseQueued
-    | ResponseCompleted
-    | ResponseIncomplete
-    | ResponseFailed
-    | ResponseDone
-)
 _RESPONSE_EVENTS = typing.get_args(ResponseEvent)
 
 
