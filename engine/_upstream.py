@@ -311,13 +311,9 @@ class _OpenCall:
 async def _parse_stream(resp: httpx.Response, toolset: ChatToolset) -> AsyncIterator[SampleEvent]:
     """Chat-completion chunks -> sample events. Raises BackendError on malformed chunks or a
     stream that ends before a finish reason."""
-    open_kind: str | None = None  # "text" | "call"
-    call: _OpenCall | None = None
-    call_index: int | None = None
-    finish: str | None = None
-    usage: dict[str, Any] | None = None
-    done = False
+    reader = _ChunkReader(toolset)
     decoder = SseDecoder(max_event_size=MAX_UPSTREAM_LINE)
+    done = False
     async for raw in resp.aiter_bytes():
         try:
             events = decoder.feed(raw)
@@ -329,74 +325,107 @@ async def _parse_stream(resp: httpx.Response, toolset: ChatToolset) -> AsyncIter
                 done = True
                 break
             try:
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    error = chunk["error"]
-                    code = error.get("code") if isinstance(error, dict) else None
-                    raise BackendError(
-                        f"The upstream failed mid-stream: {error.get('message', error)}",
-                        code=_response_code(code if isinstance(code, str) else None, 500),
-                    )
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                choices = chunk.get("choices") or []
-                if not choices:
-                    continue
-                choice = choices[0]
-                delta = choice.get("delta") or {}
-                content = delta.get("content")
-                if content:
-                    if call is not None:
-                        for event in call.end():
-                            yield event
-                        call, open_kind = None, None
-                    if open_kind is None:
-                        yield TextStart()
-                        open_kind = "text"
-                    yield TextDelta(content, 1)
-                for piece in delta.get("tool_calls") or []:
-                    index = piece.get("index", 0)
-                    function = piece.get("function") or {}
-                    if index != call_index:
-                        if open_kind == "text":
-                            yield TextEnd()
-                        elif call is not None:
-                            for event in call.end():
-                                yield event
-                        chat_name = str(function.get("name", ""))
-                        call = _OpenCall(toolset.find(chat_name))
-                        yield call.start(chat_name)
-                        open_kind, call_index = "call", index
-                    arguments = function.get("arguments")
-                    if arguments and call is not None:
-                        more = call.delta(arguments)
-                        if more is not None:
-                            yield more
-                if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
+                for event in reader.chunk(json.loads(data)):
+                    yield event
             except BackendError:
                 raise
             except (ValueError, AttributeError, TypeError, KeyError) as exc:
                 raise BackendError(f"The upstream sent a malformed chunk: {exc}") from None
         if done:
             break
-    if finish is None:
-        raise BackendError(
-            "The upstream stream ended before the answer finished"
-            + ("" if done else " (connection closed)")
-            + "."
+    for event in reader.end(closed=not done):
+        yield event
+
+
+class _ChunkReader:
+    """The state of one chat-completions stream: the item open (text or a call), the finish
+    reason and the usage, fed chunk by chunk."""
+
+    def __init__(self, toolset: ChatToolset) -> None:
+        self.toolset = toolset
+        self.open_kind: str | None = None  # "text" | "call"
+        self.call: _OpenCall | None = None
+        self.call_index: int | None = None
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def chunk(self, chunk: dict[str, Any]) -> list[SampleEvent]:
+        if chunk.get("error"):
+            error = chunk["error"]
+            code = error.get("code") if isinstance(error, dict) else None
+            raise BackendError(
+                f"The upstream failed mid-stream: {error.get('message', error)}",
+                code=_response_code(code if isinstance(code, str) else None, 500),
+            )
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not choices:
+            return []
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        out = self._text(delta.get("content"))
+        for piece in delta.get("tool_calls") or []:
+            out += self._call_piece(piece)
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
+        return out
+
+    def _text(self, content: str | None) -> list[SampleEvent]:
+        if not content:
+            return []
+        out: list[SampleEvent] = []
+        if self.call is not None:
+            out += self.call.end()
+            self.call, self.open_kind = None, None
+        if self.open_kind is None:
+            out.append(TextStart())
+            self.open_kind = "text"
+        out.append(TextDelta(content, 1))
+        return out
+
+    def _call_piece(self, piece: dict[str, Any]) -> list[SampleEvent]:
+        out: list[SampleEvent] = []
+        index = piece.get("index", 0)
+        function = piece.get("function") or {}
+        if index != self.call_index:
+            out += self._close()
+            chat_name = str(function.get("name", ""))
+            self.call = _OpenCall(self.toolset.find(chat_name))
+            out.append(self.call.start(chat_name))
+            self.open_kind, self.call_index = "call", index
+        arguments = function.get("arguments")
+        if arguments and self.call is not None:
+            more = self.call.delta(arguments)
+            if more is not None:
+                out.append(more)
+        return out
+
+    def _close(self) -> list[SampleEvent]:
+        if self.open_kind == "text":
+            return [TextEnd()]
+        if self.call is not None:
+            return list(self.call.end())
+        return []
+
+    def end(self, *, closed: bool) -> list[SampleEvent]:
+        """The last events: the open item closed, then `Finish` with the upstream's usage."""
+        if self.finish is None:
+            raise BackendError(
+                "The upstream stream ended before the answer finished"
+                + (" (connection closed)" if closed else "")
+                + "."
+            )
+        reason = {"length": "max_output_tokens", "tool_calls": "tool_calls"}.get(
+            self.finish, "stop"
         )
-    if open_kind == "text":
-        yield TextEnd()
-    elif call is not None:
-        for event in call.end():
-            yield event
-    reason = {"length": "max_output_tokens", "tool_calls": "tool_calls"}.get(finish, "stop")
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    yield Finish(
-        reason,  # type: ignore[arg-type]
-        input_tokens=usage.get("prompt_tokens") if usage else None,
-        output_tokens=usage.get("completion_tokens") if usage else None,
-        cached_tokens=cached if isinstance(cached, int) else None,
-    )
+        usage = self.usage
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        finish = Finish(
+            reason,  # type: ignore[arg-type]
+            input_tokens=usage.get("prompt_tokens") if usage else None,
+            output_tokens=usage.get("completion_tokens") if usage else None,
+            cached_tokens=cached if isinstance(cached, int) else None,
+        )
+        return [*self._close(), finish]

@@ -222,11 +222,6 @@ async def run_rollout(engine: Engine, script: Script) -> Run:
     return run
 
 
-def rollout_model_items(run: Run) -> list[p.Item]:
-    """The model's items (rollout responses contain only model output)."""
-    return run.outputs
-
-
 # --- strategies ------------------------------------------------------------------------------
 
 names = st.from_regex(r"[a-z][a-z0-9_]{0,15}", fullmatch=True)
