@@ -3,6 +3,13 @@
 The embedded API: `open_engine()` gives an `Engine`; `engine.session()` gives a connection
 scope whose `create()` runs a response (stateless or continuing with previous_response_id) and
 whose `open_rollout()` runs the rollout extension.
+
+The rooms: `_engine` (the shared engine), `_session` (a connection: parents, pre-inference),
+`_rollout` (the coroutine: sample, suspend, resume, one exit), `_suspend` (the handle appends go
+through), `_sampling` (one turn), `_pipeline` / `_validate` / `_render` / `_classify` (the
+stages), `_postinfer` (the writer), `_store` / `_memory` / `_ledger` (durability), `_app` and
+its `_responses_api` / `_chat_api` / `_asgi` / `_auth` / `_metrics` / `_http_stream` (HTTP),
+`_ws` (WebSocket mode), `_serve` (hypercorn), `_sim` / `_upstream` / `_chat` (backends).
 """
 
 from ._classify import (
