@@ -22,7 +22,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import attrs
@@ -67,7 +67,7 @@ from ._response import (
     TextConfig,
     Usage,
 )
-from ._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES, check_shape
+from ._shapes import BUILTIN_TOOL_SHAPES, NESTED_TOOL_SHAPES, OPAQUE_ITEM_SHAPES, check_shape
 from ._tools import (
     TOOL_CHOICE_TYPES,
     TOOL_TYPES,
@@ -299,7 +299,12 @@ def _make_converter(strict: bool) -> cattrs.Converter:
             return "message"
         return "item_reference" if "id" in value else None
 
-    def opaque(cls: type[Any], shapes: dict[str, Any], field: str) -> Callable[[Any, Any], Any]:
+    def opaque(
+        cls: type[Any],
+        shapes: dict[str, Any],
+        field: str,
+        nested: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    ) -> Callable[[Any, Any], Any]:
         """OpaqueItem / BuiltinTool: `type` plus the other keys, checked against their shape
         (nulls kept: they are carried exactly as given)."""
 
@@ -312,13 +317,15 @@ def _make_converter(strict: bool) -> cattrs.Converter:
                 raise InvalidField.bad_value(kind, list(shapes), "type")
             rest = {k: v for k, v in value.items() if k != "type"}
             if strict:
-                check_shape(shape, rest)
+                check_shape(shape, rest, nested.get(str(kind)))
             return cls(**{"type": kind, field: rest})
 
         return hook
 
-    conv.register_structure_hook(OpaqueItem, opaque(OpaqueItem, OPAQUE_ITEM_SHAPES, "data"))
-    conv.register_structure_hook(BuiltinTool, opaque(BuiltinTool, BUILTIN_TOOL_SHAPES, "settings"))
+    conv.register_structure_hook(OpaqueItem, opaque(OpaqueItem, OPAQUE_ITEM_SHAPES, "data", {}))
+    conv.register_structure_hook(
+        BuiltinTool, opaque(BuiltinTool, BUILTIN_TOOL_SHAPES, "settings", NESTED_TOOL_SHAPES)
+    )
     conv.register_unstructure_hook(OpaqueItem, lambda obj: {"type": obj.type, **obj.data})
     conv.register_unstructure_hook(BuiltinTool, lambda obj: {"type": obj.type, **obj.settings})
 

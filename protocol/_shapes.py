@@ -24,6 +24,7 @@ from ._validate import InvalidField
 
 __all__ = [
     "BUILTIN_TOOL_SHAPES",
+    "NESTED_TOOL_SHAPES",
     "OPAQUE_ITEM_SHAPES",
     "Shape",
     "check_shape",
@@ -204,6 +205,53 @@ BUILTIN_TOOL_SHAPES: dict[str, Shape] = {
     "tool_search": {"description?": "string|null", "execution?": _EXECUTION, "parameters?": "any"},
 }
 
+_MEMORY_LIMIT = "string=1g,4g,16g,64g|null"
+_COMPARISON: Shape = {"key": "string", "value": "string|number|boolean|array"}
+_USER_LOCATION: dict[str, Shape] = {
+    "approximate": {
+        "city?": "string|null",
+        "country?": "string|null",
+        "region?": "string|null",
+        "timezone?": "string|null",
+    }
+}
+
+# Objects inside a built-in tool that the SDK types as a union tagged by `type`: tool kind ->
+# field -> the `type` values it takes -> the shape of the rest. An object there needs a known
+# `type` and that variant's keys (a string is not an object and passes to the outer shape).
+NESTED_TOOL_SHAPES: dict[str, dict[str, dict[str, Shape]]] = {
+    "file_search": {
+        "filters": {
+            **{op: _COMPARISON for op in ("eq", "ne", "gt", "gte", "lt", "lte", "in", "nin")},
+            "and": {"filters": "array"},
+            "or": {"filters": "array"},
+        }
+    },
+    "code_interpreter": {
+        "container": {
+            "auto": {
+                "file_ids?": "array",
+                "memory_limit?": _MEMORY_LIMIT,
+                "network_policy?": "object",
+            }
+        }
+    },
+    "shell": {
+        "environment": {
+            "container_auto": {
+                "file_ids?": "array",
+                "memory_limit?": _MEMORY_LIMIT,
+                "network_policy?": "object",
+                "skills?": "array",
+            },
+            "local": {"skills?": "array"},
+            "container_reference": {"container_id": "string"},
+        }
+    },
+    "web_search_preview": {"user_location": _USER_LOCATION},
+    "web_search_preview_2025_03_11": {"user_location": _USER_LOCATION},
+}
+
 _KIND_OF = {
     str: "string",
     bool: "boolean",
@@ -220,9 +268,14 @@ def _kinds(value: Any) -> tuple[str, ...]:
     return ("integer", "number") if kind == "integer" else (kind,)
 
 
-def check_shape(shape: Shape, data: Mapping[str, Any]) -> None:
-    """Check `data` (an object without its `type`) against `shape`. Raises `InvalidField`
-    naming the key: missing, or of the wrong JSON kind (unknown keys pass)."""
+def check_shape(
+    shape: Shape,
+    data: Mapping[str, Any],
+    nested: Mapping[str, Mapping[str, Shape]] | None = None,
+) -> None:
+    """Check `data` (an object without its `type`) against `shape`, and its objects tagged by
+    `type` against `nested` (field -> type -> shape). Raises `InvalidField` naming the key:
+    missing, of the wrong JSON kind, or a value out of its Literal (unknown keys pass)."""
     known: dict[str, tuple[str, bool]] = {}
     for key, kinds in shape.items():
         name = key.rstrip("?")
@@ -242,6 +295,22 @@ def check_shape(shape: Shape, data: Mapping[str, Any]) -> None:
             continue
         wanted = " or ".join(_ARTICLE.get(k, k) for k in bare)
         raise InvalidField.wrong_type(wanted, value, name)
+    for name, variants in (nested or {}).items():
+        value = data.get(name)
+        if isinstance(value, dict):
+            _check_variant(variants, value, name)
+
+
+def _check_variant(variants: Mapping[str, Shape], value: Mapping[str, Any], name: str) -> None:
+    tag = value.get("type")
+    if tag is None:
+        raise InvalidField.missing(f"{name}.type")
+    if not isinstance(tag, str) or tag not in variants:
+        raise InvalidField.bad_value(tag, list(variants), f"{name}.type")
+    try:
+        check_shape(variants[tag], {k: v for k, v in value.items() if k != "type"})
+    except InvalidField as exc:
+        raise InvalidField(exc.code, exc.template, f"{name}.{exc.subpath}") from None
 
 
 def _check_literal(allowed: list[str], value: str | list[Any], name: str) -> None:

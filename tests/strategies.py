@@ -29,7 +29,7 @@ import pydantic
 from hypothesis import strategies as st
 from openai.types.responses.responses_server_event import ResponsesServerEvent
 from rollout import protocol as p
-from rollout.protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
+from rollout.protocol._shapes import BUILTIN_TOOL_SHAPES, NESTED_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
 
 T = TypeVar("T")
 Strategy = st.SearchStrategy
@@ -307,14 +307,29 @@ def _kind_strategy(kind: str) -> Strategy[Any]:
     return st.lists(values, max_size=2) if head == "array" else values
 
 
-def shaped(shape: Any) -> Strategy[dict[str, Any]]:
-    """Objects of a `protocol._shapes` shape: every required key, any optional ones."""
+def shaped(shape: Any, nested: Any = None) -> Strategy[dict[str, Any]]:
+    """Objects of a `protocol._shapes` shape: every required key, any optional ones; a field
+    with tagged variants (`nested`) gets an object of one of them."""
     required: dict[str, Strategy[Any]] = {}
     optional: dict[str, Strategy[Any]] = {}
     for key, kinds in shape.items():
-        value = st.one_of(*(_kind_strategy(k) for k in kinds.split("|")))
-        (optional if key.endswith("?") else required)[key.rstrip("?")] = value
+        name = key.rstrip("?")
+        variants = (nested or {}).get(name)
+        choices = [
+            _tagged(variants) if variants and k == "object" else _kind_strategy(k)
+            for k in kinds.split("|")
+        ]
+        (optional if key.endswith("?") else required)[name] = st.one_of(*choices)
     return st.fixed_dictionaries(required, optional=optional)
+
+
+def _tagged(variants: Any) -> Strategy[dict[str, Any]]:
+    return st.one_of(
+        *(
+            shaped(shape).map(lambda data, tag=tag: {"type": tag, **data})
+            for tag, shape in variants.items()
+        )
+    )
 
 
 OPAQUE_ITEM_STRATEGIES: dict[str, Strategy[Any]] = {
@@ -394,7 +409,9 @@ namespace_tools = st.builds(
     tools=st.lists(function_tools | custom_tools, max_size=3),
 )
 BUILTIN_TOOL_STRATEGIES: dict[str, Strategy[Any]] = {
-    kind: shaped(shape).map(lambda data, kind=kind: p.BuiltinTool(type=kind, settings=data))
+    kind: shaped(shape, NESTED_TOOL_SHAPES.get(kind)).map(
+        lambda data, kind=kind: p.BuiltinTool(type=kind, settings=data)
+    )
     for kind, shape in BUILTIN_TOOL_SHAPES.items()
 }
 TOOL_STRATEGIES: dict[str, Strategy[Any]] = {

@@ -27,8 +27,9 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import typing_extensions as te
 from rollout import protocol as p
-from rollout.protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
+from rollout.protocol._shapes import BUILTIN_TOOL_SHAPES, NESTED_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
 
 from tests.sdk_surface import (
     CREATE_FIELDS,
@@ -165,6 +166,62 @@ def test_carried_kinds_take_the_sdks_literal_values() -> None:
     with pytest.raises(p.RemoteProtocolError) as refused:
         _decode({"model": "m", "tools": [tool]})
     assert (refused.value.code, refused.value.param) == ("invalid_value", "tools[0].execution")
+
+
+def _tagged_variants(tp: Any) -> dict[str, tuple[set[str], dict[str, Any]]]:
+    """The TypedDicts of a field's union tagged by a required `type`: value -> (the other
+    required keys, field -> type)."""
+    out: dict[str, tuple[set[str], dict[str, Any]]] = {}
+    for member in members(tp):
+        args = typing.get_args(member)
+        if typing.get_origin(member) is not None and not te.is_typeddict(member):
+            for arg in args:
+                out |= _tagged_variants(arg)
+            continue
+        if not te.is_typeddict(member):
+            continue
+        known = fields(member)
+        if "type" not in known or not known["type"][0]:
+            continue
+        required = {k for k, (req, _) in known.items() if req and k != "type"}
+        for tag in type_tags(member):
+            out[tag] = (required, {k: t for k, (_, t) in known.items() if k != "type"})
+    return out
+
+
+def test_nested_tagged_objects_of_tools_are_the_sdks() -> None:
+    """Objects inside built-in tools that the SDK types as unions tagged by `type` (a
+    container, an environment, filters, a user location) take exactly its variants, each
+    with its required keys and Literal values; a wrong one is refused with the nested param."""
+    checked = 0
+    for td in TOOL_TYPES:
+        for tag in type_tags(td):
+            if tag not in BUILTIN_TOOL_SHAPES:
+                continue
+            for name, (_, tp) in fields(td).items():
+                variants = _tagged_variants(tp)
+                ours = NESTED_TOOL_SHAPES.get(tag, {}).get(name)
+                if not variants:
+                    assert ours is None, (tag, name)
+                    continue
+                assert ours is not None and set(ours) == set(variants), (tag, name)
+                for value, (required, types) in variants.items():
+                    shape = {k.rstrip("?"): v for k, v in ours[value].items()}
+                    mine = {k.rstrip("?") for k in ours[value] if not k.endswith("?")}
+                    assert mine == required, (tag, name, value)
+                    for key, key_type in types.items():
+                        assert key in shape, (tag, name, value, key)
+                        assert _shape_literals(shape[key]) == _sdk_literals(key_type), key
+                    checked += 1
+    assert checked >= 15, checked
+    tool = {"type": "code_interpreter", "container": {}}
+    with pytest.raises(p.RemoteProtocolError) as refused:
+        _decode({"model": "m", "tools": [tool]})
+    assert refused.value.param == "tools[0].container.type"
+    tool = {"type": "shell", "environment": {"type": "container_reference"}}
+    with pytest.raises(p.RemoteProtocolError) as refused:
+        _decode({"model": "m", "tools": [tool]})
+    assert refused.value.param == "tools[0].environment.container_id"
 
 
 def test_the_lists_are_the_sdks() -> None:
