@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 import pydantic
 import pytest
+from hypothesis import settings
 from openai.types.responses import Response as SdkResponse
 from openai.types.responses import ResponseStreamEvent
 from openai.types.responses.responses_server_event import ResponsesServerEvent
@@ -367,3 +368,11 @@ def schema_checked(request: pytest.FixtureRequest, schema_hook: Recorder) -> Ite
 
 class SchemaViolationWarning(UserWarning):
     """What the schema hook reports with ROLLOUT_SCHEMA_HOOK=warn."""
+
+
+# Hypothesis profiles. The default is derandomized: every run draws the same examples, so the
+# suite (and CI) is deterministic. `HYPOTHESIS_PROFILE=thorough` draws fresh random examples
+# each run and more of them, for searching locally (README: testing).
+settings.register_profile("default", derandomize=True)
+settings.register_profile("thorough", derandomize=False, max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
