@@ -47,13 +47,20 @@ from rollout.protocol import (
 from ._render import builtin_output_text, builtin_payload
 from ._tools import CallTarget, callable_tools, resolve_choice
 
-__all__ = ["NAMESPACE_SEPARATOR", "ChatEncoder", "ChatTool", "ChatToolset", "tool_name"]
+__all__ = [
+    "NAMESPACE_SEPARATOR",
+    "ChatEncoder",
+    "ChatTool",
+    "ChatToolset",
+    "dumps_json",
+    "tool_name",
+]
 
 # Namespaced tools are flattened for chat servers, which know no namespaces.
 NAMESPACE_SEPARATOR = "__"
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps_json(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
@@ -149,7 +156,7 @@ class ChatEncoder:
     def _close_calls(self) -> None:
         if self._open_calls:
             self.messages.append(
-                _dumps({"role": "assistant", "content": None, "tool_calls": self._open_calls})
+                dumps_json({"role": "assistant", "content": None, "tool_calls": self._open_calls})
             )
             self._open_calls = []
 
@@ -169,12 +176,16 @@ class ChatEncoder:
             role = "system" if item.role == "developer" else item.role
             if role == "assistant":
                 text = item.content if isinstance(item.content, str) else _text_of(item.content)
-                self.messages.append(_dumps({"role": "assistant", "content": text}))
+                self.messages.append(dumps_json({"role": "assistant", "content": text}))
             else:
-                self.messages.append(_dumps({"role": role, "content": _chat_content(item.content)}))
+                self.messages.append(
+                    dumps_json({"role": role, "content": _chat_content(item.content)})
+                )
         elif answer is not None:
             self.messages.append(
-                _dumps({"role": "tool", "tool_call_id": answer[0], "content": _output_text(item)})
+                dumps_json(
+                    {"role": "tool", "tool_call_id": answer[0], "content": _output_text(item)}
+                )
             )
         # Reasoning items and hosted tools' items have no chat form and are left out.
 
@@ -184,7 +195,7 @@ class ChatEncoder:
             return self.messages
         return [
             *self.messages,
-            _dumps({"role": "assistant", "content": None, "tool_calls": self._open_calls}),
+            dumps_json({"role": "assistant", "content": None, "tool_calls": self._open_calls}),
         ]
 
 

@@ -26,7 +26,7 @@ from rollout.protocol import (
     from_wire,
 )
 
-from ._chat import _dumps, tool_name
+from ._chat import dumps_json, tool_name
 
 __all__ = ["ChatCompletionEmitter", "request_from_chat"]
 
@@ -251,7 +251,7 @@ class ChatCompletionEmitter:
             "model": self.model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         }
-        return _dumps(body)
+        return dumps_json(body)
 
     async def _out(self, delta: dict[str, Any], finish: str | None = None) -> None:
         if self.stream and self._send is not None:
@@ -315,7 +315,7 @@ class ChatCompletionEmitter:
                     "choices": [],
                     "usage": self.usage,
                 }
-                await self._send(_dumps(body))
+                await self._send(dumps_json(body))
 
     def completion(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}

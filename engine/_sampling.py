@@ -95,7 +95,7 @@ async def sample_turn(
     hosted: tuple[CallStart, list[str]] | None = None  # a hosted tool's call being made
     ran_hosted = False
     finish = "stop"
-    measured: tuple[int | None, int | None, int | None] = (None, None, None)
+    measured: Finish | None = None  # its token counts, when the backend measured them
     async with aclosing(state.route.backend.sample(sample_request)) as events:
         async for ev in events:
             if isinstance(ev, TextDelta):
@@ -109,12 +109,6 @@ async def sample_turn(
                 delta = stream.arguments_delta(ev.text)
                 if delta is not None:
                     await emit(delta)
-            elif isinstance(ev, TextStart):
-                for e in stream.begin_message(new_id("msg")):
-                    await emit(e)
-            elif isinstance(ev, TextEnd):
-                for e in stream.end_message():
-                    await emit(e)
             elif isinstance(ev, CallStart) and ev.kind in engine.hosted:
                 hosted = (ev, [])
             elif isinstance(ev, CallEnd) and hosted is not None:
@@ -122,34 +116,15 @@ async def sample_turn(
                     for e in stream.add_item(item):
                         await emit(e)
                 hosted, ran_hosted = None, True
-            elif isinstance(ev, CallStart):
-                kind = typing.cast(CallKind, ev.kind)
-                for e in stream.begin_call(
-                    new_id(_CALL_ITEM_PREFIX[kind]),
-                    new_id("call", 12),
-                    ev.name,
-                    kind=kind,
-                    namespace=ev.namespace,
-                ):
-                    await emit(e)
-            elif isinstance(ev, CallEnd):
-                try:
-                    ended = stream.end_call()
-                except InvalidToolPayload as exc:
-                    raise BackendError(f"The model made an invalid tool call: {exc}.") from None
-                for e in ended:
-                    await emit(e)
             elif isinstance(ev, Finish):
                 finish = ev.reason
-                measured = (ev.input_tokens, ev.output_tokens, ev.cached_tokens)
+                measured = ev
+            else:
+                for e in _item_boundary(stream, ev):
+                    await emit(e)
     engine.counters.tokens_sampled += progress.output_tokens
-    if measured[1] is not None:
-        progress.output_tokens = measured[1]
-    if measured[0] is not None:
-        progress.cached_tokens = _upstream_cached(
-            measured[0], measured[2], cached, state.context_tokens
-        )
-        progress.input_tokens = measured[0]
+    if measured is not None:
+        _take_measured(progress, measured, cached, state.context_tokens)
     outputs = stream.output_since(first_output)
     usage = usage_of(progress)
     if finish == "max_output_tokens":
@@ -157,6 +132,40 @@ async def sample_turn(
         return Step(state=state, finish=finish, usage=usage, pending_outputs=outputs)
     extended = extend_state(engine.pipeline, state, outputs)
     return Step(state=extended, finish=finish, usage=usage, hosted=ran_hosted)
+
+
+def _item_boundary(
+    stream: ResponseStream, ev: TextStart | TextEnd | CallStart | CallEnd
+) -> list[ServerEvent]:
+    """The stream events of a backend event that opens or closes an output item."""
+    if isinstance(ev, TextStart):
+        return stream.begin_message(new_id("msg"))
+    if isinstance(ev, TextEnd):
+        return stream.end_message()
+    if isinstance(ev, CallStart):
+        kind = typing.cast(CallKind, ev.kind)
+        return stream.begin_call(
+            new_id(_CALL_ITEM_PREFIX[kind]),
+            new_id("call", 12),
+            ev.name,
+            kind=kind,
+            namespace=ev.namespace,
+        )
+    try:
+        return stream.end_call()
+    except InvalidToolPayload as exc:
+        raise BackendError(f"The model made an invalid tool call: {exc}.") from None
+
+
+def _take_measured(progress: Progress, finish: Finish, cached: int, rendered: int) -> None:
+    """Token counts a backend measured itself (an upstream's usage) replace rollout's."""
+    if finish.output_tokens is not None:
+        progress.output_tokens = finish.output_tokens
+    if finish.input_tokens is not None:
+        progress.cached_tokens = _upstream_cached(
+            finish.input_tokens, finish.cached_tokens, cached, rendered
+        )
+        progress.input_tokens = finish.input_tokens
 
 
 async def _run_hosted(
