@@ -17,6 +17,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     from .engine._app import DEFAULT_MAX_CONNECTIONS
     from .engine._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT
+    from .engine._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL
     from .engine._ws import (
         DEFAULT_CONNECTION_AGE_LIMIT,
         DEFAULT_MAX_BUFFERED_BYTES,
@@ -103,6 +104,27 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seconds a suspended rollout waits for tool outputs (default 600)",
     )
     p.add_argument(
+        "--render-cache-mb",
+        type=float,
+        default=DEFAULT_RENDER_CACHE_BYTES / 2**20,
+        metavar="MB",
+        help="memory for conversations rendered once and found again by any connection, "
+        f"least recently used dropped first (default {DEFAULT_RENDER_CACHE_BYTES // 2**20})",
+    )
+    p.add_argument(
+        "--render-cache-ttl",
+        type=float,
+        default=DEFAULT_RENDER_CACHE_TTL,
+        metavar="SECONDS",
+        help="an unused render cache entry (a store: false conversation's only copy) is "
+        f"dropped after this (default {DEFAULT_RENDER_CACHE_TTL:g})",
+    )
+    p.add_argument(
+        "--no-render-cache",
+        action="store_true",
+        help="render every request's whole input (the render cache off: for comparison)",
+    )
+    p.add_argument(
         "--graceful-timeout",
         type=float,
         default=10.0,
@@ -159,6 +181,8 @@ def _serve(args: argparse.Namespace) -> int:
         send_stall_limit=args.send_stall_limit,
         rollout_suspend_limit=args.rollout_suspend_limit,
         graceful_timeout=args.graceful_timeout,
+        render_cache_bytes=0 if args.no_render_cache else int(args.render_cache_mb * 2**20),
+        render_cache_ttl=args.render_cache_ttl,
     )
     trio.run(serve, config)
     return 0

@@ -54,6 +54,7 @@ from ._ledger import MemoryUsageLedger, SQLiteUsageLedger, open_sqlite_ledger
 from ._memory import MemoryResponseStore
 from ._models import ModelRegistry, ModelSpec
 from ._render import ChatTemplateRenderer
+from ._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL, RenderCache
 from ._serve import ServerConfig, open_server, serve
 from ._sim import SimBackend
 from ._state import ResponseState
@@ -67,6 +68,8 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_CACHE_RESPONSES",
     "DEFAULT_CACHE_TOKENS",
+    "DEFAULT_RENDER_CACHE_BYTES",
+    "DEFAULT_RENDER_CACHE_TTL",
     "DEFAULT_ROLLOUT_SUSPEND_LIMIT",
     "Backend",
     "BackendError",
@@ -90,6 +93,7 @@ __all__ = [
     "O200kTokenizer",
     "PatternPolicy",
     "PolicyRule",
+    "RenderCache",
     "Renderer",
     "ResponseCache",
     "ResponseState",

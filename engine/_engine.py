@@ -38,6 +38,7 @@ from ._interfaces import (
 from ._models import ModelRegistry
 from ._pipeline import Pipeline
 from ._postinfer import PostInference
+from ._render_cache import RenderCache
 from ._rollout import MAX_HOSTED_ROUNDS, Emit, Rollout
 from ._session import Session
 from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens
@@ -106,8 +107,11 @@ class Engine:
         rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT,
         compaction_key: bytes | None = None,
         hosted_tools: Sequence[HostedTool] = (),
+        render_cache: RenderCache | None = None,
     ) -> None:
         self.counters = Counters()
+        # Conversations rendered once, for every connection (`_render_cache.py`).
+        self.render_cache = render_cache if render_cache is not None else RenderCache()
         # Executors of hosted tools by type: those types are offered to the model.
         self.hosted: dict[str, HostedTool] = {tool.type: tool for tool in hosted_tools}
         # Seals compaction snapshots. Without a configured key it is per process: compaction
@@ -266,10 +270,12 @@ async def open_engine(
     rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT,
     compaction_key: bytes | None = None,
     hosted_tools: Sequence[HostedTool] = (),
+    render_cache: RenderCache | None = None,
 ) -> AsyncIterator[Engine]:
     """Open an engine. Defaults: the built-in `sim` models, the o200k chat-template
     renderer, the default classifiers, no store and no ledger (pass SQLite ones, see
-    `open_sqlite_store` / `open_sqlite_ledger`, for durability)."""
+    `open_sqlite_store` / `open_sqlite_ledger`, for durability), a render cache of
+    `DEFAULT_RENDER_CACHE_BYTES` (`RenderCache(max_bytes=0)` turns it off)."""
     from ._classify import default_classifiers
     from ._defaults import default_registry
     from ._render import ChatTemplateRenderer
@@ -287,6 +293,7 @@ async def open_engine(
         rollout_suspend_limit=rollout_suspend_limit,
         compaction_key=compaction_key,
         hosted_tools=hosted_tools,
+        render_cache=render_cache,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.post.run)

@@ -12,6 +12,11 @@ counts:
     rollout_responses_total{status=...}   counter    responses by final status
     rollout_post_inference_backlog        gauge      post-inference jobs not yet written
     rollout_stage_seconds{stage=...}      histogram  pre-inference latency by pipeline stage
+    rollout_render_cache_lookups_total{outcome=hit|miss}    counter  render cache lookups
+    rollout_render_cache_tokens_reused_total                counter  tokens found, not rendered
+    rollout_render_cache_dropped_total{reason=budget|ttl}   counter  entries dropped
+    rollout_render_cache_bytes                              gauge    memory held (estimated)
+    rollout_render_cache_entries                            gauge    entries held
 
 The stage histograms stay the engine's own (`_counters.StageTimer`), exported here through
 `HistogramMetricFamily`: the engine measures without depending on an exposition library (it
@@ -93,6 +98,41 @@ class _RolloutCollector:
             value=engine.post.backlog,
         )
         yield self._stages()
+        yield from self._render_cache()
+
+    def _render_cache(self) -> Iterator[Metric]:
+        cache = self._engine.render_cache
+        stats = cache.stats
+        lookups = CounterMetricFamily(
+            "rollout_render_cache_lookups",
+            "Render cache lookups (a conversation's longest rendered prefix, or its "
+            "instructions and tools) by outcome.",
+            labels=["outcome"],
+        )
+        lookups.add_metric(["hit"], stats.hits)
+        lookups.add_metric(["miss"], stats.misses)
+        yield lookups
+        yield CounterMetricFamily(
+            "rollout_render_cache_tokens_reused",
+            "Rendered tokens the render cache supplied instead of rendering them.",
+            value=stats.tokens_reused,
+        )
+        dropped = CounterMetricFamily(
+            "rollout_render_cache_dropped",
+            "Render cache entries dropped, for the memory budget or the TTL.",
+            labels=["reason"],
+        )
+        dropped.add_metric(["budget"], stats.evictions)
+        dropped.add_metric(["ttl"], stats.expirations)
+        yield dropped
+        yield GaugeMetricFamily(
+            "rollout_render_cache_bytes",
+            "Memory the render cache holds (estimated: tokens, item content, per-item cost).",
+            value=cache.bytes_held,
+        )
+        yield GaugeMetricFamily(
+            "rollout_render_cache_entries", "Render cache entries held.", value=len(cache)
+        )
 
     def _stages(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily(

@@ -128,9 +128,14 @@ class Pipeline:
         tools: Sequence[Tool],
         parent: ResponseState | None,
         timings: dict[str, float],
+        known: Prefix | None = None,
     ) -> Prefix:
+        """The parent's prefix when unchanged, else `known` (the render cache's, rendered from
+        the same instructions and tools), else rendered and classified now."""
         if parent is not None and parent.prefix.same_as(instructions, tools):
             return parent.prefix
+        if known is not None:
+            return known
         offered = offered_tools(tools, self.hosted)
         with self.timer.measure("render", timings):
             tokens = self.renderer.render_prefix(instructions, offered)
@@ -221,19 +226,28 @@ class Pipeline:
         timings: dict[str, float],
         require_outputs: bool,
         offset: int = 0,
+        known_prefix: Prefix | None = None,
+        own_root: bool = False,
     ) -> Prepared:
-        """`root` is `parent`, or for a new chain an empty state to build from. With
-        `require_outputs`, every function call must have its output by the end of the input
-        (a model can't be sampled while tool results are missing)."""
+        """`root` is `parent`, or for a new chain the state to build from: an empty state, a
+        restored compaction window, or (`own_root`) the render cache's rendering of the first
+        items of this request's own input. `known_prefix` is the render cache's rendering of
+        the request's instructions and tools. With `require_outputs`, every function call must
+        have its output by the end of the input (a model can't be sampled while tool results
+        are missing)."""
         with self.timer.measure("validate", timings):
-            # Tools resent unchanged on a follow-up were validated with the parent.
-            known = parent is not None and parent.prefix.same_as(
-                request.instructions, request.tools or ()
+            # Tools resent unchanged on a follow-up were validated with the parent; a prefix
+            # the render cache holds, with the request that rendered it.
+            known = known_prefix is not None or (
+                parent is not None
+                and parent.prefix.same_as(request.instructions, request.tools or ())
             )
             self.validator.validate_request(request, tools_known=known)
         assert request.model is not None
         route = self.route(request.model, parent, timings)
-        prefix = self.prefix(request.instructions, request.tools or (), parent, timings)
+        prefix = self.prefix(
+            request.instructions, request.tools or (), parent, timings, known_prefix
+        )
         staged = self.stage(
             new_items,
             lineage=root.lineage,
@@ -256,7 +270,17 @@ class Pipeline:
                 param="input",
             )
         prefix_reused = parent is not None and prefix is parent.prefix
-        reused = root.item_tokens + (len(prefix.tokens) if prefix_reused else 0)
-        state = self.commit(root, staged, prefix=prefix, route=route, first_new_item=root.n_items)
+        # Context reused from the conversation this request continues: a render cache hit
+        # saves the rendering but is no continuation (usage reports what it would without it).
+        reused = (0 if own_root else root.item_tokens) + (
+            len(prefix.tokens) if prefix_reused else 0
+        )
+        state = self.commit(
+            root,
+            staged,
+            prefix=prefix,
+            route=route,
+            first_new_item=0 if own_root else root.n_items,
+        )
         flags = (() if prefix_reused else prefix.flags) + staged.flags
         return Prepared(state=state, flags=flags, cached_tokens=reused)

@@ -303,6 +303,7 @@ class _Run:
         stored = final.store and parent_stored
         state = attrs.evolve(state, response=final, stored=stored)
         self.session.cache.put(state)
+        engine.render_cache.put(self.session.owner, state)
         job_store = None
         if final.store:
             job_store = StoredResponse(

@@ -30,6 +30,7 @@ from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
 from ._interfaces import Classifier, HostedTool, ResponseStore, UsageLedger
 from ._ledger import open_sqlite_ledger
 from ._models import ModelRegistry
+from ._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL, RenderCache
 from ._store import open_sqlite_store
 from ._ws import (
     DEFAULT_CONNECTION_AGE_LIMIT,
@@ -67,6 +68,8 @@ class ServerConfig:
     rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT
     graceful_timeout: float = 10.0
     max_cached_responses: int = 8
+    render_cache_bytes: int = DEFAULT_RENDER_CACHE_BYTES  # 0: no render cache
+    render_cache_ttl: float = DEFAULT_RENDER_CACHE_TTL
     registry: ModelRegistry | None = None
     classifier: Classifier | None = None  # None: the default classifiers
     hosted_tools: tuple[HostedTool, ...] = ()  # executors of hosted tools (offered by type)
@@ -153,6 +156,9 @@ async def serve(
             ledger=ledger,
             rollout_suspend_limit=config.rollout_suspend_limit,
             compaction_key=compaction_key,
+            render_cache=RenderCache(
+                max_bytes=config.render_cache_bytes, ttl=config.render_cache_ttl
+            ),
         ) as engine:
             app = RolloutApp(engine, config.app_config())
             hconfig = HypercornConfig()

@@ -21,6 +21,7 @@ from ._counters import Counters, StageTimer
 from ._interfaces import HostedTool, StoredResponse
 from ._pipeline import Pipeline
 from ._postinfer import PostInference
+from ._render_cache import RenderCache
 from ._state import ResponseState
 
 _Raw = TypeVar("_Raw", str, bytes)
@@ -40,6 +41,8 @@ class EngineServices(Protocol):
     def hosted(self) -> dict[str, HostedTool]: ...
     @property
     def post(self) -> PostInference: ...
+    @property
+    def render_cache(self) -> RenderCache: ...
     @property
     def seal(self) -> SnapshotSeal: ...
     @property
@@ -65,6 +68,8 @@ class EngineServices(Protocol):
     async def stored_chain(
         self, response_id: str, *, owner: str | None
     ) -> list[StoredResponse]: ...
+
+    async def get_stored(self, response_id: str, *, owner: str | None) -> StoredResponse | None: ...
 
     async def find_stored_item(self, item_id: str, *, owner: str | None) -> Item | None: ...
 

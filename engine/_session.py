@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 from rollout.protocol import (
     Compaction,
@@ -36,6 +37,7 @@ from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, r
 from ._errors import previous_response_not_found, server_error, shutting_down
 from ._ids import new_id
 from ._interfaces import StoredResponse
+from ._pipeline import Prepared as PipelinePrepared
 from ._rollout import Emit, Prepared, Rollout, run_response
 from ._state import ResponseState
 from ._validate import invalid, normalize_input
@@ -63,38 +65,55 @@ class Session:
 
     # --- parents ---
     async def resolve(self, response_id: str, timings: dict[str, float]) -> ResponseState:
-        counters = self.engine.counters
-        with self.engine.timer.measure("resolve", timings):
+        """The state a `previous_response_id` names: this connection's cache, else the store
+        (for this owner), whose answer the render cache may then spare re-rendering."""
+        engine = self.engine
+        counters = engine.counters
+        with engine.timer.measure("resolve", timings):
             state = self.cache.get(response_id)
             if state is not None:
                 counters.cache_hits += 1
                 return state
             counters.cache_misses += 1
-        with self.engine.timer.measure("store", timings):
-            try:
-                chain = await self.engine.stored_chain(response_id, owner=self.owner)
-            except LookupError:
-                raise previous_response_not_found(response_id) from None
-        return self._hydrate(chain, timings)
+        with engine.timer.measure("store", timings):
+            # The response itself confirms the id for this owner; its ancestors are read
+            # only when the render cache does not have the conversation.
+            stored = await engine.get_stored(response_id, owner=self.owner)
+            if stored is None:
+                raise previous_response_not_found(response_id)
+        state = engine.render_cache.by_response(self.owner, response_id)
+        if state is None:
+            chain = [stored]
+            if not stored.is_root and stored.parent_id is not None:
+                with engine.timer.measure("store", timings):
+                    try:
+                        chain += await engine.stored_chain(stored.parent_id, owner=self.owner)
+                    except LookupError:
+                        raise previous_response_not_found(response_id) from None
+            state = self._hydrate(chain, timings)
+        self.cache.put(state)
+        return state
 
     def _hydrate(self, chain: list[StoredResponse], timings: dict[str, float]) -> ResponseState:
-        """Rebuild a state from stored responses (newest first): re-render and re-classify."""
+        """Rebuild a state from stored responses (newest first): what the render cache holds
+        of the conversation is reused, the rest rendered and classified."""
         engine = self.engine
         engine.counters.hydrations += 1
         target = chain[0]
         items: list[Item] = []
         for stored in reversed(chain):
             items.extend(stored.items)
-        root = engine.empty_state()
         pipeline = engine.pipeline
         route = pipeline.route(target.response.model, None, timings)
-        prefix = pipeline.prefix(target.instructions, target.tools, None, timings)
+        known = engine.render_cache.prefix(self.owner, target.instructions, target.tools)
+        prefix = pipeline.prefix(target.instructions, target.tools, None, timings, known)
+        root, rest = self._cached_prefix(items)
         staged = pipeline.stage(
-            items,
+            rest,
             lineage=root.lineage,
-            n_items=0,
+            n_items=root.n_items,
             classifier_state=root.classifier_state,
-            open_calls={},
+            open_calls=dict(root.open_calls),
             param="input",
             timings=timings,
         )
@@ -102,8 +121,18 @@ class Session:
         state = pipeline.commit(
             root, staged, prefix=prefix, route=route, first_new_item=own, response=target.response
         )
-        self.cache.put(state)
+        engine.render_cache.put(self.owner, state)
         return state
+
+    def _cached_prefix(self, items: list[Item]) -> tuple[ResponseState, list[Item]]:
+        """The state to build `items` onto: the render cache's longest rendering of their
+        first items (as a state of no response), else an empty state; and the items left."""
+        empty = self.engine.empty_state()
+        hit = self.engine.render_cache.longest(self.owner, items)
+        if hit is None:
+            return empty, items
+        root = attrs.evolve(hit.state, response=empty.response, stored=True)
+        return root, items[hit.n_items :]
 
     # --- responses ---
     async def create(
@@ -169,17 +198,9 @@ class Session:
         parent = None
         if request.previous_response_id is not None:
             parent = await self.resolve(request.previous_response_id, timings)
-        new_items, base = await self._resolve_inputs(normalize_input(request.input), parent)
-        prepared = self.engine.pipeline.prepare(
-            request,
-            parent,
-            root=base,
-            new_items=new_items,
-            timings=timings,
-            require_outputs=False,
-            offset=_input_offset(request),
-        )
-        return prepared.state
+        return self._prepare_input(
+            request, parent, await self._resolve_inputs(request, parent), timings, False
+        ).state
 
     async def compact(
         self, request: ResponseCreate, *, budget_tokens: int = DEFAULT_COMPACT_BUDGET
@@ -234,16 +255,8 @@ class Session:
                 hydrated = request.previous_response_id not in self.cache
                 parent = await self.resolve(request.previous_response_id, timings)
             threshold = _compact_threshold(request)
-            new_items, base = await self._resolve_inputs(normalize_input(request.input), parent)
-            prepared = engine.pipeline.prepare(
-                request,
-                parent,
-                root=base,
-                new_items=new_items,
-                timings=timings,
-                require_outputs=generate,
-                offset=_input_offset(request),
-            )
+            resolved = await self._resolve_inputs(request, parent)
+            prepared = self._prepare_input(request, parent, resolved, timings, generate)
         except RemoteProtocolError:
             engine.counters.request_errors += 1
             if parent is not None:
@@ -258,19 +271,55 @@ class Session:
             flags=prepared.flags,
             cached_tokens=prepared.cached_tokens,
             parent=parent,
-            parent_stored=base.stored,
+            parent_stored=resolved.base.stored,
             hydrated=hydrated,
             generate=generate,
             compact_threshold=threshold,
         )
 
-    async def _resolve_inputs(
-        self, items: list[Item], parent: ResponseState | None
-    ) -> tuple[list[Item], ResponseState]:
-        """Resolve item references and compaction items of the new input. Returns the items
-        to stage and the state to stage them onto (the parent, a restored compacted state, or
-        an empty state)."""
+    def _prepare_input(
+        self,
+        request: ResponseCreate,
+        parent: ResponseState | None,
+        resolved: _Input,
+        timings: dict[str, float],
+        require_outputs: bool,
+    ) -> PipelinePrepared:
+        """The pipeline's pass over the input. A new conversation (no parent, no compaction
+        item) starts from the render cache's longest rendering of its first items, if any:
+        only the rest is validated, rendered and classified."""
         engine = self.engine
+        base, items, offset = resolved.base, resolved.items, resolved.offset
+        own_root = False
+        if parent is None and base.n_items == 0 and items:
+            base, rest = self._cached_prefix(items)
+            offset += len(items) - len(rest)
+            items, own_root = rest, base.n_items > 0
+        known_prefix = None
+        if parent is None or not parent.prefix.same_as(request.instructions, request.tools or ()):
+            known_prefix = engine.render_cache.prefix(
+                self.owner, request.instructions, request.tools or ()
+            )
+        return engine.pipeline.prepare(
+            request,
+            parent,
+            root=base,
+            new_items=items,
+            timings=timings,
+            require_outputs=require_outputs,
+            offset=offset,
+            known_prefix=known_prefix,
+            own_root=own_root,
+        )
+
+    async def _resolve_inputs(
+        self, request: ResponseCreate, parent: ResponseState | None
+    ) -> _Input:
+        """Resolve item references and compaction items of the new input: the items to stage,
+        the state to stage them onto (the parent, a restored compacted state, or an empty
+        state) and the index in the request's input of the first item staged."""
+        engine = self.engine
+        items = normalize_input(request.input)
         base = parent or engine.empty_state()
         last = max(
             (i for i, item in enumerate(items) if isinstance(item, Compaction)), default=None
@@ -295,7 +344,7 @@ class Session:
             items = [
                 await self._dereference(item, parent, start + i) for i, item in enumerate(items)
             ]
-        return items, base
+        return _Input(base=base, items=items, offset=start)
 
     async def _dereference(self, item: Item, parent: ResponseState | None, index: int) -> Item:
         if not isinstance(item, ItemReference):
@@ -312,17 +361,20 @@ class Session:
         return found
 
 
+@attrs.frozen
+class _Input:
+    """A request's input with its references and compaction item resolved."""
+
+    base: ResponseState  # the state to stage `items` onto
+    items: list[Item]
+    offset: int  # the index in the request's input of `items[0]`
+
+
 def _generates(request: ResponseCreate) -> bool:
     """Whether a request samples: not with `generate: false` (a warm-up), nor with
     `prompt_cache_options.prewarm: true`, which overrides `generate` to false."""
     options = request.prompt_cache_options or {}
     return request.generate is not False and options.get("prewarm") is not True
-
-
-def _input_offset(request: ResponseCreate) -> int:
-    """The index in the request's input of the first item staged (after a compaction item)."""
-    items = normalize_input(request.input)
-    return max((i + 1 for i, item in enumerate(items) if isinstance(item, Compaction)), default=0)
 
 
 def _compact_threshold(request: ResponseCreate) -> int | None:

@@ -23,6 +23,7 @@ import attrs
 from rollout.protocol import CallKind, Item, Message, OpaqueItem, Response, Tool, call_of
 
 from ._interfaces import Backend
+from ._itemkey import ROOT_KEY, chain_key, item_key
 
 __all__ = [
     "CallRecord",
@@ -34,6 +35,9 @@ __all__ = [
     "digest_tokens",
 ]
 
+# Memory per item besides its content and tokens, estimated (the item object and its parts,
+# its entries in the per-item indexes): see `Lineage.nbytes`.
+_ITEM_BYTES = 400
 _EMPTY_DIGEST = hashlib.blake2b(b"rollout-context", digest_size=16).digest()
 
 
@@ -62,10 +66,12 @@ class Lineage:
         "_digests",
         "_ends",
         "_ids",
+        "_keys",
         "_media",
         "_since_user",
         "derived",
         "items",
+        "nbytes",
         "tokens",
     )
 
@@ -77,6 +83,9 @@ class Lineage:
         self.tokens: array[int] = array("I")
         self._ends: array[int] = array("Q")  # cumulative token count after each item
         self._digests: list[bytes] = []  # chained context digest after each item
+        self._keys: list[bytes] = []  # chained content key after each item (`_itemkey.py`)
+        # Memory held, estimated: token arrays, the items' content, a fixed cost per item.
+        self.nbytes = 0
         self._since_user: array[int] = array("I")  # tool calls since the last user message
         # (images, files) in content since the last user message, that message included
         self._media: list[tuple[int, int]] = []
@@ -91,6 +100,10 @@ class Lineage:
 
     def digest(self, n_items: int) -> bytes:
         return self._digests[n_items - 1] if n_items else _EMPTY_DIGEST
+
+    def key(self, n_items: int) -> bytes:
+        """The content key of the first `n_items` items (what the render cache finds)."""
+        return self._keys[n_items - 1] if n_items else ROOT_KEY
 
     def calls_since_user(self, n_items: int) -> int:
         return self._since_user[n_items - 1] if n_items else 0
@@ -123,6 +136,9 @@ class Lineage:
         self.tokens.extend(item_tokens)
         self._ends.append(len(self.tokens))
         self._digests.append(_chain(self.digest(index), digest_tokens(item_tokens)))
+        key, size = item_key(item)
+        self._keys.append(chain_key(self.key(index), key))
+        self.nbytes += _ITEM_BYTES + size + 4 * len(item_tokens)
         since_user = self.calls_since_user(index)
         images, files = self.media_since_user(index)
         call = call_of(item)
@@ -158,6 +174,8 @@ class Lineage:
         new._ends = ends
         new._digests = digests
         new._since_user = since_user
+        new._keys, new.nbytes = _keys(items)
+        new.nbytes += 4 * len(tokens)
         new._media = _media_counts(items)
         for i, item in enumerate(items):
             call = call_of(item)
@@ -185,6 +203,9 @@ class Lineage:
         new._ends = self._ends[:n_items]
         new.tokens = self.tokens[: self.token_count(n_items)]
         new._digests = self._digests[:n_items]
+        new._keys = self._keys[:n_items]
+        share = len(new.tokens) / len(self.tokens) if self.tokens else 1.0
+        new.nbytes = int(self.nbytes * share)  # estimated: the prefix's share of the tokens
         new._since_user = self._since_user[:n_items]
         new._media = self._media[:n_items]
         new._calls = {k: v for k, v in self._calls.items() if v.added_at < n_items}
@@ -201,6 +222,19 @@ def _parts_media(item: Item) -> tuple[int, int]:
     images = sum(1 for part in parts if getattr(part, "type", None) == "input_image")
     files = sum(1 for part in parts if getattr(part, "type", None) == "input_file")
     return (images, files)
+
+
+def _keys(items: Sequence[Item]) -> tuple[list[bytes], int]:
+    """The chained content keys of `items`, and their bytes (without their tokens')."""
+    out: list[bytes] = []
+    key = ROOT_KEY
+    nbytes = 0
+    for item in items:
+        one, size = item_key(item)
+        key = chain_key(key, one)
+        out.append(key)
+        nbytes += _ITEM_BYTES + size
+    return out, nbytes
 
 
 def _media_counts(items: Sequence[Item]) -> list[tuple[int, int]]:

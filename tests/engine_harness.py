@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -161,8 +161,28 @@ async def run_chain(engine: Engine, script: Script, *, store: bool = False) -> R
     return run
 
 
-async def run_stateless(engine: Engine, script: Script) -> Run:
-    """Every request carries the whole history (the HTTP baseline)."""
+def echo_as_sent(item: p.Item) -> p.Item:
+    return item
+
+
+def echo_bare(item: p.Item) -> p.Item:
+    """An output item as a client may send it back: without its id and status, and an
+    assistant message of text only as a plain string."""
+    if isinstance(item, p.Message) and not isinstance(item.content, str):
+        texts = [part.text for part in item.content if isinstance(part, p.OutputText)]
+        if len(texts) == len(item.content) == 1:
+            return p.Message(role=item.role, content=texts[0], phase=item.phase)
+    changes = {k: None for k in ("id", "status") if getattr(item, k, None) is not None}
+    if isinstance(item, p.LocalShellCallOutput):
+        changes = {}  # its id names its call
+    return typing.cast(p.Item, attrs.evolve(typing.cast(Any, item), **changes))
+
+
+async def run_stateless(
+    engine: Engine, script: Script, echo: Callable[[p.Item], p.Item] = echo_as_sent
+) -> Run:
+    """Every request carries the whole history (the HTTP baseline), the model's output items
+    echoed back through `echo`."""
     session = engine.session()
     run = Run()
     history: list[p.Item] = []
@@ -175,7 +195,7 @@ async def run_stateless(engine: Engine, script: Script) -> Run:
             run.states.append(state)
             run.responses.append(state.response)
             run.outputs.extend(state.response.output)
-            history.extend(state.response.output)
+            history.extend(echo(item) for item in state.response.output)
             calls = pending_calls(state.response.output)
             if not calls or state.response.status != "completed":
                 break

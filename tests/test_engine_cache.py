@@ -17,6 +17,7 @@ prefix while instructions and tools are unchanged.
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import attrs
@@ -29,13 +30,23 @@ from rollout.engine import (
     MemoryResponseStore,
     PatternPolicy,
     PolicyRule,
+    RenderCache,
     ResponseState,
     SecretDetector,
     Session,
-    open_engine,
+)
+from rollout.engine import (
+    open_engine as _open_engine,
 )
 
 from tests.engine_harness import classified_chars, same_items
+
+
+def open_engine(**kw: Any) -> AbstractAsyncContextManager[Engine]:
+    """An engine without the render cache: these tests specify what a connection's cache and
+    hydration do by themselves (tests/test_render_cache.py adds the render cache)."""
+    return _open_engine(render_cache=RenderCache(max_bytes=0), **kw)
+
 
 DEADLINE = 10
 

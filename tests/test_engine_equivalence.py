@@ -11,24 +11,30 @@ counters show the point of the design.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
+from typing import Any
+
 import pytest
 import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from rollout import protocol as p
-from rollout.engine import open_engine
+from rollout.engine import Engine, RenderCache, open_engine
+from rollout.engine._counters import Counters
 
 from tests.engine_harness import (
     EVERY_KIND,
     Script,
     check_arguments,
     conversation_chars,
+    echo_bare,
     run_chain,
     run_rollout,
     run_stateless,
     same_items,
     scripts,
 )
+from tests.engine_harness import Run as _Run
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -51,19 +57,23 @@ async def test_three_modes_agree_for_every_tool_kind(kind: str, data: st.DataObj
 
 
 async def check_three_modes(script: Script) -> set[str]:
-    """Run the script three ways, check they agree; returns the call types made."""
+    """Run the script every way, each in its own engine, and check they agree: stateless
+    without the render cache (the baseline), stateless with it (outputs echoed as sent, and
+    bare: without ids, assistant text as a string), the chain and the rollout. Returns the
+    call types made."""
     with trio.fail_after(60):
+        async with open_engine(render_cache=RenderCache(max_bytes=0)) as engine:
+            uncached, uncached_work = await _measured(engine, run_stateless(engine, script))
+            uncached_chars = [conversation_chars(engine, s) for s in uncached.states]
         async with open_engine() as engine:
-            before = engine.counters.snapshot()
-            stateless = await run_stateless(engine, script)
-            await engine.post.flushed()
-            after_stateless = engine.counters.snapshot()
-            chain = await run_chain(engine, script)
-            await engine.post.flushed()
-            after_chain = engine.counters.snapshot()
-            rollout = await run_rollout(engine, script)
-            await engine.post.flushed()
-            after_rollout = engine.counters.snapshot()
+            stateless, stateless_work = await _measured(engine, run_stateless(engine, script))
+        async with open_engine() as engine:
+            bare, bare_work = await _measured(engine, run_stateless(engine, script, echo_bare))
+        async with open_engine() as engine:
+            chain, chain_work = await _measured(engine, run_chain(engine, script))
+            final_chars = conversation_chars(engine, chain.final)
+        async with open_engine() as engine:
+            rollout, rollout_work = await _measured(engine, run_rollout(engine, script))
 
     n_calls = sum(1 for i in chain.outputs if p.call_of(i) is not None)
     event(f"tool calls: {min(n_calls, 5)}{'+' if n_calls > 5 else ''}")
@@ -72,35 +82,39 @@ async def check_three_modes(script: Script) -> set[str]:
     event(f"responses in chain: {min(len(chain.responses), 5)}")
 
     # Same output items, in the same order, modulo ids.
-    assert same_items(stateless.outputs, chain.outputs)
-    assert same_items(chain.outputs, rollout.outputs)
+    for other in (uncached, stateless, bare, rollout):
+        assert same_items(other.outputs, chain.outputs)
     check_arguments(script, chain.outputs)
 
     # Same final rendered context.
     final = chain.final.context()
-    assert stateless.final.context() == final
-    assert rollout.final.context() == final
+    for other in (uncached, stateless, bare, rollout):
+        assert other.final.context() == final
 
     # Same usage totals (input, output, total).
-    assert stateless.usage() == chain.usage() == rollout.usage()
+    assert uncached.usage() == stateless.usage() == bare.usage() == chain.usage() == rollout.usage()
 
-    # Work counters: chain and rollout render and classify each context token exactly once;
-    # stateless renders every prefix of the conversation again.
-    final_len = len(final)
-    final_chars = conversation_chars(engine, chain.final)
-    for delta in (after_chain - after_stateless, after_rollout - after_chain):
-        assert delta.tokens_rendered == final_len
-        assert delta.chars_classified == final_chars
-    stateless_work = after_stateless - before
-    assert stateless_work.tokens_rendered == sum(s.context_tokens for s in stateless.states)
-    assert stateless_work.chars_classified == sum(
-        conversation_chars(engine, s) for s in stateless.states
-    )
+    # Work counters: every way but the uncached baseline renders and classifies each context
+    # token exactly once (the stateless ones through the render cache); the baseline renders
+    # every prefix of the conversation again.
+    for work in (stateless_work, bare_work, chain_work, rollout_work):
+        assert work.tokens_rendered == len(final)
+        assert work.chars_classified == final_chars
+    assert uncached_work.tokens_rendered == sum(s.context_tokens for s in uncached.states)
+    assert uncached_work.chars_classified == sum(uncached_chars)
     # The rollout runs post-inference once per rollout (one per user turn here), the chain
     # once per response.
-    assert (after_rollout - after_chain).post_inference_runs == len(script.user_turns)
-    assert (after_chain - after_stateless).post_inference_runs == len(chain.responses)
+    assert rollout_work.post_inference_runs == len(script.user_turns)
+    assert chain_work.post_inference_runs == len(chain.responses)
     # Routing is resolved once per chain and per rollout, every time for stateless.
-    assert (after_chain - after_stateless).route_resolutions == 1
+    assert chain_work.route_resolutions == 1
     assert stateless_work.route_resolutions == len(stateless.responses)
     return {i.type for i in chain.outputs if p.call_of(i) is not None and i.type != "function_call"}
+
+
+async def _measured(engine: Engine, run: Coroutine[Any, Any, _Run]) -> tuple[_Run, Counters]:
+    """Run, wait for post-inference, and return the run and the work it did."""
+    before = engine.counters.snapshot()
+    result = await run
+    await engine.post.flushed()
+    return result, engine.counters - before

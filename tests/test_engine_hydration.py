@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,15 @@ from rollout.engine import (
     MemoryResponseStore,
     PatternPolicy,
     PolicyRule,
+    RenderCache,
     ResponseState,
     ResponseStore,
     SecretDetector,
     Session,
-    open_engine,
     open_sqlite_store,
+)
+from rollout.engine import (
+    open_engine as _open_engine,
 )
 
 from tests.engine_harness import (
@@ -53,6 +56,13 @@ from tests.engine_harness import (
     same_items,
     scripts,
 )
+
+
+def open_engine(**kw: Any) -> AbstractAsyncContextManager[Engine]:
+    """An engine without the render cache: these tests specify what a connection's cache and
+    hydration do by themselves (tests/test_render_cache.py adds the render cache)."""
+    return _open_engine(render_cache=RenderCache(max_bytes=0), **kw)
+
 
 DEADLINE = 30
 SETTINGS = settings(

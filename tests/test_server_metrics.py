@@ -53,6 +53,11 @@ async def test_exposition_is_text_format_0_0_4_with_every_family() -> None:
         "rollout_responses": "counter",
         "rollout_post_inference_backlog": "gauge",
         "rollout_stage_seconds": "histogram",
+        "rollout_render_cache_lookups": "counter",
+        "rollout_render_cache_tokens_reused": "counter",
+        "rollout_render_cache_dropped": "counter",
+        "rollout_render_cache_bytes": "gauge",
+        "rollout_render_cache_entries": "gauge",
     }
     assert parse_metrics(text)[("rollout_refused_connections_total", frozenset())] == 1
     # No `_created` samples: the collector reports what the engine counts, nothing more.

@@ -205,14 +205,16 @@ async def test_three_modes_produce_the_same_rollout() -> None:
     chain_work = {k: c2[k] - c1[k] for k in c0}
     stateless_work = {k: c3[k] - c2[k] for k in c0}
     assert rollout_work["samplings"] == chain_work["samplings"] == stateless_work["samplings"] == 3
-    # Rollout and chain render each context token once; stateless renders the history again.
-    assert rollout_work["tokens_rendered"] == chain_work["tokens_rendered"]
-    assert stateless_work["tokens_rendered"] > chain_work["tokens_rendered"]
+    # Every mode renders each context token once: the rollout, first, renders instructions
+    # and tools too; the chain and stateless find them in the render cache, and stateless
+    # finds its resent history there (the call ids differ per run, so only its own).
+    assert chain_work["tokens_rendered"] == stateless_work["tokens_rendered"]
+    assert rollout_work["tokens_rendered"] > chain_work["tokens_rendered"]
     assert chain_work["cache_hits"] == len(chain) - 1
     assert rollout_work["cache_hits"] == stateless_work["cache_hits"] == 0
-    # New items validated: the user message and the three outputs, once each, for the
-    # rollout and the chain; the whole history per request for stateless.
+    # New items validated: the user message and the three outputs, once each, in every mode
+    # (the whole history per request for stateless, all but the new outputs found rendered).
     assert rollout_work["items_validated"] == chain_work["items_validated"] == 4
-    assert stateless_work["items_validated"] == 1 + (1 + 2 + 2) + (1 + 2 + 2 + 1 + 1)
+    assert stateless_work["items_validated"] == 4
     assert rollout_work["responses_completed"] == 1
     assert chain_work["responses_completed"] == stateless_work["responses_completed"] == 3

@@ -1,0 +1,260 @@
+"""The render cache: conversation prefixes rendered once, for every connection of the process.
+
+A connection's `ResponseCache` answers `previous_response_id` on that connection. This cache
+answers a different question, for every client: has this process already rendered, classified
+and validated a conversation that starts like this one? It is content-addressed: an entry is a
+`ResponseState` that a finished response left behind (or that hydration rebuilt), found by
+
+    (owner, content key of its items)
+
+where the content key is the chain of item keys of `_itemkey.py` (id-free: a client echoing
+items with or without ids, or an assistant message as a plain string, finds it). The state's
+lineage is shared, not copied: a request that extends the newest state of a lineage appends in
+place (O(new items)); one that extends an older state forks it (a copy of the prefix, as any
+fork does). Instructions and tools are cached apart (`Prefix`, keyed by their canonical JSON),
+since items render and classify independently of them: a tools change mid-conversation still
+finds its items.
+
+What it never is: a way to resolve an id. `store: false` responses stay unknown outside their
+connection; an id continued over HTTP or on another connection is first confirmed by the store
+for its owner, and only then looked up here (`by_response`).
+
+Bounds, all documented options of `rollout serve`:
+- `max_bytes`: memory held, as `Lineage.nbytes` estimates it (token arrays, the items' content,
+  a fixed cost per item; lineages shared by several entries counted once, at the size they had
+  when last registered); least recently used entries go first.
+- `ttl`: an entry not used for this many seconds is dropped (a `store: false` conversation
+  lives in memory no longer than this, and never anywhere else).
+- `max_bytes=0` turns the cache off (every request renders its whole input, as before).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import attrs
+from rollout.protocol import Item, Tool
+
+from ._itemkey import KEY_BYTES, ROOT_KEY, chain_key, item_key
+from ._render import canonical_json, canonical_tools_json
+from ._state import Lineage, Prefix, ResponseState
+
+__all__ = [
+    "DEFAULT_RENDER_CACHE_BYTES",
+    "DEFAULT_RENDER_CACHE_TTL",
+    "RenderCache",
+    "RenderCacheStats",
+    "RenderHit",
+]
+
+# Memory the render cache holds: about 50 million tokens of conversation (a conversation costs
+# about 10 bytes per rendered token: the token, its text, the per-item indexes).
+DEFAULT_RENDER_CACHE_BYTES = 512 * 2**20
+# Seconds an unused entry lives (and with it, a store: false conversation's content).
+DEFAULT_RENDER_CACHE_TTL = 1800.0
+
+
+@attrs.define
+class RenderCacheStats:
+    """Counts of the render cache (exported on /metrics)."""
+
+    hits: int = 0  # lookups that found a rendered prefix (conversation or instructions+tools)
+    misses: int = 0  # lookups that found nothing
+    tokens_reused: int = 0  # rendered tokens found instead of rendered
+    evictions: int = 0  # entries dropped for the token budget
+    expirations: int = 0  # entries dropped for the TTL
+
+
+@attrs.frozen
+class RenderHit:
+    """The longest cached prefix of a conversation: its first `n_items` items are `state`'s."""
+
+    state: ResponseState
+    n_items: int
+    keys: list[bytes]  # the content key after each of the request's items
+
+
+@attrs.define(eq=False)
+class _Held:
+    """A lineage some entries refer to, and the bytes counted for it."""
+
+    lineage: Lineage
+    refs: int = 0
+    nbytes: int = 0
+
+
+@attrs.define(eq=False)
+class _Entry:
+    value: ResponseState | Prefix
+    expires: float
+    nbytes: int = 0  # a Prefix's own (a state's are its lineage's)
+
+
+class RenderCache:
+    """Process-wide, owner-scoped, content-addressed (see the module docstring). Single-task:
+    the engine's event loop calls it, never a worker thread."""
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int = DEFAULT_RENDER_CACHE_BYTES,
+        ttl: float = DEFAULT_RENDER_CACHE_TTL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_bytes < 0 or ttl <= 0:
+            raise ValueError("the render cache needs max_bytes >= 0 and ttl > 0")
+        self.max_bytes = max_bytes
+        self.ttl = ttl
+        self.clock = clock
+        self.stats = RenderCacheStats()
+        self._entries: OrderedDict[tuple[str | None, bytes], _Entry] = OrderedDict()
+        self._by_response: dict[str, tuple[str | None, bytes]] = {}
+        self._lineages: dict[int, _Held] = {}  # by id()
+        self._nbytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    @property
+    def bytes_held(self) -> int:
+        return self._nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- lookups ---------------------------------------------------------------------------
+
+    def longest(self, owner: str | None, items: Sequence[Item]) -> RenderHit | None:
+        """The longest prefix of `items` this owner's conversations already rendered, or None.
+        Computes every item's content key once (O(items), no rendering)."""
+        if not self.enabled or not items:
+            return None
+        keys: list[bytes] = []
+        key = ROOT_KEY
+        for item in items:
+            key = chain_key(key, item_key(item)[0])
+            keys.append(key)
+        for n in range(len(keys), 0, -1):
+            state = self._get(owner, keys[n - 1])
+            if isinstance(state, ResponseState):
+                self.stats.hits += 1
+                self.stats.tokens_reused += state.item_tokens
+                return RenderHit(state=state, n_items=n, keys=keys)
+        self.stats.misses += 1
+        return None
+
+    def by_response(self, owner: str | None, response_id: str) -> ResponseState | None:
+        """The state a response left behind, when its owner is `owner` (the caller has
+        confirmed the id with the store: this never resolves an id by itself)."""
+        where = self._by_response.get(response_id)
+        if where is None or where[0] != owner:
+            return None
+        state = self._get(owner, where[1])
+        if isinstance(state, ResponseState) and state.id == response_id:
+            self.stats.hits += 1
+            self.stats.tokens_reused += state.item_tokens
+            return state
+        return None
+
+    def prefix(
+        self, owner: str | None, instructions: str | None, tools: Sequence[Tool]
+    ) -> Prefix | None:
+        if not self.enabled:
+            return None
+        found = self._get(owner, _prefix_key(instructions, tools)[0])
+        if isinstance(found, Prefix):
+            self.stats.hits += 1
+            self.stats.tokens_reused += len(found.tokens)
+            return found
+        self.stats.misses += 1
+        return None
+
+    # --- registration ----------------------------------------------------------------------
+
+    def put(self, owner: str | None, state: ResponseState) -> None:
+        """Register the conversation of `state` (its items, tokens, classifier state, open
+        calls) and its instructions and tools. Only states that passed classification may be
+        put: a hit skips the classifiers for the prefix it covers."""
+        if not self.enabled:
+            return
+        key = (owner, state.lineage.key(state.n_items))
+        if key in self._entries:
+            self._drop(key)
+        self._entries[key] = _Entry(state, self.clock() + self.ttl)
+        if state.id:
+            self._by_response[state.id] = key
+        self._hold(state.lineage)
+        prefix = state.prefix
+        digest, size = _prefix_key(prefix.instructions, prefix.tools)
+        # Held already: used again, its TTL starts again (an expired one is dropped here).
+        if self._get(owner, digest) is None and prefix.tokens:
+            nbytes = size + 4 * len(prefix.tokens)
+            self._entries[owner, digest] = _Entry(prefix, self.clock() + self.ttl, nbytes)
+            self._nbytes += nbytes
+        self._shrink()
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._drop(key)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _get(self, owner: str | None, key: bytes) -> ResponseState | Prefix | None:
+        entry = self._entries.get((owner, key))
+        if entry is None:
+            return None
+        now = self.clock()
+        if entry.expires <= now:
+            self._drop((owner, key))
+            self.stats.expirations += 1
+            return None
+        entry.expires = now + self.ttl
+        self._entries.move_to_end((owner, key))
+        return entry.value
+
+    def _hold(self, lineage: Lineage) -> None:
+        held = self._lineages.get(id(lineage))
+        if held is None:
+            held = self._lineages[id(lineage)] = _Held(lineage)
+        held.refs += 1
+        self._nbytes += lineage.nbytes - held.nbytes  # it may have grown since
+        held.nbytes = lineage.nbytes
+
+    def _release(self, key: tuple[str | None, bytes], entry: _Entry) -> None:
+        value = entry.value
+        if isinstance(value, Prefix):
+            self._nbytes -= entry.nbytes
+            return
+        if self._by_response.get(value.id) == key:
+            del self._by_response[value.id]
+        held = self._lineages[id(value.lineage)]
+        held.refs -= 1
+        if held.refs == 0:
+            self._nbytes -= held.nbytes
+            del self._lineages[id(value.lineage)]
+
+    def _drop(self, key: tuple[str | None, bytes]) -> None:
+        self._release(key, self._entries.pop(key))
+
+    def _shrink(self) -> None:
+        now = self.clock()
+        while self._entries:
+            key, entry = next(iter(self._entries.items()))
+            if entry.expires <= now:
+                self.stats.expirations += 1
+            elif self._nbytes > self.max_bytes:
+                self.stats.evictions += 1
+            else:
+                break
+            self._drop(key)
+
+
+def _prefix_key(instructions: str | None, tools: Sequence[Tool]) -> tuple[bytes, int]:
+    """The key of instructions and tools (their canonical JSON's digest), and its size."""
+    text = canonical_json([instructions, canonical_tools_json(tools) if tools else None])
+    data = text.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(b"prefix\0" + data).digest()[:KEY_BYTES], len(data)
