@@ -157,16 +157,22 @@ class Engine:
         for scope in list(self._interruptible):
             scope.cancel()
 
-    async def decode(self, decode: Callable[[_Raw], _Decoded], data: _Raw) -> _Decoded:
+    async def decode(
+        self,
+        decode: Callable[[_Raw], _Decoded],
+        data: _Raw,
+        timings: dict[str, float] | None = None,
+    ) -> _Decoded:
         """Decode a client message: inline when small, else in a worker thread (at most
-        `MAX_CONCURRENT_LARGE_DECODES` at once), so the event loop keeps serving others."""
+        `MAX_CONCURRENT_LARGE_DECODES` at once), so the event loop keeps serving others. The
+        time it took goes to the `decode` stage (and to `timings`, the request's)."""
         self.counters.bytes_decoded += len(data)
         if len(data) < OFFLOAD_DECODE_BYTES:
-            with self.timer.measure("decode"):
+            with self.timer.measure("decode", timings):
                 return decode(data)
         async with self.decode_limiter:
             self.counters.offloaded_decodes += 1
-            with self.timer.measure("decode"):  # wall time, the thread's wait included
+            with self.timer.measure("decode", timings):  # wall time, the thread's included
                 return await trio.to_thread.run_sync(decode, data)
 
     def session(

@@ -50,17 +50,18 @@ class ResponsesApi:
         body = await read_body(
             req.receive, limit, f"The request body is larger than the limit of {limit} bytes."
         )
+        timings: dict[str, float] = {}
         request = await self.engine.decode(
-            functools.partial(decode_create_body, max_size=limit), body
+            functools.partial(decode_create_body, max_size=limit), body, timings
         )
         _refuse_websocket_only(request)
         session = self._session(req.owner)
         if request.stream:
-            return await self._create_sse(session, request, req)
-        return await self._create_json(session, request, req)
+            return await self._create_sse(session, request, req, timings)
+        return await self._create_json(session, request, req, timings)
 
     async def _create_json(
-        self, session: Session, request: ResponseCreate, req: HttpRequest
+        self, session: Session, request: ResponseCreate, req: HttpRequest, timings: dict[str, float]
     ) -> int:
         final: list[Response] = []
 
@@ -69,7 +70,9 @@ class ResponsesApi:
             if response is not None:
                 final[:] = [response]
 
-        error = await run_until_disconnect(req.receive, session.create(request, keep))
+        error = await run_until_disconnect(
+            req.receive, session.create(request, keep, timings=timings)
+        )
         if error is not None:
             raise error
         if not final:  # the client went away
@@ -77,7 +80,9 @@ class ResponsesApi:
         extra = [(b"server-timing", _server_timing(session.last_timings).encode())]
         return await send_json(req.send, 200, to_wire(final[-1]), extra)
 
-    async def _create_sse(self, session: Session, request: ResponseCreate, req: HttpRequest) -> int:
+    async def _create_sse(
+        self, session: Session, request: ResponseCreate, req: HttpRequest, timings: dict[str, float]
+    ) -> int:
         # Headers go out with the first event, once pre-inference work (timed) is done.
         stream = EventStream(
             req.send,
@@ -88,7 +93,9 @@ class ResponsesApi:
         async def emit(event: ServerEvent) -> None:
             await stream.frame(sse_event(event))
 
-        error = await run_until_disconnect(req.receive, session.create(request, emit))
+        error = await run_until_disconnect(
+            req.receive, session.create(request, emit, timings=timings)
+        )
         if error is not None:
             raise error
         return await stream.end()

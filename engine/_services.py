@@ -63,7 +63,12 @@ class EngineServices(Protocol):
 
     def empty_state(self) -> ResponseState: ...
 
-    def decode(self, decode: Callable[[_Raw], _Decoded], data: _Raw) -> Awaitable[_Decoded]: ...
+    def decode(
+        self,
+        decode: Callable[[_Raw], _Decoded],
+        data: _Raw,
+        timings: dict[str, float] | None = None,
+    ) -> Awaitable[_Decoded]: ...
 
     async def stored_chain(
         self, response_id: str, *, owner: str | None

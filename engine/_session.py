@@ -136,17 +136,22 @@ class Session:
 
     # --- responses ---
     async def create(
-        self, request: ResponseCreate, emit: Emit | None = None
+        self,
+        request: ResponseCreate,
+        emit: Emit | None = None,
+        *,
+        timings: dict[str, float] | None = None,
     ) -> ResponseState | None:
         """Run one response (stateless or continuing), sending its events to `emit`.
         Returns the final state (None when the response failed). Request errors raise
-        `RemoteProtocolError` before any event is sent."""
+        `RemoteProtocolError` before any event is sent. `timings`: stages already timed for
+        this request (its decode), reported with the rest in `last_timings`."""
         if request.rollout:
             raise invalid(
                 "Use open_rollout() (or the WebSocket transport) for rollout mode.",
                 param="rollout",
             )
-        return await self._respond(request, emit or _discard, None)
+        return await self._respond(request, emit or _discard, None, timings)
 
     async def respond(self, request: ResponseCreate) -> Response:
         """Run one response and return the final Response object."""
@@ -225,19 +230,32 @@ class Session:
             "usage": to_wire(usage),
         }
 
-    async def run_rollout(self, request: ResponseCreate, emit: Emit, rollout: Rollout) -> None:
+    async def run_rollout(
+        self,
+        request: ResponseCreate,
+        emit: Emit,
+        rollout: Rollout,
+        *,
+        timings: dict[str, float] | None = None,
+    ) -> None:
         """Server-side form: run the rollout in the caller's task, emitting to `emit`."""
-        await self._respond(request, emit, rollout)
+        await self._respond(request, emit, rollout, timings)
 
     async def _respond(
-        self, request: ResponseCreate, emit: Emit, rollout: Rollout | None
+        self,
+        request: ResponseCreate,
+        emit: Emit,
+        rollout: Rollout | None,
+        timings: dict[str, float] | None = None,
     ) -> ResponseState | None:
         """Pre-inference here, then the rollout coroutine (which never calls back up)."""
-        prepared = await self.prepare(request)
+        prepared = await self.prepare(request, timings)
         return await run_response(self, prepared, request, emit, rollout)
 
     # --- pre-inference ---
-    async def prepare(self, request: ResponseCreate) -> Prepared:
+    async def prepare(
+        self, request: ResponseCreate, timings: dict[str, float] | None = None
+    ) -> Prepared:
         """Pre-inference, once per response: resolve the parent (the cache, else the store),
         resolve the input (item references, compaction items), then validate, render, classify
         the new items and route. Request errors raise `RemoteProtocolError`; a failed
@@ -245,7 +263,7 @@ class Session:
         engine = self.engine
         if engine.draining:
             raise shutting_down()
-        timings: dict[str, float] = {}
+        timings = dict(timings or {})
         self.last_timings = timings
         parent: ResponseState | None = None
         generate = _generates(request)

@@ -108,9 +108,9 @@ class WebSocketConnection:
         self._opened_at = trio.current_time()
         # The connection bounds the queue (the creates waiting behind the running one, and
         # between responses one more that starts at once): the channel never fills.
-        self._queue_send, self._queue_recv = trio.open_memory_channel[ResponseCreate](
-            limits.max_queued_creates + 1
-        )
+        self._queue_send, self._queue_recv = trio.open_memory_channel[
+            tuple[ResponseCreate, dict[str, float]]
+        ](limits.max_queued_creates + 1)
         self._rollout: Rollout | None = None
         self.protocol = ServerConnection(
             max_message_size=limits.max_message_size, max_queued_creates=limits.max_queued_creates
@@ -234,8 +234,9 @@ class WebSocketConnection:
             data = message.get("text")
             if data is None:
                 data = message.get("bytes") or b""
+            timings: dict[str, float] = {}
             try:
-                decoded = await self.session.engine.decode(self.protocol.decode, data)
+                decoded = await self.session.engine.decode(self.protocol.decode, data, timings)
             except RemoteProtocolError as exc:
                 await self._answer_error(exc)
                 continue
@@ -250,7 +251,7 @@ class WebSocketConnection:
                     await self.send_event(event)
                 elif isinstance(event, ResponseCreate):
                     try:
-                        self._queue_send.send_nowait(event)
+                        self._queue_send.send_nowait((event, timings))
                         if self._idle.is_set():
                             self._idle = trio.Event()
                     except trio.ClosedResourceError:
@@ -281,7 +282,7 @@ class WebSocketConnection:
 
     async def _runner(self, cancel_scope: trio.CancelScope) -> None:
         limit = self.limits.connection_age_limit
-        async for request in self._queue_recv:
+        async for request, timings in self._queue_recv:
             age = trio.current_time() - self._opened_at
             self.protocol.start(request)
             if math.isfinite(limit) and age > limit:
@@ -297,7 +298,7 @@ class WebSocketConnection:
                 cancel_scope.cancel()
                 return
             try:
-                await self._run_one(request)
+                await self._run_one(request, timings)
             except trio.ClosedResourceError:
                 # The client closed the socket while this request was answered: `send_event`
                 # can see it closed after taking its lock (a shielded checkpoint, so before
@@ -307,14 +308,15 @@ class WebSocketConnection:
                 if not self._queue_recv.statistics().current_buffer_used:
                     self._idle.set()
 
-    async def _run_one(self, request: ResponseCreate) -> None:
+    async def _run_one(self, request: ResponseCreate, timings: dict[str, float]) -> None:
+        """Run one create (`timings`: its decode's)."""
         emit = self._emitter()
         try:
             if request.rollout:
                 self._rollout = Rollout(self.session)
-                await self.session.run_rollout(request, emit, self._rollout)
+                await self.session.run_rollout(request, emit, self._rollout, timings=timings)
             else:
-                await self.session.create(request, emit)
+                await self.session.create(request, emit, timings=timings)
         except RemoteProtocolError as exc:
             self.session.engine.counters.request_errors += 1
             await self._refuse(exc)
