@@ -289,6 +289,9 @@ class StoredResponse:
     parent_id: str | None
     is_root: bool
     owner: str | None
+    # The rendering of `items` (tokens, classifier state, ...: `_segments.py`), so hydration
+    # renders nothing; None when not kept (hydration then renders `items`).
+    rendered: bytes | None = None
 
 
 class ResponseStore(Protocol):

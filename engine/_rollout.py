@@ -54,6 +54,7 @@ from ._ids import new_id
 from ._interfaces import Flag, StoredResponse, UsageRecord
 from ._postinfer import PostJob
 from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
+from ._segments import encode_segment
 from ._state import ResponseState
 from ._suspend import Rollout
 
@@ -306,16 +307,22 @@ class _Run:
         engine.render_cache.put(self.session.owner, state)
         job_store = None
         if final.store:
+            start = state.first_new_item if parent_stored else 0
+            parent = self.prepared.parent
             job_store = StoredResponse(
                 response=final,
-                items=state.own_items
-                if parent_stored and state.first_new_item
-                else list(state.items),
+                items=state.lineage.items[start : state.n_items],
                 instructions=state.prefix.instructions,
                 tools=list(state.prefix.tools),
                 parent_id=final.previous_response_id,
-                is_root=not (parent_stored and state.first_new_item),
+                is_root=start == 0,
                 owner=self.session.owner,
+                rendered=encode_segment(
+                    engine.pipeline,
+                    state,
+                    start=start,
+                    with_prefix=start == 0 or parent is None or parent.prefix is not state.prefix,
+                ),
             )
         await engine.post.commit(PostJob(records=records, stored=job_store))
         return state

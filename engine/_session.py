@@ -39,6 +39,7 @@ from ._ids import new_id
 from ._interfaces import StoredResponse
 from ._pipeline import Prepared as PipelinePrepared
 from ._rollout import Emit, Prepared, Rollout, run_response
+from ._segments import restore_segments
 from ._state import ResponseState
 from ._validate import invalid, normalize_input
 
@@ -95,16 +96,22 @@ class Session:
         return state
 
     def _hydrate(self, chain: list[StoredResponse], timings: dict[str, float]) -> ResponseState:
-        """Rebuild a state from stored responses (newest first): what the render cache holds
-        of the conversation is reused, the rest rendered and classified."""
+        """Rebuild a state from stored responses (newest first): from their stored renderings
+        when they all have one of this renderer (nothing rendered), else what the render cache
+        holds of the conversation is reused and the rest rendered and classified."""
         engine = self.engine
         engine.counters.hydrations += 1
         target = chain[0]
+        pipeline = engine.pipeline
+        route = pipeline.route(target.response.model, None, timings)
+        with engine.timer.measure("resolve", timings):
+            state = restore_segments(pipeline, engine.empty_state(), chain, route)
+        if state is not None:
+            engine.render_cache.put(self.owner, state)
+            return state
         items: list[Item] = []
         for stored in reversed(chain):
             items.extend(stored.items)
-        pipeline = engine.pipeline
-        route = pipeline.route(target.response.model, None, timings)
         known = engine.render_cache.prefix(self.owner, target.instructions, target.tools)
         prefix = pipeline.prefix(target.instructions, target.tools, None, timings, known)
         root, rest = self._cached_prefix(items)

@@ -69,9 +69,9 @@ class Lineage:
         "_keys",
         "_media",
         "_since_user",
+        "_sizes",
         "derived",
         "items",
-        "nbytes",
         "tokens",
     )
 
@@ -84,8 +84,9 @@ class Lineage:
         self._ends: array[int] = array("Q")  # cumulative token count after each item
         self._digests: list[bytes] = []  # chained context digest after each item
         self._keys: list[bytes] = []  # chained content key after each item (`_itemkey.py`)
-        # Memory held, estimated: token arrays, the items' content, a fixed cost per item.
-        self.nbytes = 0
+        # Memory held, estimated (token arrays, the items' content, a fixed cost per item),
+        # cumulative after each item: see `nbytes`.
+        self._sizes: array[int] = array("Q")
         self._since_user: array[int] = array("I")  # tool calls since the last user message
         # (images, files) in content since the last user message, that message included
         self._media: list[tuple[int, int]] = []
@@ -100,6 +101,15 @@ class Lineage:
 
     def digest(self, n_items: int) -> bytes:
         return self._digests[n_items - 1] if n_items else _EMPTY_DIGEST
+
+    @property
+    def nbytes(self) -> int:
+        """The memory this lineage holds, estimated (what the render cache budgets)."""
+        return self._sizes[-1] if self._sizes else 0
+
+    def nbytes_of(self, start: int, stop: int) -> int:
+        """The estimated memory of items `start` to `stop` (exclusive)."""
+        return (self._sizes[stop - 1] if stop else 0) - (self._sizes[start - 1] if start else 0)
 
     def key(self, n_items: int) -> bytes:
         """The content key of the first `n_items` items (what the render cache finds)."""
@@ -138,7 +148,7 @@ class Lineage:
         self._digests.append(_chain(self.digest(index), digest_tokens(item_tokens)))
         key, size = item_key(item)
         self._keys.append(chain_key(self.key(index), key))
-        self.nbytes += _ITEM_BYTES + size + 4 * len(item_tokens)
+        self._sizes.append(self.nbytes + _ITEM_BYTES + size + 4 * len(item_tokens))
         since_user = self.calls_since_user(index)
         images, files = self.media_since_user(index)
         call = call_of(item)
@@ -162,8 +172,12 @@ class Lineage:
         ends: array[int],
         digests: list[bytes],
         since_user: array[int],
+        *,
+        keys: list[bytes] | None = None,
+        sizes: array[int] | None = None,
     ) -> Lineage:
-        """A lineage rebuilt from a snapshot (see `snapshot`), without rendering."""
+        """A lineage rebuilt from a snapshot (see `snapshot`), without rendering; the content
+        keys and memory estimates are computed from the items unless given."""
         if not (len(items) == len(ends) == len(digests) == len(since_user)) or (
             ends and ends[-1] != len(tokens)
         ):
@@ -174,8 +188,12 @@ class Lineage:
         new._ends = ends
         new._digests = digests
         new._since_user = since_user
-        new._keys, new.nbytes = _keys(items)
-        new.nbytes += 4 * len(tokens)
+        if keys is None or sizes is None:
+            keys, sizes = _keys(items, ends)
+        if not len(keys) == len(sizes) == len(items):
+            raise ValueError("inconsistent lineage snapshot")
+        new._keys = keys
+        new._sizes = sizes
         new._media = _media_counts(items)
         for i, item in enumerate(items):
             call = call_of(item)
@@ -204,8 +222,7 @@ class Lineage:
         new.tokens = self.tokens[: self.token_count(n_items)]
         new._digests = self._digests[:n_items]
         new._keys = self._keys[:n_items]
-        share = len(new.tokens) / len(self.tokens) if self.tokens else 1.0
-        new.nbytes = int(self.nbytes * share)  # estimated: the prefix's share of the tokens
+        new._sizes = self._sizes[:n_items]
         new._since_user = self._since_user[:n_items]
         new._media = self._media[:n_items]
         new._calls = {k: v for k, v in self._calls.items() if v.added_at < n_items}
@@ -224,17 +241,20 @@ def _parts_media(item: Item) -> tuple[int, int]:
     return (images, files)
 
 
-def _keys(items: Sequence[Item]) -> tuple[list[bytes], int]:
-    """The chained content keys of `items`, and their bytes (without their tokens')."""
-    out: list[bytes] = []
+def _keys(items: Sequence[Item], ends: array[int]) -> tuple[list[bytes], array[int]]:
+    """The chained content keys of `items`, and their cumulative memory estimates."""
+    keys: list[bytes] = []
+    sizes: array[int] = array("Q")
     key = ROOT_KEY
-    nbytes = 0
-    for item in items:
+    nbytes = start = 0
+    for item, end in zip(items, ends, strict=True):
         one, size = item_key(item)
         key = chain_key(key, one)
-        out.append(key)
-        nbytes += _ITEM_BYTES + size
-    return out, nbytes
+        keys.append(key)
+        nbytes += _ITEM_BYTES + size + 4 * (end - start)
+        sizes.append(nbytes)
+        start = end
+    return keys, sizes
 
 
 def _media_counts(items: Sequence[Item]) -> list[tuple[int, int]]:

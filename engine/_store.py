@@ -82,7 +82,7 @@ CREATE TABLE IF NOT EXISTS schema_versions (
     version   INTEGER NOT NULL
 )"""
 
-RESPONSES_SCHEMA_VERSION = 2
+RESPONSES_SCHEMA_VERSION = 3
 
 # The response store's schema (version `RESPONSES_SCHEMA_VERSION`), one statement per entry.
 #   id          the response id (`resp_...`), the only lookup key.
@@ -93,6 +93,8 @@ RESPONSES_SCHEMA_VERSION = 2
 #   body        msgpack map {"response", "items", "instructions", "tools"}: the wire
 #               (`protocol.to_wire`) form of each; decoded leniently (unknown keys ignored) so
 #               that a file written by a newer rollout that added fields still reads.
+#   rendered    the rendering of the items (`_segments.py`: msgpack, versioned by template
+#               and tokenizer), NULL when not kept; read only to hydrate (version 3).
 # Hydration follows parent pointers through the primary key, so no other index is needed.
 RESPONSES_SCHEMA: tuple[str, ...] = (
     """
@@ -102,7 +104,8 @@ RESPONSES_SCHEMA: tuple[str, ...] = (
         parent_id  TEXT,
         is_root    INTEGER NOT NULL CHECK (is_root IN (0, 1)),
         created_at INTEGER NOT NULL,
-        body       BLOB NOT NULL
+        body       BLOB NOT NULL,
+        rendered   BLOB
     )""",
     _ITEMS_TABLE := """
     CREATE TABLE items (
@@ -117,20 +120,27 @@ RESPONSES_SCHEMA: tuple[str, ...] = (
 # `item_reference` (version 2). The first response to store an id keeps it.
 
 # Upgrades from an older schema version: {from_version: statements to reach from_version + 1}.
-RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {1: (_ITEMS_TABLE, _ITEMS_INDEX)}
+RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (_ITEMS_TABLE, _ITEMS_INDEX),
+    2: ("ALTER TABLE responses ADD COLUMN rendered BLOB",),
+}
 
 _PUT = """
-INSERT INTO responses (id, owner, parent_id, is_root, created_at, body)
-VALUES (?, ?, ?, ?, ?, ?)
+INSERT INTO responses (id, owner, parent_id, is_root, created_at, body, rendered)
+VALUES (?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (id) DO UPDATE SET
     parent_id = excluded.parent_id,
     is_root = excluded.is_root,
     created_at = excluded.created_at,
-    body = excluded.body
+    body = excluded.body,
+    rendered = excluded.rendered
 WHERE responses.owner IS excluded.owner
 """
 
-_GET = "SELECT id, owner, parent_id, is_root, body FROM responses WHERE id = ? AND owner IS ?"
+_GET = (
+    "SELECT id, owner, parent_id, is_root, body, rendered FROM responses "
+    "WHERE id = ? AND owner IS ?"
+)
 
 _DELETE = "DELETE FROM responses WHERE id = ? AND owner IS ?"
 _PUT_ITEM = "INSERT OR IGNORE INTO items (id, response_id, owner, body) VALUES (?, ?, ?, ?)"
@@ -140,18 +150,18 @@ _DELETE_ITEMS = "DELETE FROM items WHERE response_id = ?"
 # The response, then each parent, while the previous row is not a root, up to `max_depth` rows.
 # A parent owned by someone else is not joined, so it looks missing (owner isolation).
 _CHAIN = """
-WITH RECURSIVE chain (depth, id, owner, parent_id, is_root, body) AS (
-    SELECT 0, id, owner, parent_id, is_root, body
+WITH RECURSIVE chain (depth, id, owner, parent_id, is_root, body, rendered) AS (
+    SELECT 0, id, owner, parent_id, is_root, body, rendered
     FROM responses WHERE id = :id AND owner IS :owner
     UNION ALL
-    SELECT chain.depth + 1, r.id, r.owner, r.parent_id, r.is_root, r.body
+    SELECT chain.depth + 1, r.id, r.owner, r.parent_id, r.is_root, r.body, r.rendered
     FROM chain JOIN responses AS r ON r.id = chain.parent_id AND r.owner IS :owner
     WHERE chain.is_root = 0 AND chain.depth + 1 < :max_depth
 )
-SELECT id, owner, parent_id, is_root, body FROM chain ORDER BY depth
+SELECT id, owner, parent_id, is_root, body, rendered FROM chain ORDER BY depth
 """
 
-_Row: TypeAlias = tuple[str, str | None, str | None, int, bytes]
+_Row: TypeAlias = tuple[str, str | None, str | None, int, bytes, bytes | None]
 
 
 # --- shared SQLite plumbing (also used by the usage ledger) ----------------------------------
@@ -296,7 +306,7 @@ def _decode_item(blob: bytes) -> Item:
 
 
 def _decode(row: _Row) -> StoredResponse:
-    response_id, owner, parent_id, is_root, blob = row
+    response_id, owner, parent_id, is_root, blob, rendered = row
     try:
         body: Any = msgpack.unpackb(blob, raw=False)
         if not isinstance(body, dict):
@@ -312,6 +322,7 @@ def _decode(row: _Row) -> StoredResponse:
             parent_id=parent_id,
             is_root=bool(is_root),
             owner=owner,
+            rendered=rendered,
         )
     except (RemoteProtocolError, ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"stored response {response_id!r} could not be decoded: {exc}") from exc
@@ -366,6 +377,7 @@ class SQLiteResponseStore(_SQLiteResource):
                     int(stored.is_root),
                     stored.response.created_at,
                     _encode(stored),
+                    stored.rendered,
                 ),
             )
             if cursor.rowcount:
@@ -422,7 +434,7 @@ class SQLiteResponseStore(_SQLiteResource):
             ).fetchall()
             if not rows:
                 raise _not_stored(response_id)
-            last_id, _, last_parent, last_is_root, _ = rows[-1]
+            last_id, _, last_parent, last_is_root, _, _ = rows[-1]
             if not last_is_root and last_parent is not None:
                 # Checked before decoding: a broken chain costs no decoding.
                 raise _broken_chain(response_id, len(rows), last_id, last_parent, max_depth)

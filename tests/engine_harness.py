@@ -13,7 +13,7 @@ import attrs
 import jsonschema
 from hypothesis import strategies as st
 from rollout import protocol as p
-from rollout.engine import Engine, ResponseState
+from rollout.engine import Engine, ResponseState, ResponseStore, StoredResponse
 from rollout.engine._state import Prefix
 
 
@@ -380,3 +380,17 @@ def classified_chars(engine: Engine, items: Sequence[p.Item], prefix: Prefix | N
 def conversation_chars(engine: Engine, state: ResponseState) -> int:
     """`classified_chars` of a state's whole conversation, its prefix included."""
     return classified_chars(engine, state.items, state.prefix)
+
+
+class WithoutRenderings:
+    """A store that keeps no renderings (`StoredResponse.rendered`), as one written by an older
+    rollout or with another chat template: hydration renders the stored items."""
+
+    def __init__(self, inner: ResponseStore) -> None:
+        self.inner = inner
+
+    async def put(self, stored: StoredResponse) -> None:
+        await self.inner.put(attrs.evolve(stored, rendered=None))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -13,6 +13,7 @@ failed classification, stays within its budget, and forgets after its TTL.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,17 +24,21 @@ import pytest
 import trio
 from rollout import protocol as p
 from rollout.engine import (
+    ChatTemplateRenderer,
     ClassifierSet,
     Counters,
     Engine,
     MemoryResponseStore,
+    O200kTokenizer,
     RenderCache,
     ResponseState,
+    ResponseStore,
     SecretDetector,
     open_engine,
+    open_sqlite_store,
 )
 
-from tests.engine_harness import classified_chars, same_items
+from tests.engine_harness import WithoutRenderings, classified_chars, same_items
 from tests.server_harness import open_test_server, open_ws
 
 DEADLINE = 20
@@ -172,9 +177,11 @@ async def test_http_chain_and_reconnect_render_only_their_new_items() -> None:
 
 async def test_hydration_renders_only_what_the_render_cache_lacks() -> None:
     """A stored chain whose newest response the render cache lost (evicted; another process
-    wrote it): hydration finds the older part of the conversation rendered."""
+    wrote it) and whose stored renderings are missing (an older rollout wrote them):
+    hydration finds the older part of the conversation in the render cache."""
+    store = typing.cast(ResponseStore, WithoutRenderings(MemoryResponseStore()))
     with trio.fail_after(DEADLINE):
-        async with open_engine(store=MemoryResponseStore()) as engine:
+        async with open_engine(store=store) as engine:
             session = engine.session()
             a = await session.create(request(input="look up a, b and c", store=True))
             assert a is not None
@@ -400,3 +407,53 @@ async def test_store_false_content_never_reaches_the_data_dir(tmp_path: Path) ->
     assert files
     for f in files:
         assert marker.encode() not in f.read_bytes(), f
+
+
+# --- stored renderings: hydration after a restart renders nothing ---------------------------
+
+
+class OtherTemplate(ChatTemplateRenderer):
+    """The same rendering under another template id: what a restart with a changed chat
+    template (or tokenizer) looks like to the stored renderings."""
+
+    template_id = "OtherTemplate"
+
+
+@pytest.mark.parametrize("renderer", ["same", "other"])
+async def test_a_restarted_process_hydrates_from_the_stored_renderings(
+    tmp_path: Path, renderer: str
+) -> None:
+    path = tmp_path / "store.db"
+    with trio.fail_after(DEADLINE):
+        async with await open_sqlite_store(path) as store, open_engine(store=store) as engine:
+            session = engine.session()
+            a = await session.create(request(input="look up a, b and c", store=True))
+            assert a is not None
+            b = await session.create(
+                request(input=answers(a, 0), previous_response_id=a.id, store=True)
+            )
+            assert b is not None
+            await engine.post.flushed()
+        # A new process: an empty render cache, the same file.
+        other = ChatTemplateRenderer(O200kTokenizer()) if renderer == "same" else None
+        async with (
+            await open_sqlite_store(path) as store,
+            open_engine(
+                store=store, renderer=other or OtherTemplate(O200kTokenizer())
+            ) as restarted,
+        ):
+            before = restarted.counters.snapshot()
+            new = answers(b, 1)
+            c = await restarted.session().create(
+                request(input=new, previous_response_id=b.id, store=True)
+            )
+            delta = restarted.counters - before
+    assert c is not None and delta.hydrations == 1
+    own = rendered(restarted, [*new, *c.response.output])
+    if renderer == "same":
+        assert delta.tokens_rendered == own
+    else:  # rendered by another template: rendered again, never used
+        assert delta.tokens_rendered == c.context_tokens
+    assert c.context() == ChatTemplateRenderer(O200kTokenizer()).render(
+        INSTRUCTIONS, [TOOL], list(c.items)
+    )
