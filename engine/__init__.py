@@ -7,7 +7,9 @@ whose `open_rollout()` runs the rollout extension.
 The rooms: `_engine` (the shared engine), `_session` (a connection: parents, pre-inference),
 `_rollout` (the coroutine: sample, suspend, resume, one exit), `_suspend` (the handle appends go
 through), `_sampling` (one turn), `_pipeline` / `_validate` / `_render` / `_classify` (the
-stages), `_postinfer` (the writer), `_store` / `_memory` / `_ledger` (durability), `_app` and
+stages), `_cache` (a connection's responses), `_render_cache` / `_itemkey` (conversations
+rendered once, for every connection), `_segments` (renderings kept with stored responses),
+`_postinfer` (the writer), `_store` / `_memory` / `_ledger` (durability), `_app` and
 its `_responses_api` / `_chat_api` / `_asgi` / `_auth` / `_metrics` / `_http_stream` (HTTP),
 `_ws` (WebSocket mode), `_serve` (hypercorn), `_sim` / `_upstream` / `_chat` (backends).
 """
