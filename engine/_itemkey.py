@@ -73,12 +73,16 @@ def item_key(item: Item) -> tuple[bytes, int]:
         field(item.phase or "")
         for text in texts:
             field(text)
-    elif isinstance(item, FunctionCall) and item.caller is None and item.async_ is None:
-        field("function_call")
+    elif (
+        isinstance(item, FunctionCall | CustomToolCall)
+        and item.caller is None
+        and (item.async_ is None)
+    ):
+        field(item.type)
         field(item.call_id)
         field(item.namespace or "")
         field(item.name)
-        field(item.arguments)
+        field(item.arguments if isinstance(item, FunctionCall) else item.input)
         field("incomplete" if item.status == "incomplete" else "")
     elif (
         isinstance(item, FunctionCallOutput)
@@ -91,13 +95,6 @@ def item_key(item: Item) -> tuple[bytes, int]:
         field(item.call_id or "")
         for text in texts:
             field(text)
-    elif isinstance(item, CustomToolCall) and item.caller is None and item.async_ is None:
-        field("custom_tool_call")
-        field(item.call_id)
-        field(item.namespace or "")
-        field(item.name)
-        field(item.input)
-        field("incomplete" if item.status == "incomplete" else "")
     else:
         field("json")
         wire = {k: v for k, v in to_wire(item).items() if k not in _UNKEYED}

@@ -24,6 +24,7 @@ damaged segment makes hydration render the chain instead (`Session._hydrate`), n
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -31,10 +32,13 @@ from typing import Any
 import attrs
 import msgpack
 
+from ._compact import tokens_from
 from ._interfaces import Renderer, SnapshotClassifier, StoredResponse
 from ._pipeline import Pipeline
 from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens
 from ._tools import offered_tools
+
+log = logging.getLogger("rollout.engine")
 
 __all__ = ["SEGMENT_VERSION", "encode_segment", "render_version", "restore_segments"]
 
@@ -101,12 +105,12 @@ def restore_segments(
         for segment in segments:
             offset = len(tokens)
             tokens.frombytes(segment["tokens"])
-            ends.extend(offset + end for end in _array("Q", segment["ends"]))
+            ends.extend(offset + end for end in tokens_from(segment["ends"], "Q"))
             digests += segment["digests"]
             keys += segment["keys"]
             csu.frombytes(segment["csu"])
             base = sizes[-1] if sizes else 0
-            sizes.extend(base + size for size in _array("Q", segment["sizes"]))
+            sizes.extend(base + size for size in tokens_from(segment["sizes"], "Q"))
         lineage = Lineage.restore(items, tokens, ends, digests, csu, keys=keys, sizes=sizes)
         target, last = chain[0], segments[-1]
         prefix = _prefix(pipeline, target, chain, segments)
@@ -114,7 +118,10 @@ def restore_segments(
             return None
         open_calls = tuple((str(c), str(name)) for c, name in last["open"])
         state = classifier.decode_state(last["classifier"])
-    except (KeyError, TypeError, ValueError, msgpack.UnpackException):
+    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
+        log.warning(
+            "stored renderings of %s not used (%s): rendering it", chain[0].response.id, exc
+        )
         return None
     own = 0 if target.is_root else len(items) - len(target.items)
     return attrs.evolve(
@@ -139,12 +146,6 @@ def _load(blob: bytes | None, pipeline: Pipeline) -> dict[str, Any]:
     return segment
 
 
-def _array(typecode: str, data: bytes) -> array[int]:
-    out = array(typecode)
-    out.frombytes(data)
-    return out
-
-
 def _prefix(
     pipeline: Pipeline,
     target: StoredResponse,
@@ -160,7 +161,7 @@ def _prefix(
             continue
         if stored.instructions != target.instructions or stored.tools != target.tools:
             return None
-        tokens = _array("I", rendered["tokens"])
+        tokens = tokens_from(rendered["tokens"], "I")
         return Prefix(
             instructions=target.instructions,
             tools=tuple(target.tools),

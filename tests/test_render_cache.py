@@ -72,6 +72,17 @@ def answers(state: ResponseState, n: int) -> list[p.Item]:
     ]
 
 
+async def stored_chain_of_two(engine: Engine) -> tuple[ResponseState, ResponseState]:
+    """Two stored responses, the second continuing the first; written when this returns."""
+    session = engine.session()
+    a = await session.create(request(input="look up a, b and c", store=True))
+    assert a is not None
+    b = await session.create(request(input=answers(a, 0), previous_response_id=a.id, store=True))
+    assert b is not None
+    await engine.post.flushed()
+    return a, b
+
+
 def rendered(engine: Engine, items: Sequence[p.Item]) -> int:
     return sum(len(engine.pipeline.renderer.render_item(i)) for i in items)
 
@@ -182,14 +193,7 @@ async def test_hydration_renders_only_what_the_render_cache_lacks() -> None:
     store = typing.cast(ResponseStore, WithoutRenderings(MemoryResponseStore()))
     with trio.fail_after(DEADLINE):
         async with open_engine(store=store) as engine:
-            session = engine.session()
-            a = await session.create(request(input="look up a, b and c", store=True))
-            assert a is not None
-            b = await session.create(
-                request(input=answers(a, 0), previous_response_id=a.id, store=True)
-            )
-            assert b is not None
-            await engine.post.flushed()
+            a, b = await stored_chain_of_two(engine)
             cache = engine.render_cache
             key = (None, b.lineage.key(b.n_items))
             cache._drop(key)  # as if b had been evicted
@@ -426,14 +430,7 @@ async def test_a_restarted_process_hydrates_from_the_stored_renderings(
     path = tmp_path / "store.db"
     with trio.fail_after(DEADLINE):
         async with await open_sqlite_store(path) as store, open_engine(store=store) as engine:
-            session = engine.session()
-            a = await session.create(request(input="look up a, b and c", store=True))
-            assert a is not None
-            b = await session.create(
-                request(input=answers(a, 0), previous_response_id=a.id, store=True)
-            )
-            assert b is not None
-            await engine.post.flushed()
+            _, b = await stored_chain_of_two(engine)
         # A new process: an empty render cache, the same file.
         other = ChatTemplateRenderer(O200kTokenizer()) if renderer == "same" else None
         async with (
