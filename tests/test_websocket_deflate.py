@@ -3,9 +3,9 @@
 hypercorn accepts every permessage-deflate offer and has no setting against it; rollout
 filters the offer out of the upgrade request when the server's option is off
 (`engine/_deflate.py`). The first test pins what that relies on in hypercorn, so an upgrade
-that changes it fails here. The others run real servers on loopback with a client that offers
+that changes it fails here. The others run real servers on loopback with clients that offer
 the extension: the openai SDK's own transport (`websockets`, which offers it by default, as
-the SDK and Codex do).
+the SDK and Codex do) and the benchmark's trio client (`bench/_ws.py`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,16 @@ from __future__ import annotations
 import base64
 import json
 import os
+from typing import Any
 
 import pytest
 import trio
+import trio_websocket
 from hypercorn.protocol.ws_stream import Handshake
 from rollout._cli import build_parser
+from rollout.bench._client import probe_websocket_deflate
+from rollout.bench._server import Endpoint
+from rollout.bench._ws import open_bench_ws
 from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE, without_deflate_offers
 from rollout.engine._serve import ServerConfig
 from websockets.sync.client import connect
@@ -106,3 +111,47 @@ async def test_sdk_transport(deflate: bool) -> None:
         assert negotiated is None
         assert extensions == []
     assert types[0] == "response.created" and types[-1] == "response.completed"
+
+
+async def trio_client_create(url: str) -> tuple[bool, int, int]:
+    """A create over the benchmark's trio client (offering the extension): (negotiated, bytes
+    received on the wire, bytes of message payloads received)."""
+    async with open_bench_ws(
+        ws_url(url), max_message_size=1 << 24, message_queue_size=64, receive_buffer_size=None
+    ) as ws:
+        body: dict[str, Any] = {"type": "response.create", "model": "sim:tokens=300", "input": "Hi"}
+        await ws.conn.send_message(json.dumps(body))
+        while json.loads(await ws.conn.get_message())["type"] != "response.completed":
+            pass
+        return ws.deflate, ws.counts.wire_in, ws.counts.payload_in
+
+
+async def test_two_servers_each_with_its_own_setting() -> None:
+    """The switch is per server, not per process: both run here side by side."""
+    with trio.fail_after(DEADLINE):
+        async with (
+            open_test_server(websocket_deflate=True) as on,
+            open_test_server(websocket_deflate=False) as off,
+        ):
+            on_deflate, on_wire, on_payload = await trio_client_create(on)
+            off_deflate, off_wire, off_payload = await trio_client_create(off)
+    assert on_deflate and not off_deflate
+    # The same deterministic answer either way; compressed, it takes fewer bytes on the wire
+    # than its payload (the upgrade response's bytes count too, on both).
+    assert on_payload == off_payload
+    assert on_wire < on_payload < off_wire
+
+
+async def test_trio_client_reports_a_refused_upgrade_as_itself() -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_test_server(websocket=False) as url:
+            with pytest.raises(trio_websocket.ConnectionRejected) as refused:
+                async with open_bench_ws(
+                    ws_url(url),
+                    max_message_size=1024,
+                    message_queue_size=1,
+                    receive_buffer_size=None,
+                ):
+                    pass  # pragma: no cover
+            assert refused.value.status_code == 426
+            assert await probe_websocket_deflate(Endpoint(label="x", base_url=url)) is None
