@@ -20,6 +20,8 @@ __all__ = ["Table", "summary_tables", "to_markdown", "write_results"]
 STORED_MODES = frozenset({"http-chain", "ws-chain-stored"})
 # History sizes (tokens) the overhead table reports, each the nearest measured turn.
 OVERHEAD_COLUMNS = (1_000, 10_000, 50_000, 100_000)
+# Modes the transport table reports (ws-chain-stored's frames are ws-chain's).
+TRANSPORT_MODES = ("ws-chain", "ws-rollout")
 
 
 @attrs.frozen
@@ -237,6 +239,85 @@ def _durability_table(results: dict[str, Any], server: str) -> Table | None:
     )
 
 
+def _kb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1000:.2f}"
+
+
+def _transport_table(results: dict[str, Any]) -> Table | None:
+    """Per-turn client-observed latency and bytes on the wire, every server side by side, on
+    the unpaced model: each scenario's first follow-up turn and its last turn."""
+    deflate = {s["label"]: s["websocket_deflate"] for s in results["servers"]}
+    order = {s["label"]: i for i, s in enumerate(results["servers"])}
+    turns = [t for t in results["turns"] if t["tps"] is None and t["mode"] in TRANSPORT_MODES]
+    rows = []
+    costs = []
+    for scenario in sorted({t["scenario"] for t in turns}):
+        mine = [t for t in turns if t["scenario"] == scenario]
+        last = max(t["turn"] for t in mine)
+        for index in sorted({min(1, last), last}):
+            for mode in TRANSPORT_MODES:
+                picked = sorted(
+                    (t for t in mine if t["turn"] == index and t["mode"] == mode),
+                    key=lambda t: order.get(t["server"], 0),
+                )
+                for t in picked:
+                    rows.append(
+                        (
+                            scenario,
+                            str(index),
+                            f"{t['history_tokens']:,}",
+                            mode,
+                            t["server"],
+                            {True: "on", False: "off", None: "-"}[deflate.get(t["server"])],
+                            _ms(_med(t["ack_s"])),
+                            _ms(_med(t["ttft_s"])),
+                            _ms(_med(t["turn_s"])),
+                            _kb(t["payload_out_bytes"]),
+                            _kb(t["wire_out_bytes"]),
+                            _kb(t["payload_in_bytes"]),
+                            _kb(t["wire_in_bytes"]),
+                        )
+                    )
+                on = [t for t in picked if deflate.get(t["server"]) is True]
+                off = [t for t in picked if deflate.get(t["server"]) is False]
+                if len(on) == 1 and len(off) == 1:
+                    with_, without = _med(on[0]["turn_s"]), _med(off[0]["turn_s"])
+                    if with_ is not None and without is not None:
+                        cost = (with_ - without) * 1000
+                        costs.append(f"{scenario} turn {index} {mode}: {cost:+.2f} ms")
+    if not rows:
+        return None
+    note = (
+        "Unpaced model, medians. ack: request sent to response.created (or the resumed "
+        "response.in_progress); first token: to the first output delta; turn: to the terminal "
+        "event. sent / received: the messages' payload bytes (UTF-8 JSON) and the bytes on the "
+        "wire (frames, compressed when the server accepted the client's permessage-deflate "
+        "offer: deflate on)."
+    )
+    if costs:
+        note += " permessage-deflate per turn (turn time, on minus off): " + "; ".join(costs) + "."
+    return Table(
+        title="WebSocket transport: per-turn latency and bytes by server",
+        headers=(
+            "scenario",
+            "turn",
+            "history",
+            "mode",
+            "server",
+            "deflate",
+            "ack ms",
+            "first token ms",
+            "turn ms",
+            "sent KB",
+            "sent wire KB",
+            "received KB",
+            "received wire KB",
+        ),
+        rows=tuple(rows),
+        note=note,
+    )
+
+
 def _concurrency_table(results: dict[str, Any], server: str) -> Table | None:
     rows = []
     for c in results["concurrency"]:
@@ -330,6 +411,7 @@ def summary_tables(results: dict[str, Any]) -> list[Table]:
             _reduction_table(results, server),
             _concurrency_table(results, server),
         ]
+    tables.append(_transport_table(results))
     tables.append(_goals_table(results))
     return [t for t in tables if t is not None]
 
