@@ -250,7 +250,6 @@ def _transport_table(results: dict[str, Any]) -> Table | None:
     order = {s["label"]: i for i, s in enumerate(results["servers"])}
     turns = [t for t in results["turns"] if t["tps"] is None and t["mode"] in TRANSPORT_MODES]
     rows = []
-    costs = []
     for scenario in sorted({t["scenario"] for t in turns}):
         mine = [t for t in turns if t["scenario"] == scenario]
         last = max(t["turn"] for t in mine)
@@ -278,24 +277,8 @@ def _transport_table(results: dict[str, Any]) -> Table | None:
                             _kb(t["wire_in_bytes"]),
                         )
                     )
-                on = [t for t in picked if deflate.get(t["server"]) is True]
-                off = [t for t in picked if deflate.get(t["server"]) is False]
-                if len(on) == 1 and len(off) == 1:
-                    with_, without = _med(on[0]["turn_s"]), _med(off[0]["turn_s"])
-                    if with_ is not None and without is not None:
-                        cost = (with_ - without) * 1000
-                        costs.append(f"{scenario} turn {index} {mode}: {cost:+.2f} ms")
     if not rows:
         return None
-    note = (
-        "Unpaced model, medians. ack: request sent to response.created (or the resumed "
-        "response.in_progress); first token: to the first output delta; turn: to the terminal "
-        "event. sent / received: the messages' payload bytes (UTF-8 JSON) and the bytes on the "
-        "wire (frames, compressed when the server accepted the client's permessage-deflate "
-        "offer: deflate on)."
-    )
-    if costs:
-        note += " permessage-deflate per turn (turn time, on minus off): " + "; ".join(costs) + "."
     return Table(
         title="WebSocket transport: per-turn latency and bytes by server",
         headers=(
@@ -314,7 +297,76 @@ def _transport_table(results: dict[str, Any]) -> Table | None:
             "received wire KB",
         ),
         rows=tuple(rows),
-        note=note,
+        note="Unpaced model, medians. ack: request sent to response.created (or the resumed "
+        "response.in_progress); first token: to the first output delta; turn: to the terminal "
+        "event. sent / received: the messages' payload bytes (UTF-8 JSON) and the bytes on the "
+        "wire (frames, compressed when the server accepted the client's permessage-deflate "
+        "offer: deflate on).",
+    )
+
+
+def _pooled(turns: list[dict[str, Any]], key: str) -> float | None:
+    """The median over turns of a per-turn value (a stats object's median, or a number)."""
+    values = [v["median"] if isinstance(v, dict) else v for t in turns if (v := t[key]) is not None]
+    return _median(values) if values else None
+
+
+def _deflate_table(results: dict[str, Any]) -> Table | None:
+    """What permessage-deflate costs (or saves) a turn: one server with it, one without, the
+    difference of their medians over every follow-up turn of a scenario (the transport's cost
+    depends on the messages' sizes, not on the history; pooling the turns steadies it)."""
+    on = [s["label"] for s in results["servers"] if s["websocket_deflate"] is True]
+    off = [s["label"] for s in results["servers"] if s["websocket_deflate"] is False]
+    if len(on) != 1 or len(off) != 1:
+        return None
+    rows = []
+    turns = [t for t in results["turns"] if t["mode"] in TRANSPORT_MODES and t["turn"] >= 1]
+    for scenario, tps in sorted(
+        {(t["scenario"], t["tps"]) for t in turns}, key=lambda k: (k[1] is not None, k)
+    ):
+        for mode in TRANSPORT_MODES:
+            mine = [
+                t for t in turns if (t["scenario"], t["tps"], t["mode"]) == (scenario, tps, mode)
+            ]
+            with_ = [t for t in mine if t["server"] == on[0]]
+            without = [t for t in mine if t["server"] == off[0]]
+            if not with_ or not without:
+                continue
+            cells = [scenario, _tps(tps), mode, str(min(len(with_), len(without)))]
+            for direction in ("out", "in"):
+                payload = _pooled(with_, f"payload_{direction}_bytes")
+                wire = _pooled(with_, f"wire_{direction}_bytes")
+                cells.append(_kb(None if payload is None else round(payload)))
+                cells.append("-" if not payload or not wire else f"{payload / wire:.1f}x")
+            for key in ("ack_s", "ttft_s", "turn_s"):
+                a, b = _pooled(with_, key), _pooled(without, key)
+                cells.append(_ms(b))
+                cells.append("-" if a is None or b is None else f"{(a - b) * 1000:+.2f}")
+            rows.append(tuple(cells))
+    if not rows:
+        return None
+    return Table(
+        title=f"permessage-deflate per turn: {on[0]} (on) vs {off[0]} (off), follow-up turns",
+        headers=(
+            "scenario",
+            "tps",
+            "mode",
+            "turns",
+            "sent KB",
+            "sent ratio",
+            "received KB",
+            "received ratio",
+            "ack ms off",
+            "ack on-off ms",
+            "first token ms off",
+            "first token on-off ms",
+            "turn ms off",
+            "turn on-off ms",
+        ),
+        rows=tuple(rows),
+        note="Medians over the follow-up turns of the per-turn medians, client-observed. "
+        "ratio: payload bytes over bytes on the wire with deflate on (without it the wire "
+        "carries the payload plus frame headers). on-off: positive when deflate is slower.",
     )
 
 
@@ -412,6 +464,7 @@ def summary_tables(results: dict[str, Any]) -> list[Table]:
             _concurrency_table(results, server),
         ]
     tables.append(_transport_table(results))
+    tables.append(_deflate_table(results))
     tables.append(_goals_table(results))
     return [t for t in tables if t is not None]
 

@@ -248,8 +248,11 @@ async def test_servers_compared_interleaved(tmp_path: Path) -> None:
         ("ws-chain", "on", "on"),
         ("ws-chain", "off", "off"),
     ]
-    assert "on minus off): alpha-demo turn 1 ws-chain: " in table.note
-    assert "WebSocket transport" in to_markdown(results, [table])
+    (costs,) = [t for t in summary_tables(results) if t.title.startswith("permessage-deflate")]
+    ((scenario, tps, mode, turns, _, sent_ratio, *_),) = costs.rows
+    assert (scenario, tps, mode, turns) == ("alpha-demo", "unpaced", "ws-chain", "2")
+    assert float(sent_ratio.removesuffix("x")) > 1
+    assert "on) vs off (off)" in to_markdown(results, [costs])
 
 
 def test_schema_file_is_the_schema() -> None:
