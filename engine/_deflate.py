@@ -35,8 +35,13 @@ __all__ = [
     "without_deflate_offers",
 ]
 
-# Whether `rollout serve` accepts permessage-deflate when a client offers it.
-DEFAULT_WEBSOCKET_DEFLATE = True
+# Whether `rollout serve` accepts permessage-deflate when a client offers it. Off: measured
+# with `rollout bench` on loopback (bench/README.md), deflate made every WebSocket turn slower
+# (+0.5 ms to the first event with 2.7 KB messages, +1.7 ms with 16 KB ones, mostly zlib
+# compressing the client's message) and cost the server about a third more CPU per streamed
+# event; it pays for itself only where the link, not the CPU, is the limit (below ~50 Mbit/s
+# for 16 KB messages on the same machine), or where bytes are billed.
+DEFAULT_WEBSOCKET_DEFLATE = False
 
 EXTENSIONS_HEADER = b"sec-websocket-extensions"
 DEFLATE = b"permessage-deflate"
