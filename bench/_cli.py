@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="benchmark the agent loop: HTTP vs WebSocket vs the rollout extension",
         description="Drive the same scripted agent rollout five ways (http-stateless, "
         "http-chain, ws-chain, ws-chain-stored, ws-rollout) against a `rollout serve` "
-        "subprocess (or the servers given with --url), and report per-turn overhead, "
+        "subprocess (or the servers given with --local and --url, interleaved), and report "
+        "per-turn overhead and bytes on the wire, "
         "end-to-end time against the physical limit, server CPU and memory, work counters and "
         "a concurrency sweep. "
         "Writes results.json (schema: bench/SCHEMA.md), summary.md and PNG plots to --out. "
@@ -97,9 +98,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "instead of starting one; repeatable, with labels, to compare servers",
     )
     p.add_argument(
+        "--local",
+        action="append",
+        default=[],
+        metavar="LABEL=ARGS",
+        help="start and benchmark a local `rollout serve` with these extra arguments, under "
+        "this label (repeatable, to compare server settings in one run, interleaved; e.g. "
+        "--local deflate=--websocket-deflate --local plain=--no-websocket-deflate)",
+    )
+    p.add_argument(
         "--with-local",
         action="store_true",
-        help="with --url: also start and benchmark a local `rollout serve`",
+        help="with --url or --local: also start and benchmark a local `rollout serve` with its "
+        "defaults",
     )
     p.add_argument(
         "--model",
@@ -124,9 +135,16 @@ def _csv(value: str | None) -> list[str]:
 
 
 def _servers(args: argparse.Namespace) -> tuple[Any, ...]:
+    import shlex
+
     from ._runner import ServerSpec
 
     servers = []
+    for raw in args.local:
+        label, sep, serve_args = raw.partition("=")
+        if not sep or not label:
+            raise SystemExit(f"rollout bench: --local takes LABEL=ARGS, not {raw!r}")
+        servers.append(ServerSpec(label=label, serve_args=tuple(shlex.split(serve_args))))
     for i, raw in enumerate(args.url):
         label, sep, url = raw.partition("=")
         if not sep or "://" in label:

@@ -23,7 +23,9 @@ Events are decoded with `json.loads` and dispatched on `type` only: the client m
 than the server it measures. Over WebSocket the client is `rollout.spec.WsClient` (strict)
 on its cheap path: `ClientConnection.receive_json` reads four keys of the parsed event to
 follow the protocol and says when the turn is over; server-sent events are read with the
-protocol's `SseDecoder`.
+protocol's `SseDecoder`. The WebSocket offers permessage-deflate, as the openai SDK and Codex
+do (the server decides; `_ws.py`), and each turn records its bytes on the wire and of the
+messages' payloads, both ways.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Any
 
 import attrs
@@ -40,16 +42,12 @@ import httpx
 import trio
 from rollout.protocol import ProtocolError, SseDecoder
 from rollout.spec import WsClient
-from trio_websocket import (
-    ConnectionClosed,
-    HandshakeError,
-    WebSocketConnection,
-    open_websocket_url,
-)
+from trio_websocket import ConnectionClosed, HandshakeError
 
 from ._errors import ServerError
 from ._scenario import INSTRUCTIONS, TOOL_NAME, Scenario
 from ._server import Endpoint
+from ._ws import WireCounts, WsSocket, open_bench_ws
 
 __all__ = [
     "MODES",
@@ -58,6 +56,7 @@ __all__ = [
     "TurnRecord",
     "parse_server_timing",
     "probe_rollout_extension",
+    "probe_websocket_deflate",
     "run_rollout",
 ]
 
@@ -93,6 +92,7 @@ class TurnRecord:
     context_tokens: int | None = None  # input tokens from the usage, where the mode has it
     stages: dict[str, float] | None = None  # server-reported pre-inference seconds by stage
     counters: dict[str, int] | None = None  # /metrics work-counter deltas (counting pass)
+    wire: WireCounts | None = None  # WebSocket bytes over the turn, on the wire and of payloads
 
     @property
     def ttft(self) -> float | None:
@@ -333,10 +333,11 @@ class _HttpTransport(_Transport):
 
 class _WsTransport(_Transport):
     def __init__(
-        self, ws: WebSocketConnection, spec: RolloutSpec, *, rollout: bool, store: bool = False
+        self, ws: WsSocket, spec: RolloutSpec, *, rollout: bool, store: bool = False
     ) -> None:
         self.mode = "ws-rollout" if rollout else "ws-chain-stored" if store else "ws-chain"
-        self.ws = WsClient(conn=ws, timeout=spec.timeout, strict=True)
+        self.ws = WsClient(conn=ws.conn, timeout=spec.timeout, strict=True)
+        self.counts = ws.counts
         self.spec = spec
         self.rollout = rollout
         self.store = store
@@ -366,6 +367,7 @@ class _WsTransport(_Transport):
         client = self.ws
         text = client.encode(message)
         reader = _TurnReader(record, self.mode)
+        before = self.counts.snapshot()
         record.sent = time.perf_counter()
         try:
             await client.conn.send_message(text)
@@ -374,6 +376,7 @@ class _WsTransport(_Transport):
                 reader.feed(event, time.perf_counter())
                 if not client.awaiting:  # completed, suspended, or refused
                     break
+            record.wire = self.counts.since(before)
         except ConnectionClosed as exc:
             raise ServerError(
                 f"{self.mode}, turn {index}: the server closed the WebSocket ({exc.reason})"
@@ -446,17 +449,30 @@ async def run_rollout(
     return record
 
 
-def _open_ws(endpoint: Endpoint, *, timing: bool) -> Any:
+def _open_ws(endpoint: Endpoint, *, timing: bool) -> AbstractAsyncContextManager[WsSocket]:
+    """A WebSocket to the endpoint, offering permessage-deflate as the openai SDK and Codex
+    do (the server decides)."""
     headers = [(k.encode(), v.encode()) for k, v in endpoint.headers().items()]
     if timing:
         headers.append((b"x-rollout-timing", b"1"))
-    return open_websocket_url(
+    return open_bench_ws(
         endpoint.ws_url,
         extra_headers=headers,
+        offer_deflate=True,
         max_message_size=CLIENT_MAX_MESSAGE_SIZE,
         receive_buffer_size=CLIENT_RECEIVE_BUFFER,
         message_queue_size=64,
     )
+
+
+async def probe_websocket_deflate(endpoint: Endpoint, limit: float = 60.0) -> bool | None:
+    """Whether the server accepts the client's permessage-deflate offer (None: no WebSocket)."""
+    try:
+        with trio.fail_after(limit):
+            async with _open_ws(endpoint, timing=False) as ws:
+                return bool(ws.deflate)
+    except (trio.TooSlowError, OSError, HandshakeError, ConnectionClosed):
+        return None
 
 
 async def _loop(
@@ -519,7 +535,7 @@ async def probe_rollout_extension(
     try:
         with trio.fail_after(limit):
             async with _open_ws(endpoint, timing=False) as ws:
-                client = WsClient(conn=ws, timeout=limit)
+                client = WsClient(conn=ws.conn, timeout=limit)
                 await client.send(message)
                 while True:
                     event = await client.next_event()

@@ -20,6 +20,8 @@ __all__ = ["Table", "summary_tables", "to_markdown", "write_results"]
 STORED_MODES = frozenset({"http-chain", "ws-chain-stored"})
 # History sizes (tokens) the overhead table reports, each the nearest measured turn.
 OVERHEAD_COLUMNS = (1_000, 10_000, 50_000, 100_000)
+# Modes the transport table reports (ws-chain-stored's frames are ws-chain's).
+TRANSPORT_MODES = ("ws-chain", "ws-rollout")
 
 
 @attrs.frozen
@@ -237,6 +239,137 @@ def _durability_table(results: dict[str, Any], server: str) -> Table | None:
     )
 
 
+def _kb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1000:.2f}"
+
+
+def _transport_table(results: dict[str, Any]) -> Table | None:
+    """Per-turn client-observed latency and bytes on the wire, every server side by side, on
+    the unpaced model: each scenario's first follow-up turn and its last turn."""
+    deflate = {s["label"]: s["websocket_deflate"] for s in results["servers"]}
+    order = {s["label"]: i for i, s in enumerate(results["servers"])}
+    turns = [t for t in results["turns"] if t["tps"] is None and t["mode"] in TRANSPORT_MODES]
+    rows = []
+    for scenario in sorted({t["scenario"] for t in turns}):
+        mine = [t for t in turns if t["scenario"] == scenario]
+        last = max(t["turn"] for t in mine)
+        for index in sorted({min(1, last), last}):
+            for mode in TRANSPORT_MODES:
+                picked = sorted(
+                    (t for t in mine if t["turn"] == index and t["mode"] == mode),
+                    key=lambda t: order.get(t["server"], 0),
+                )
+                for t in picked:
+                    rows.append(
+                        (
+                            scenario,
+                            str(index),
+                            f"{t['history_tokens']:,}",
+                            mode,
+                            t["server"],
+                            {True: "on", False: "off", None: "-"}[deflate.get(t["server"])],
+                            _ms(_med(t["ack_s"])),
+                            _ms(_med(t["ttft_s"])),
+                            _ms(_med(t["turn_s"])),
+                            _kb(t["payload_out_bytes"]),
+                            _kb(t["wire_out_bytes"]),
+                            _kb(t["payload_in_bytes"]),
+                            _kb(t["wire_in_bytes"]),
+                        )
+                    )
+    if not rows:
+        return None
+    return Table(
+        title="WebSocket transport: per-turn latency and bytes by server",
+        headers=(
+            "scenario",
+            "turn",
+            "history",
+            "mode",
+            "server",
+            "deflate",
+            "ack ms",
+            "first token ms",
+            "turn ms",
+            "sent KB",
+            "sent wire KB",
+            "received KB",
+            "received wire KB",
+        ),
+        rows=tuple(rows),
+        note="Unpaced model, medians. ack: request sent to response.created (or the resumed "
+        "response.in_progress); first token: to the first output delta; turn: to the terminal "
+        "event. sent / received: the messages' payload bytes (UTF-8 JSON) and the bytes on the "
+        "wire (frames, compressed when the server accepted the client's permessage-deflate "
+        "offer: deflate on).",
+    )
+
+
+def _pooled(turns: list[dict[str, Any]], key: str) -> float | None:
+    """The median over turns of a per-turn value (a stats object's median, or a number)."""
+    values = [v["median"] if isinstance(v, dict) else v for t in turns if (v := t[key]) is not None]
+    return _median(values) if values else None
+
+
+def _deflate_table(results: dict[str, Any]) -> Table | None:
+    """What permessage-deflate costs (or saves) a turn: one server with it, one without, the
+    difference of their medians over every follow-up turn of a scenario (the transport's cost
+    depends on the messages' sizes, not on the history; pooling the turns steadies it)."""
+    on = [s["label"] for s in results["servers"] if s["websocket_deflate"] is True]
+    off = [s["label"] for s in results["servers"] if s["websocket_deflate"] is False]
+    if len(on) != 1 or len(off) != 1:
+        return None
+    rows = []
+    turns = [t for t in results["turns"] if t["mode"] in TRANSPORT_MODES and t["turn"] >= 1]
+    for scenario, tps in sorted(
+        {(t["scenario"], t["tps"]) for t in turns}, key=lambda k: (k[1] is not None, k)
+    ):
+        for mode in TRANSPORT_MODES:
+            mine = [
+                t for t in turns if (t["scenario"], t["tps"], t["mode"]) == (scenario, tps, mode)
+            ]
+            with_ = [t for t in mine if t["server"] == on[0]]
+            without = [t for t in mine if t["server"] == off[0]]
+            if not with_ or not without:
+                continue
+            cells = [scenario, _tps(tps), mode, str(min(len(with_), len(without)))]
+            for direction in ("out", "in"):
+                payload = _pooled(with_, f"payload_{direction}_bytes")
+                wire = _pooled(with_, f"wire_{direction}_bytes")
+                cells.append(_kb(None if payload is None else round(payload)))
+                cells.append("-" if not payload or not wire else f"{payload / wire:.1f}x")
+            for key in ("ack_s", "ttft_s", "turn_s"):
+                a, b = _pooled(with_, key), _pooled(without, key)
+                cells.append(_ms(b))
+                cells.append("-" if a is None or b is None else f"{(a - b) * 1000:+.2f}")
+            rows.append(tuple(cells))
+    if not rows:
+        return None
+    return Table(
+        title=f"permessage-deflate per turn: {on[0]} (on) vs {off[0]} (off), follow-up turns",
+        headers=(
+            "scenario",
+            "tps",
+            "mode",
+            "turns",
+            "sent KB",
+            "sent ratio",
+            "received KB",
+            "received ratio",
+            "ack ms off",
+            "ack on-off ms",
+            "first token ms off",
+            "first token on-off ms",
+            "turn ms off",
+            "turn on-off ms",
+        ),
+        rows=tuple(rows),
+        note="Medians over the follow-up turns of the per-turn medians, client-observed. "
+        "ratio: payload bytes over bytes on the wire with deflate on (without it the wire "
+        "carries the payload plus frame headers). on-off: positive when deflate is slower.",
+    )
+
+
 def _concurrency_table(results: dict[str, Any], server: str) -> Table | None:
     rows = []
     for c in results["concurrency"]:
@@ -330,6 +463,8 @@ def summary_tables(results: dict[str, Any]) -> list[Table]:
             _reduction_table(results, server),
             _concurrency_table(results, server),
         ]
+    tables.append(_transport_table(results))
+    tables.append(_deflate_table(results))
     tables.append(_goals_table(results))
     return [t for t in tables if t is not None]
 

@@ -1,15 +1,21 @@
 """The benchmark run: plan, drive the rollouts against each server, aggregate to records.
 
-Phases, per server under test:
+Every server under test is up for the whole run (local ones are started first), and the
+phases take them in turn, interleaved, so that what else the machine does affects them alike:
 
-1. **Probe**: /metrics (work counters) and the rollout extension (ws-rollout is skipped on a
-   server without it).
+1. **Probe**: /metrics (work counters), the rollout extension (ws-rollout is skipped on a
+   server without it) and whether the server accepts permessage-deflate.
 2. **Counting pass**: each scenario once per mode on an unpaced model, reading /metrics after
    every turn: the deterministic work each turn costs the server. It also warms the server.
 3. **Sweep**: every point (scenario x model speed) `repetitions` times per mode, the modes in
-   a rotating order. `tps = None` is unpaced (no TTFT, no token pacing): the per-turn
-   overhead phase, where nothing but overhead takes time.
-4. **Concurrency**: K rollouts at once, each on its own connection, per mode and K.
+   a rotating order and, for each mode, every server (also in a rotating order). `tps = None`
+   is unpaced (no TTFT, no token pacing): the per-turn overhead phase, where nothing but
+   overhead takes time.
+4. **Concurrency**: K rollouts at once, each on its own connection, per mode and K, and for
+   each, every server.
+
+A server whose benchmark crashes is noted (`CRASH_NOTE`) and left out of the later phases;
+the others go on.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from importlib import metadata
 from pathlib import Path
@@ -31,7 +37,14 @@ import attrs
 import httpx
 import trio
 
-from ._client import MODES, RolloutRecord, RolloutSpec, probe_rollout_extension, run_rollout
+from ._client import (
+    MODES,
+    RolloutRecord,
+    RolloutSpec,
+    probe_rollout_extension,
+    probe_websocket_deflate,
+    run_rollout,
+)
 from ._errors import BenchError
 from ._scenario import Scenario, default_ttft_ms, sim_model
 from ._server import Endpoint, open_local_server, parse_counters, scrape_metrics
@@ -47,7 +60,7 @@ __all__ = [
     "run_benchmark",
 ]
 
-SCHEMA_ID = "rollout-bench/2"
+SCHEMA_ID = "rollout-bench/3"
 # The start of a note saying the benchmark of a server stopped on an unexpected error.
 CRASH_NOTE = "benchmark crashed on server"
 # A server keeps pace with the model when the tokens a rollout receives stream at no less than
@@ -74,6 +87,7 @@ class SweepPoint:
 class ServerSpec:
     label: str
     url: str | None = None  # None: start a local `rollout serve`
+    serve_args: tuple[str, ...] = ()  # the local server's extra `rollout serve` arguments
 
 
 @attrs.frozen(kw_only=True)
@@ -165,6 +179,8 @@ class _ServerInfo:
     rollout_extension: bool
     metrics: bool
     proc_stats: bool
+    websocket_deflate: bool | None = None  # accepts the client's permessage-deflate offer
+    serve_args: list[str] = attrs.field(factory=list)
     notes: list[str] = attrs.field(factory=list)
 
 
@@ -183,38 +199,69 @@ async def run_benchmark(config: BenchConfig, progress: Progress | None = None) -
     started = time.time()
     collected = _Collected(load_start=_loadavg())
     report: Progress = progress or (lambda _d, _n: None)
-    for server in config.servers:
-        async with AsyncExitStack() as stack:
+    async with AsyncExitStack() as stack:
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=30.0))
+        benches: list[_ServerBench] = []
+        for server in config.servers:
             if server.url is None:
                 endpoint = await stack.enter_async_context(
                     open_local_server(
-                        log_path=config.out_dir / f"server-{server.label}.log", label=server.label
+                        log_path=config.out_dir / f"server-{server.label}.log",
+                        label=server.label,
+                        extra_args=server.serve_args,
                     )
                 )
             else:
                 endpoint = Endpoint(label=server.label, base_url=server.url, api_key=config.api_key)
-            try:
-                await _bench_server(config, endpoint, collected, report)
-            except Exception as exc:
-                # A long run keeps what it measured: the crash is reported in the results
-                # (and makes `rollout bench` exit non-zero), the other servers still run.
-                collected.notes.append(
-                    f"{CRASH_NOTE} {server.label}: "
-                    + "".join(traceback.format_exception(exc)).strip()
-                )
+            benches.append(_ServerBench(config, endpoint, collected, report, http))
+            benches[-1].info.serve_args = list(server.serve_args)
+        for bench in benches:
+            await bench.guarded(bench.probe)
+        for bench in benches:
+            await bench.guarded(bench.counting_pass)
+        await _sweep(config, benches)
+        await _concurrency(config, benches)
+        for bench in benches:
+            bench.finish()
     return _build_results(config, collected, started, time.time())
 
 
-async def _bench_server(
-    config: BenchConfig, endpoint: Endpoint, out: _Collected, report: Progress
-) -> None:
-    async with httpx.AsyncClient(timeout=30.0) as http:
-        bench = _ServerBench(config, endpoint, out, report, http)
-        await bench.probe()
-        await bench.counting_pass()
-        await bench.sweep()
-        await bench.concurrency()
-        bench.finish()
+def _rotated(items: Sequence[Any], shift: int) -> list[Any]:
+    shift %= max(len(items), 1)
+    return [*items[shift:], *items[:shift]]
+
+
+async def _sweep(config: BenchConfig, benches: Sequence[_ServerBench]) -> None:
+    """Every point's repetitions, the modes in a rotating order, each mode on every server in
+    a rotating order: the servers' runs of one mode are next to each other in time."""
+    for point in config.points:
+        spec = RolloutSpec(
+            scenario=point.scenario,
+            model=config.model_for(point.scenario, point.tps),
+            force_tool_choice=config.model is not None,
+            timeout=config.timeout,
+        )
+        for rep in range(point.repetitions):
+            for mode in _rotated(point.modes, rep):
+                for bench in _rotated(benches, rep):
+                    await bench.guarded(bench.timed, point, spec, mode, rep)
+
+
+async def _concurrency(config: BenchConfig, benches: Sequence[_ServerBench]) -> None:
+    scenario = config.concurrency_scenario
+    if scenario is None:
+        return
+    spec = RolloutSpec(
+        scenario=scenario,
+        model=config.model_for(scenario, config.concurrency_tps),
+        force_tool_choice=config.model is not None,
+        timeout=config.timeout,
+    )
+    stagger = _model_seconds(config, scenario, config.concurrency_tps) or DEFAULT_STAGGER
+    for mode in config.concurrency_modes:
+        for i, k in enumerate(config.concurrency):
+            for bench in _rotated(benches, i):
+                await bench.guarded(bench.wave, spec, mode, k, stagger)
 
 
 class _ServerBench:
@@ -235,6 +282,7 @@ class _ServerBench:
         self.http = http
         self.proc = endpoint.proc()
         self.failed: dict[str, str] = {}
+        self.crashed = False
         self.info = _ServerInfo(
             label=endpoint.label,
             url=endpoint.base_url,
@@ -257,6 +305,21 @@ class _ServerBench:
         self.failed[mode] = str(exc)
         self.info.notes.append(f"{mode} failed and was skipped from then on: {exc}")
 
+    async def guarded(self, phase: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run a phase (or a step of one) unless this server's benchmark crashed before. A long
+        run keeps what it measured: a crash is reported in the results (and makes `rollout
+        bench` exit non-zero), and the other servers still run."""
+        if self.crashed:
+            return
+        try:
+            await phase(*args)
+        except Exception as exc:
+            self.crashed = True
+            self.out.notes.append(
+                f"{CRASH_NOTE} {self.endpoint.label}: "
+                + "".join(traceback.format_exception(exc)).strip()
+            )
+
     async def probe(self) -> None:
         info, config = self.info, self.config
         info.metrics = await self.scrape() is not None
@@ -274,6 +337,7 @@ class _ServerBench:
         if not supported:
             info.modes.remove("ws-rollout")
             info.notes.append(f"no rollout extension ({why}): ws-rollout skipped")
+        info.websocket_deflate = await probe_websocket_deflate(self.endpoint)
 
     async def counting_pass(self) -> None:
         config, label = self.config, self.endpoint.label
@@ -298,21 +362,7 @@ class _ServerBench:
                         self.out.counting[(label, mode, scenario.name)] = record
                 self.report(what, 1)
 
-    async def sweep(self) -> None:
-        config = self.config
-        for point in config.points:
-            spec = RolloutSpec(
-                scenario=point.scenario,
-                model=config.model_for(point.scenario, point.tps),
-                force_tool_choice=config.model is not None,
-                timeout=config.timeout,
-            )
-            for rep in range(point.repetitions):
-                shift = rep % len(point.modes)
-                for mode in point.modes[shift:] + point.modes[:shift]:
-                    await self._timed(point, spec, mode, rep)
-
-    async def _timed(self, point: SweepPoint, spec: RolloutSpec, mode: str, rep: int) -> None:
+    async def timed(self, point: SweepPoint, spec: RolloutSpec, mode: str, rep: int) -> None:
         label, proc = self.endpoint.label, self.proc
         tps_name = "unpaced" if point.tps is None else f"{point.tps:g} tps"
         what = f"{label}: {point.scenario.name} @ {tps_name} {mode} #{rep + 1}"
@@ -344,28 +394,13 @@ class _ServerBench:
                 )
         self.report(what, 1)
 
-    async def concurrency(self) -> None:
-        config = self.config
-        scenario = config.concurrency_scenario
-        if scenario is None:
-            return
-        spec = RolloutSpec(
-            scenario=scenario,
-            model=config.model_for(scenario, config.concurrency_tps),
-            force_tool_choice=config.model is not None,
-            timeout=config.timeout,
-        )
-        stagger = _model_seconds(config, scenario, config.concurrency_tps) or DEFAULT_STAGGER
-        for mode in config.concurrency_modes:
-            for k in config.concurrency:
-                what = f"{self.endpoint.label}: {k} concurrent {mode}"
-                self.report(what, 0)
-                if self.usable(mode):
-                    wave = await _wave(
-                        self.endpoint, mode, spec, k, config.concurrency_tps, stagger
-                    )
-                    self.out.waves.append(wave)
-                self.report(what, k)
+    async def wave(self, spec: RolloutSpec, mode: str, k: int, stagger: float) -> None:
+        what = f"{self.endpoint.label}: {k} concurrent {mode}"
+        self.report(what, 0)
+        if self.usable(mode):
+            tps = self.config.concurrency_tps
+            self.out.waves.append(await _wave(self.endpoint, mode, spec, k, tps, stagger))
+        self.report(what, k)
 
     def finish(self) -> None:
         for mode in self.failed:
@@ -500,6 +535,18 @@ def _turn_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any]]:
                     }
                     or None,
                     "counters": counters,
+                    "wire_in_bytes": _median_int(
+                        [t.wire.wire_in if t.wire else None for t in turns]
+                    ),
+                    "wire_out_bytes": _median_int(
+                        [t.wire.wire_out if t.wire else None for t in turns]
+                    ),
+                    "payload_in_bytes": _median_int(
+                        [t.wire.payload_in if t.wire else None for t in turns]
+                    ),
+                    "payload_out_bytes": _median_int(
+                        [t.wire.payload_out if t.wire else None for t in turns]
+                    ),
                 }
             )
     return records

@@ -68,7 +68,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         },
     },
     "properties": {
-        "schema": {"const": "rollout-bench/2"},
+        "schema": {"const": "rollout-bench/3"},
         "meta": _record(
             {
                 "started_at": {"type": "string"},
@@ -135,6 +135,8 @@ RESULTS_SCHEMA: dict[str, Any] = {
                     "rollout_extension": {"type": "boolean"},
                     "metrics": {"type": "boolean"},
                     "proc_stats": {"type": "boolean"},
+                    "websocket_deflate": {"type": ["boolean", "null"]},
+                    "serve_args": {"type": "array", "items": {"type": "string"}},
                     "notes": {"type": "array", "items": {"type": "string"}},
                 }
             ),
@@ -186,6 +188,10 @@ RESULTS_SCHEMA: dict[str, Any] = {
                         ]
                     },
                     "counters": _COUNTERS_OR_NULL,
+                    "wire_in_bytes": _INT_OR_NULL,
+                    "wire_out_bytes": _INT_OR_NULL,
+                    "payload_in_bytes": _INT_OR_NULL,
+                    "payload_out_bytes": _INT_OR_NULL,
                 }
             ),
         },

@@ -16,6 +16,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from rollout.protocol import DEFAULT_MAX_MESSAGE_SIZE
 
     from .engine._app import DEFAULT_MAX_CONNECTIONS
+    from .engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
     from .engine._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT
     from .engine._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL
     from .engine._ws import (
@@ -49,6 +50,24 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "without keys auth is off",
     )
     p.add_argument("--no-websocket", action="store_true", help="refuse WebSocket upgrades (426)")
+    default = "on" if DEFAULT_WEBSOCKET_DEFLATE else "off"
+    deflate = p.add_mutually_exclusive_group()
+    deflate.add_argument(
+        "--websocket-deflate",
+        dest="websocket_deflate",
+        action="store_true",
+        default=DEFAULT_WEBSOCKET_DEFLATE,
+        help="accept permessage-deflate when a WebSocket client offers it (the openai SDK and "
+        "Codex do): fewer bytes on the wire for more CPU per frame; for slow or metered "
+        f"links (default {default})",
+    )
+    deflate.add_argument(
+        "--no-websocket-deflate",
+        dest="websocket_deflate",
+        action="store_false",
+        help="decline permessage-deflate: frames go uncompressed, the faster choice on "
+        f"loopback, LAN and datacenter networks (default {default})",
+    )
     p.add_argument(
         "--models",
         type=Path,
@@ -173,6 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         api_keys=tuple(args.api_key) + api_keys_from_env(),
         websocket=not args.no_websocket,
+        websocket_deflate=args.websocket_deflate,
         max_message_size=args.max_message_size,
         connection_age_limit=args.connection_age_limit,
         max_queued_creates=args.max_queued_creates,

@@ -21,11 +21,11 @@ from typing import Any
 
 import attrs
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from rollout.protocol import DEFAULT_MAX_MESSAGE_SIZE
 
 from ._app import DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
+from ._deflate import DEFAULT_WEBSOCKET_DEFLATE, HypercornConfig, decline_deflate_offers
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
 from ._interfaces import Classifier, HostedTool, ResponseStore, UsageLedger
 from ._ledger import open_sqlite_ledger
@@ -59,6 +59,7 @@ class ServerConfig:
     data_dir: Path | None = Path("rollout-data")  # None: in-memory store and ledger
     api_keys: tuple[str, ...] = ()
     websocket: bool = True
+    websocket_deflate: bool = DEFAULT_WEBSOCKET_DEFLATE  # permessage-deflate when offered
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
@@ -134,6 +135,7 @@ async def serve(
 ) -> None:
     """Serve until the trigger returns (default: SIGINT or SIGTERM)."""
     answer_peer_protocol_errors()
+    decline_deflate_offers()
     store: ResponseStore
     ledger: UsageLedger
     compaction_key = None
@@ -163,6 +165,7 @@ async def serve(
             app = RolloutApp(engine, config.app_config())
             hconfig = HypercornConfig()
             hconfig.bind = [f"{config.host}:{config.port}"]
+            hconfig.websocket_deflate = config.websocket_deflate
             # hypercorn closes the socket (1009) above its own limit; ours answers with a
             # `message_too_large` error event below it, so hypercorn's is set above ours.
             hconfig.websocket_max_message_size = config.max_message_size * 2 + (1 << 20)

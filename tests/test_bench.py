@@ -15,8 +15,10 @@ from rollout import bench
 from rollout._cli import main as rollout_main
 from rollout.bench._cli import add_parser, build_config
 from rollout.bench._client import parse_server_timing
+from rollout.bench._report import summary_tables, to_markdown
 from rollout.bench._server import parse_counters, parse_stage_sums
 from rollout.bench._stats import percentile, stats
+from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
 from rollout.engine._serve import ServerConfig, open_server
 
 TINY = [
@@ -87,6 +89,8 @@ def test_all_modes_ran_the_same_conversation(
     (server,) = results["servers"]
     assert server["spawned"] and server["metrics"] and server["rollout_extension"]
     assert server["proc_stats"]
+    # The client offered permessage-deflate; `rollout serve`'s default decided.
+    assert server["websocket_deflate"] is DEFAULT_WEBSOCKET_DEFLATE
     assert server["modes"] == list(bench.MODES)
     for tps in (None, 4000.0):
         rollouts = [r for r in results["rollouts"] if r["tps"] == tps]
@@ -178,6 +182,68 @@ async def test_url_target_in_process(tmp_path: Path) -> None:
     assert all(r["server_cpu_s"] is None for r in results["rollouts"])
 
 
+async def test_servers_compared_interleaved(tmp_path: Path) -> None:
+    """Two servers, permessage-deflate on and off: the sweep alternates between them (each
+    mode's runs next to each other), every WebSocket turn has its bytes, the deflate one's
+    wire bytes are fewer than its payload bytes, and the transport table puts them side by
+    side with the cost of deflate."""
+    scenario = bench.PRESETS["alpha-demo"].with_(steps=2, tool_tokens=(200,))
+    steps: list[str] = []
+
+    def progress(description: str, finished: int) -> None:
+        if finished == 0 and "#" in description:
+            steps.append(description)
+
+    async with (
+        open_server(ServerConfig(port=0, data_dir=None, websocket_deflate=True)) as on,
+        open_server(ServerConfig(port=0, data_dir=None, websocket_deflate=False)) as off,
+    ):
+        config = bench.BenchConfig(
+            points=(
+                bench.SweepPoint(
+                    scenario=scenario, tps=None, repetitions=2, modes=("ws-chain", "http-chain")
+                ),
+            ),
+            servers=(bench.ServerSpec(label="on", url=on), bench.ServerSpec(label="off", url=off)),
+            out_dir=tmp_path,
+        )
+        results = await bench.run_benchmark(config, progress)
+    bench.validate_results(results)
+    assert [(s["label"], s["websocket_deflate"]) for s in results["servers"]] == [
+        ("on", True),
+        ("off", False),
+    ]
+    # Repetition 1 takes the modes and the servers in order, repetition 2 both rotated.
+    assert [(step.split(":")[0], step.split(" ")[-2], step[-1]) for step in steps] == [
+        ("on", "ws-chain", "1"),
+        ("off", "ws-chain", "1"),
+        ("on", "http-chain", "1"),
+        ("off", "http-chain", "1"),
+        ("off", "http-chain", "2"),
+        ("on", "http-chain", "2"),
+        ("off", "ws-chain", "2"),
+        ("on", "ws-chain", "2"),
+    ]
+    for t in results["turns"]:
+        sizes = (t["wire_in_bytes"], t["wire_out_bytes"], t["payload_in_bytes"])
+        if t["mode"] == "http-chain":
+            assert sizes == (None, None, None)
+        elif t["server"] == "on":
+            assert sizes[0] < sizes[2] and sizes[1] < t["payload_out_bytes"], t
+        else:  # uncompressed: the frames are the payloads plus their headers
+            assert sizes[0] > sizes[2] and sizes[1] > t["payload_out_bytes"], t
+    (table,) = [t for t in summary_tables(results) if t.title.startswith("WebSocket transport")]
+    assert [(row[3], row[4], row[5]) for row in table.rows[:2]] == [
+        ("ws-chain", "on", "on"),
+        ("ws-chain", "off", "off"),
+    ]
+    (costs,) = [t for t in summary_tables(results) if t.title.startswith("permessage-deflate")]
+    ((scenario, tps, mode, turns, _, sent_ratio, *_),) = costs.rows
+    assert (scenario, tps, mode, turns) == ("alpha-demo", "unpaced", "ws-chain", "2")
+    assert float(sent_ratio.removesuffix("x")) > 1
+    assert "on) vs off (off)" in to_markdown(results, [costs])
+
+
 def test_schema_file_is_the_schema() -> None:
     path = Path(bench.__file__).parent / "results.schema.json"
     assert json.loads(path.read_text()) == bench.RESULTS_SCHEMA
@@ -222,6 +288,15 @@ def test_plans() -> None:
     ]
     both = build_config(_args("--url", "x=http://h/v1", "--with-local"))
     assert [s.label for s in both.servers] == ["rollout", "x"]
+    local = build_config(
+        _args("--local", "on=--websocket-deflate", "--local", "off=--no-websocket-deflate --port 1")
+    )
+    assert [(s.label, s.url, s.serve_args) for s in local.servers] == [
+        ("on", None, ("--websocket-deflate",)),
+        ("off", None, ("--no-websocket-deflate", "--port", "1")),
+    ]
+    with pytest.raises(SystemExit):
+        build_config(_args("--local", "no-label"))
 
 
 def test_parsers() -> None:
