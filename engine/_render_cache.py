@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -114,6 +115,10 @@ class RenderCache:
         self._by_response: dict[str, tuple[str | None, bytes]] = {}
         self._lineages: dict[int, _Held] = {}  # by id()
         self._nbytes = 0
+        # The key of each Prefix seen (held weakly: it lives as long as its states).
+        self._prefix_keys: weakref.WeakKeyDictionary[Prefix, tuple[bytes, int]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def enabled(self) -> bool:
@@ -189,7 +194,10 @@ class RenderCache:
             self._by_response[state.id] = key
         self._hold(state.lineage)
         prefix = state.prefix
-        digest, size = _prefix_key(prefix.instructions, prefix.tools)
+        known = self._prefix_keys.get(prefix)
+        if known is None:  # once per Prefix: a chain keeping its parent's reuses the key
+            known = self._prefix_keys[prefix] = _prefix_key(prefix.instructions, prefix.tools)
+        digest, size = known
         # Held already: used again, its TTL starts again (an expired one is dropped here).
         if self._get(owner, digest) is None and prefix.tokens:
             nbytes = size + 4 * len(prefix.tokens)
