@@ -108,7 +108,15 @@ class TurnRecord:
 
     @property
     def server_overhead(self) -> float | None:
-        return None if self.stages is None else sum(self.stages.values())
+        """The server's own pre-inference work: every stage but the JSON decode of the request,
+        which grows with what the client sends and is reported apart (`decode`)."""
+        if self.stages is None:
+            return None
+        return sum(v for k, v in self.stages.items() if k != "decode")
+
+    @property
+    def decode(self) -> float | None:
+        return None if self.stages is None else self.stages.get("decode")
 
     @property
     def tail(self) -> float | None:

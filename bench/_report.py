@@ -171,6 +171,8 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
         cells = [mode]
         for t in picked:
             cells.append("-" if t is None else _ms(_med(t["server_overhead_s"]), 3))
+        for t in (picked[0], picked[-1]):
+            cells.append("-" if t is None else _ms(_med(t.get("decode_s")), 2))
         for t in picked:
             cells.append("-" if t is None else _ms(_med(t["ack_s"]), 2))
         for t in (picked[0], picked[-1]):
@@ -184,14 +186,17 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
         headers=(
             "mode",
             *(f"server ms {c}" for c in cols),
+            f"decode ms {cols[0]}",
+            f"decode ms {cols[-1]}",
             *(f"ack ms {c}" for c in cols),
             f"tokens rendered {cols[0]}",
             f"tokens rendered {cols[-1]}",
         ),
         rows=tuple(rows),
-        note="server ms: the server's own stage timings (validate, render, classify, route, "
-        "resolve, store); ack ms: client-observed, request sent to response acknowledged "
-        "(adds transport, JSON decode and event encoding); tokens rendered: /metrics counter "
+        note="server ms: the server's own stage timings (resolve, validate, render, classify, "
+        "route, store); decode ms: its JSON decode and structuring of the request, which grows "
+        "with what the client sends; ack ms: client-observed, request sent to response "
+        "acknowledged (adds transport and event encoding); tokens rendered: /metrics counter "
         "delta for that turn.",
     )
 

@@ -60,7 +60,7 @@ __all__ = [
     "run_benchmark",
 ]
 
-SCHEMA_ID = "rollout-bench/3"
+SCHEMA_ID = "rollout-bench/4"
 # The start of a note saying the benchmark of a server stopped on an unexpected error.
 CRASH_NOTE = "benchmark crashed on server"
 # A server keeps pace with the model when the tokens a rollout receives stream at no less than
@@ -529,6 +529,7 @@ def _turn_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any]]:
                     "ack_s": stats(t.ack_latency for t in turns),
                     "tail_s": stats(t.tail for t in turns),
                     "server_overhead_s": stats(t.server_overhead for t in turns),
+                    "decode_s": stats(t.decode for t in turns),
                     "stages_s": {
                         name: median([(t.stages or {}).get(name, 0.0) for t in turns])
                         for name in stage_names

@@ -68,7 +68,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         },
     },
     "properties": {
-        "schema": {"const": "rollout-bench/3"},
+        "schema": {"const": "rollout-bench/4"},
         "meta": _record(
             {
                 "started_at": {"type": "string"},
@@ -181,6 +181,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
                     "ack_s": _STATS_OR_NULL,
                     "tail_s": _STATS_OR_NULL,
                     "server_overhead_s": _STATS_OR_NULL,
+                    "decode_s": _STATS_OR_NULL,
                     "stages_s": {
                         "anyOf": [
                             {"type": "object", "additionalProperties": _NUM},

@@ -257,15 +257,16 @@ class WebSocketConnection:
                     except trio.ClosedResourceError:
                         return
                 else:
-                    await self._append(event)
+                    await self._append(event, timings)
 
     async def _answer_error(self, exc: RemoteProtocolError) -> None:
         self.session.engine.counters.request_errors += 1
         await self.send_event(exc.error_event())
 
-    async def _append(self, event: ResponseAppend) -> None:
+    async def _append(self, event: ResponseAppend, timings: dict[str, float]) -> None:
         """Deliver an append the connection let through (to its suspended rollout); the
-        rollout checks the items (pending call ids, item kinds)."""
+        rollout checks the items (pending call ids, item kinds). `timings`: its decode's,
+        reported with the resumed turn's stages."""
         try:
             if self._rollout is None:  # the rollout ended as the append arrived
                 raise RemoteProtocolError.invalid(
@@ -274,6 +275,8 @@ class WebSocketConnection:
                     param="response_id",
                 )
             self._rollout.append(event.input)
+            for stage, seconds in timings.items():
+                self._rollout.timings[stage] = self._rollout.timings.get(stage, 0.0) + seconds
         except RemoteProtocolError as exc:
             await self._answer_error(exc)
         except Exception:  # a bug: this append fails, the rollout and the socket live on

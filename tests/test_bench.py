@@ -107,6 +107,8 @@ def test_all_modes_ran_the_same_conversation(
     # Every mode got the server's stage timings, WebSocket ones on every turn.
     for t in turns:
         assert t["server_overhead_s"] is not None, (t["mode"], t["turn"])
+        # The request's JSON decode is reported apart from the server's own work.
+        assert t["decode_s"] is not None and t["decode_s"]["median"] > 0, (t["mode"], t["turn"])
     (wave_1, wave_2) = sorted(results["concurrency"], key=lambda c: c["concurrency"])
     assert (wave_1["rollouts_ok"], wave_2["rollouts_ok"]) == (1, 2)
 
