@@ -49,6 +49,30 @@ class Script:
         )
 
 
+# The one-tool agent of the cache tests (tests/test_engine_cache.py, tests/test_render_cache.py).
+LOOKUP_TOOL = p.FunctionTool(
+    name="lookup",
+    description="Look a key up.",
+    parameters={
+        "type": "object",
+        "properties": {"key": {"type": "string"}},
+        "required": ["key"],
+        "additionalProperties": False,
+    },
+)
+LOOKUP_INSTRUCTIONS = "You look things up."
+
+
+def lookup_request(default_model: str, **kw: Any) -> p.ResponseCreate:
+    """A create for the lookup agent (on `default_model` unless given; `store: false` unless
+    given)."""
+    kw.setdefault("model", default_model)
+    kw.setdefault("tools", [LOOKUP_TOOL])
+    kw.setdefault("instructions", LOOKUP_INSTRUCTIONS)
+    kw.setdefault("store", False)
+    return p.ResponseCreate(**kw)
+
+
 def answer_item(call: p.ToolCall, text: str, n: int = 0) -> p.Item:
     """An output of `call`'s own kind carrying `text`."""
     if isinstance(call, p.FunctionCall):

@@ -39,7 +39,13 @@ from rollout.engine import (
     open_engine as _open_engine,
 )
 
-from tests.engine_harness import classified_chars, same_items
+from tests.engine_harness import (
+    LOOKUP_INSTRUCTIONS,
+    LOOKUP_TOOL,
+    classified_chars,
+    lookup_request,
+    same_items,
+)
 
 
 def open_engine(**kw: Any) -> AbstractAsyncContextManager[Engine]:
@@ -50,26 +56,13 @@ def open_engine(**kw: Any) -> AbstractAsyncContextManager[Engine]:
 
 DEADLINE = 10
 
-TOOL = p.FunctionTool(
-    name="lookup",
-    description="Look a key up.",
-    parameters={
-        "type": "object",
-        "properties": {"key": {"type": "string"}},
-        "required": ["key"],
-        "additionalProperties": False,
-    },
-)
+TOOL = LOOKUP_TOOL
 MODEL = "sim:steps=2,parallel=2,tokens=8"
-INSTRUCTIONS = "You look things up."
+INSTRUCTIONS = LOOKUP_INSTRUCTIONS
 
 
 def request(**kw: Any) -> p.ResponseCreate:
-    kw.setdefault("model", MODEL)
-    kw.setdefault("tools", [TOOL])
-    kw.setdefault("instructions", INSTRUCTIONS)
-    kw.setdefault("store", False)
-    return p.ResponseCreate(**kw)
+    return lookup_request(MODEL, **kw)
 
 
 def answers(state: ResponseState) -> list[p.Item]:

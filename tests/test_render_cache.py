@@ -38,31 +38,25 @@ from rollout.engine import (
     open_sqlite_store,
 )
 
-from tests.engine_harness import WithoutRenderings, classified_chars, same_items
+from tests.engine_harness import (
+    LOOKUP_INSTRUCTIONS,
+    LOOKUP_TOOL,
+    WithoutRenderings,
+    classified_chars,
+    lookup_request,
+    same_items,
+)
 from tests.server_harness import open_test_server, open_ws
 
 DEADLINE = 20
 
-TOOL = p.FunctionTool(
-    name="lookup",
-    description="Look a key up.",
-    parameters={
-        "type": "object",
-        "properties": {"key": {"type": "string"}},
-        "required": ["key"],
-        "additionalProperties": False,
-    },
-)
+TOOL = LOOKUP_TOOL
 MODEL = "sim:steps=3,parallel=2,tokens=8"
-INSTRUCTIONS = "You look things up."
+INSTRUCTIONS = LOOKUP_INSTRUCTIONS
 
 
 def request(**kw: Any) -> p.ResponseCreate:
-    kw.setdefault("model", MODEL)
-    kw.setdefault("tools", [TOOL])
-    kw.setdefault("instructions", INSTRUCTIONS)
-    kw.setdefault("store", False)
-    return p.ResponseCreate(**kw)
+    return lookup_request(MODEL, **kw)
 
 
 def answers(state: ResponseState, n: int) -> list[p.Item]:
