@@ -15,6 +15,9 @@ __all__ = ["add_parser", "build_config", "run"]
 QUICK_CONCURRENCY = (1, 4, 16)
 FULL_CONCURRENCY = (1, 8, 16, 32, 64, 256)
 FULL_CONCURRENCY_MODES = ("ws-rollout", "ws-chain", "http-stateless")
+# The full plan's speeds and repetitions for the long-output scenario (60 turns of 500 tokens).
+LONG_OUTPUT_SPEEDS: tuple[float | None, ...] = (None, 4000.0)
+LONG_OUTPUT_REPS: dict[float | None, int] = {None: 5, 4000.0: 2}
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,7 +50,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="append",
         default=[],
         metavar="NAME",
-        help="a preset: alpha-demo, long-context, codex-like (repeatable; default: the plan's)",
+        help="a preset: alpha-demo, long-context, codex-like, long-output (repeatable; default: "
+        "the plan's)",
     )
     p.add_argument("--steps", type=int, help="override: tool calls per rollout")
     p.add_argument("--tool-tokens", type=int, help="override: tokens of each tool output")
@@ -162,7 +166,7 @@ def build_config(args: argparse.Namespace) -> Any:
     """The BenchConfig of the arguments: the quick or full plan, then the overrides."""
     from ._client import MODES
     from ._runner import BenchConfig, SweepPoint
-    from ._scenario import CONCURRENCY_SCENARIO, PRESETS, SPEED_SWEEP
+    from ._scenario import CONCURRENCY_SCENARIO, LONG_OUTPUT, PRESETS, SPEED_SWEEP
 
     modes = tuple(_csv(args.modes)) or MODES
     for mode in modes:
@@ -203,21 +207,21 @@ def build_config(args: argparse.Namespace) -> Any:
     elif full:
         reps_by_speed: dict[float | None, int] = {None: 10, 65.0: 1, 1000.0: 3, 4000.0: 5}
         for name in PRESETS:
-            for tps in (None, *SPEED_SWEEP):
+            # long-output's 30,000 output tokens take 8 minutes a rollout at 65 tps: it runs
+            # unpaced (its suspensions' bytes and acks) and at the fastest speed only.
+            speeds = LONG_OUTPUT_SPEEDS if name == LONG_OUTPUT else (None, *SPEED_SWEEP)
+            for tps in speeds:
                 if tps is None and args.no_overhead_phase:
                     continue
+                reps = reps_by_speed[tps] if name != LONG_OUTPUT else LONG_OUTPUT_REPS[tps]
                 points.append(
-                    SweepPoint(
-                        scenario=scenario(name),
-                        tps=tps,
-                        repetitions=reps_by_speed[tps],
-                        modes=modes,
-                    )
+                    SweepPoint(scenario=scenario(name), tps=tps, repetitions=reps, modes=modes)
                 )
     else:
         # The quick plan (about 3 minutes on 2 cores): the overhead phase on every scenario,
         # the speed sweep on alpha-demo and codex-like; the slow points (65 tps, codex-like at
-        # 1000 tps) run only the two ends of the comparison, http-stateless and ws-rollout.
+        # 1000 tps) run only the two ends of the comparison, http-stateless and ws-rollout;
+        # long-output (its suspensions' bytes) the WebSocket modes.
         ends = tuple(m for m in modes if m in ("http-stateless", "ws-rollout")) or modes
         plan: list[tuple[str, float | None, int, tuple[str, ...]]] = [
             ("alpha-demo", None, 3, modes),
@@ -228,6 +232,7 @@ def build_config(args: argparse.Namespace) -> Any:
             ("alpha-demo", 65.0, 1, ends),
             ("codex-like", 4000.0, 1, modes),
             ("codex-like", 1000.0, 1, ends),
+            ("long-output", None, 1, tuple(m for m in modes if m.startswith("ws-")) or modes),
         ]
         points = [
             SweepPoint(scenario=scenario(n), tps=t, repetitions=r, modes=m)

@@ -25,7 +25,9 @@ on its cheap path: `ClientConnection.receive_json` reads four keys of the parsed
 follow the protocol and says when the turn is over; server-sent events are read with the
 protocol's `SseDecoder`. The WebSocket offers permessage-deflate, as the openai SDK and Codex
 do (the server decides; `_ws.py`), and each turn records its bytes on the wire and of the
-messages' payloads, both ways.
+messages' payloads, both ways; a ws-rollout turn also the payload bytes of its suspension
+events (the resumed `response.in_progress` that acknowledged it, the `response.done` that
+ended it), which must not grow with the rollout (PROTOCOL.md RX-2.5).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ class TurnRecord:
     stages: dict[str, float] | None = None  # server-reported pre-inference seconds by stage
     counters: dict[str, int] | None = None  # /metrics work-counter deltas (counting pass)
     wire: WireCounts | None = None  # WebSocket bytes over the turn, on the wire and of payloads
+    # ws-rollout: payload bytes (UTF-8 JSON) of the suspension events: the `response.done` that
+    # ended this turn, and the resumed `response.in_progress` that acknowledged it.
+    done_bytes: int | None = None
+    resume_bytes: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -377,11 +383,20 @@ class _WsTransport(_Transport):
         reader = _TurnReader(record, self.mode)
         before = self.counts.snapshot()
         record.sent = time.perf_counter()
+        appended = message["type"] == "response.append"
         try:
             await client.conn.send_message(text)
             while True:
-                event = await client.next_event()
+                # WsClient.next_event, keeping the frame's size for the suspension events
+                frame = await client.conn.get_message()
+                event = json.loads(frame)
+                client.follow(event)
                 reader.feed(event, time.perf_counter())
+                kind = event.get("type")
+                if self.rollout and kind == "response.done":
+                    record.done_bytes = _payload_bytes(frame)
+                elif appended and kind == "response.in_progress" and record.resume_bytes is None:
+                    record.resume_bytes = _payload_bytes(frame)
                 if not client.awaiting:  # completed, suspended, or refused
                     break
             record.wire = self.counts.since(before)
@@ -401,6 +416,10 @@ class _WsTransport(_Transport):
         else:
             self.previous = response.get("id")
         return reader
+
+
+def _payload_bytes(frame: str | bytes) -> int:
+    return len(frame) if isinstance(frame, bytes) else len(frame.encode())
 
 
 def _transcript_entry(calls: list[dict[str, Any]], reader: _TurnReader) -> str:

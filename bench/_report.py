@@ -310,6 +310,91 @@ def _transport_table(results: dict[str, Any]) -> Table | None:
     )
 
 
+# Suspensions the suspension table pools at each end of a rollout ("first 5", "last 5").
+SUSPENSION_WINDOW = 5
+
+
+def _suspensions(turns: list[dict[str, Any]]) -> list[tuple[int, float | None, float | None]]:
+    """A ws-rollout's suspensions in order, from its per-turn records: the bytes of each
+    suspension (the `response.done` ending turn k plus the resumed `response.in_progress`
+    acknowledging turn k + 1), the ack of turn k + 1 (append sent to the resume) and the tail
+    of turn k (last output delta to `response.done`), each a median over repetitions."""
+    by_turn = {t["turn"]: t for t in turns}
+    out = []
+    for k in sorted(by_turn):
+        done, resumed = by_turn[k], by_turn.get(k + 1)
+        if done["done_bytes"] is None or resumed is None or resumed["resume_bytes"] is None:
+            continue
+        out.append(
+            (done["done_bytes"] + resumed["resume_bytes"], _med(resumed["ack_s"]), _med(done["tail_s"]))
+        )
+    return out
+
+
+def _suspension_table(results: dict[str, Any], server: str) -> Table | None:
+    """ws-rollout's suspensions early and late in the rollout: their bytes and times must not
+    grow with it (PROTOCOL.md RX-2.5), whatever the model wrote before."""
+    turns = [t for t in results["turns"] if t["server"] == server and t["mode"] == "ws-rollout"]
+    rows = []
+    for scenario, tps in sorted(
+        {(t["scenario"], t["tps"]) for t in turns}, key=lambda k: (k[0], k[1] is not None, k[1])
+    ):
+        mine = [t for t in turns if (t["scenario"], t["tps"]) == (scenario, tps)]
+        found = _suspensions(mine)
+        if len(found) < 2:
+            continue
+        n = min(SUSPENSION_WINDOW, len(found) // 2)
+        early, late = found[:n], found[-n:]
+
+        def pooled(part: list[tuple[int, float | None, float | None]], i: int) -> float | None:
+            values = [v for row in part if (v := row[i]) is not None]
+            return _median(values) if values else None
+
+        bytes_early, bytes_late = pooled(early, 0), pooled(late, 0)
+        rows.append(
+            (
+                scenario,
+                _tps(tps),
+                str(len(found)),
+                f"{max(t['history_tokens'] for t in mine):,}",
+                "-" if bytes_early is None else f"{bytes_early:.0f}",
+                "-" if bytes_late is None else f"{bytes_late:.0f}",
+                "-"
+                if bytes_early is None or bytes_late is None
+                else f"{bytes_late - bytes_early:+.0f}",
+                _ms(pooled(early, 1), 3),
+                _ms(pooled(late, 1), 3),
+                _ms(pooled(early, 2), 3),
+                _ms(pooled(late, 2), 3),
+            )
+        )
+    if not rows:
+        return None
+    return Table(
+        title=f"[{server}] ws-rollout suspensions, first {SUSPENSION_WINDOW} vs last "
+        f"{SUSPENSION_WINDOW} (medians)",
+        headers=(
+            "scenario",
+            "tps",
+            "suspensions",
+            "final history",
+            "bytes first",
+            "bytes last",
+            "bytes growth",
+            "ack ms first",
+            "ack ms last",
+            "done tail ms first",
+            "done tail ms last",
+        ),
+        rows=tuple(rows),
+        note="bytes: a suspension's response.done plus the resumed response.in_progress "
+        "(payload, UTF-8 JSON), client-observed; ack: append sent to the resumed "
+        "response.in_progress; done tail: the last output delta to response.done. A rollout "
+        "that re-sent the response so far would grow by every item of every step (2 KB a step "
+        "in long-output); the extension names the response instead (PROTOCOL.md RX-2.2).",
+    )
+
+
 def _pooled(turns: list[dict[str, Any]], key: str) -> float | None:
     """The median over turns of a per-turn value (a stats object's median, or a number)."""
     values = [v["median"] if isinstance(v, dict) else v for t in turns if (v := t[key]) is not None]
@@ -464,6 +549,7 @@ def summary_tables(results: dict[str, Any]) -> list[Table]:
         tables += [
             _overhead_table(results, server),
             _durability_table(results, server),
+            _suspension_table(results, server),
             _e2e_table(results, server),
             _reduction_table(results, server),
             _concurrency_table(results, server),

@@ -60,7 +60,7 @@ __all__ = [
     "run_benchmark",
 ]
 
-SCHEMA_ID = "rollout-bench/4"
+SCHEMA_ID = "rollout-bench/5"
 # The start of a note saying the benchmark of a server stopped on an unexpected error.
 CRASH_NOTE = "benchmark crashed on server"
 # A server keeps pace with the model when the tokens a rollout receives stream at no less than
@@ -548,6 +548,8 @@ def _turn_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any]]:
                     "payload_out_bytes": _median_int(
                         [t.wire.payload_out if t.wire else None for t in turns]
                     ),
+                    "done_bytes": _median_int([t.done_bytes for t in turns]),
+                    "resume_bytes": _median_int([t.resume_bytes for t in turns]),
                 }
             )
     return records

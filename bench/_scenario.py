@@ -6,6 +6,10 @@ answer. The model is the simulated `sim` model, driven by its model id: it calls
 answer being `output_tokens` long, at `tps` tokens per second after `ttft_ms`. The client
 "runs" each call: it sleeps `tool_latency_ms` and returns a deterministic text of
 `tool_tokens_at(step)` o200k tokens (common English words, one token each).
+
+The call arguments come from the tool's JSON schema (a `command` string of a fixed length):
+`long-output` asks for 2,000 characters per call, the size of a file an agent writes, so the
+model's output, not the tool outputs, is what grows the rollout.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import attrs
 __all__ = [
     "CONCURRENCY_SCENARIO",
     "INSTRUCTIONS",
+    "LONG_OUTPUT",
     "PRESETS",
     "SPEED_SWEEP",
     "TOOL_NAME",
@@ -29,6 +34,8 @@ __all__ = [
 ]
 
 TOOL_NAME = "run"
+# The scenario of large tool-call arguments (where a rollout's suspensions must stay flat).
+LONG_OUTPUT = "long-output"
 INSTRUCTIONS = "You are a coding agent. Use the run tool to inspect and change the project."
 
 # The model speeds of the sweep, in output tokens per second: a frontier model served at the
@@ -205,6 +212,17 @@ PRESETS: dict[str, Scenario] = {
             tool_latency_ms=50.0,
             output_tokens=60,
             prompt_tokens=1500,
+        ),
+        Scenario(
+            name=LONG_OUTPUT,
+            description="60 tool calls with 2,000-character arguments (500 tokens each: a file "
+            "written per call) and short outputs; a suspension of ws-rollout follows 2 KB more "
+            "of output each step",
+            steps=60,
+            tool_tokens=(150,),
+            tool_latency_ms=10.0,
+            output_tokens=500,
+            prompt_tokens=600,
         ),
     )
 }

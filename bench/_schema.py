@@ -68,7 +68,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         },
     },
     "properties": {
-        "schema": {"const": "rollout-bench/4"},
+        "schema": {"const": "rollout-bench/5"},
         "meta": _record(
             {
                 "started_at": {"type": "string"},
@@ -193,6 +193,8 @@ RESULTS_SCHEMA: dict[str, Any] = {
                     "wire_out_bytes": _INT_OR_NULL,
                     "payload_in_bytes": _INT_OR_NULL,
                     "payload_out_bytes": _INT_OR_NULL,
+                    "done_bytes": _INT_OR_NULL,
+                    "resume_bytes": _INT_OR_NULL,
                 }
             ),
         },

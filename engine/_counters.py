@@ -41,10 +41,15 @@ class Counters:
     ledger_records: int = 0
     post_inference_runs: int = 0
     samplings: int = 0
+    rollout_suspensions: int = 0  # rollouts suspended at tool calls (`response.done` sent)
     tokens_sampled: int = 0
     hosted_calls: int = 0  # hosted tools' calls run by their executors
     bytes_decoded: int = 0  # client messages (WebSocket frames, HTTP bodies) decoded
     ws_chars_encoded: int = 0  # characters of the WebSocket text frames encoded
+    ws_bytes_encoded: int = 0  # bytes (UTF-8) of the WebSocket text frames encoded
+    # Of those, the rollout extension's suspension events (`response.done` and the resumed
+    # `response.in_progress`): constant per suspension however long the rollout (RX-2.2).
+    suspension_bytes_encoded: int = 0
     sse_bytes_encoded: int = 0  # bytes of the server-sent-event frames encoded
     offloaded_decodes: int = 0  # client messages large enough to decode in a worker thread
     slow_consumers: int = 0  # WebSocket clients torn down for not reading (responses cancelled)
@@ -52,6 +57,14 @@ class Counters:
     responses_incomplete: int = 0
     responses_failed: int = 0
     request_errors: int = 0
+
+    def ws_frame_encoded(self, text: str, *, suspension: bool = False) -> None:
+        """A WebSocket text frame was encoded (`suspension`: a rollout's suspension event)."""
+        size = len(text) if text.isascii() else len(text.encode())
+        self.ws_chars_encoded += len(text)
+        self.ws_bytes_encoded += size
+        if suspension:
+            self.suspension_bytes_encoded += size
 
     def snapshot(self) -> Counters:
         return attrs.evolve(self)

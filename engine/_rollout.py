@@ -6,12 +6,19 @@
       sample                one turn from the backend, streamed; its output rendered and
                             classified into the state
       hosted tools ran      their results are in the output: sample again
-      tool calls, rollout   suspend: response.done with the pending call ids, then wait until
-                            `Rollout.append` has delivered every output; resume:
-                            response.in_progress, and sample again, in the same response
+      tool calls, rollout   suspend: response.done, then wait until `Rollout.append` has
+                            delivered every output; resume: response.in_progress, and sample
+                            again, in the same response
       otherwise             the response is complete (or incomplete: max_output_tokens)
     post-inference, once    usage (and, with store: true, the response) committed; only then
                             the terminal event goes out
+
+A suspension costs O(step) on the wire, not O(rollout): `response.done` names the response,
+its pending call ids and the output indices of the step, and the resumed `response.in_progress`
+names the response; the items already went out as `response.output_item.done`, and only the
+terminal event carries the whole response (PROTOCOL.md RX-2.2, RX-2.3). The embedded handle
+(`Rollout.response`) still shows the response so far at each suspension, built only when it is
+iterated.
 
 Every mode runs this coroutine. A create (stateless or with `previous_response_id`) never
 suspends: its tool calls end the response, and the client continues with a new create. A
@@ -228,8 +235,9 @@ class _Run:
         call has its output, or None when the suspend limit passed."""
         assert self.rollout is not None
         rollout = self.rollout
-        rollout._suspend(state)  # appends are accepted from response.done on
+        rollout._suspend(state, self.stream.snapshot)  # appends are accepted from here on
         await self.emit(self.stream.suspend([cid for cid, _ in state.open_calls]))
+        self.engine.counters.rollout_suspensions += 1
         resumed = await rollout._wait_resume(self.engine.rollout_suspend_limit)
         self.session.last_timings = rollout.timings
         if resumed is None:

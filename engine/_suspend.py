@@ -10,7 +10,7 @@ handler routes `response.append` to it.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -39,7 +39,10 @@ class Rollout:
     """A rollout in flight (the extension). Iterate it for events up to the next suspension
     or the end; `pending_calls` names the calls whose outputs resume it; `append` delivers
     outputs. Missing outputs are waited for: a partial append is accepted, and the rollout
-    resumes when every pending call has its output."""
+    resumes when every pending call has its output.
+
+    `response` is the response as of the last event iterated: at a suspension, the response
+    so far (`response.done` itself only names it: RX-2.2), then the terminal response."""
 
     def __init__(
         self, session: ConnectionScope, events: trio.MemoryReceiveChannel[ServerEvent] | None = None
@@ -50,6 +53,9 @@ class Rollout:
         self.response: Response | None = None
         self._events = events
         self._state: ResponseState | None = None  # set while suspended
+        # The coroutine's view of the response so far (set at each suspension; called only
+        # when this handle is iterated, so the WebSocket path never copies the output).
+        self._snapshot: Callable[[], Response] | None = None
         self._flags: tuple[Any, ...] = ()
         # Pre-inference stage timings of the appends since the last suspension (the resumed
         # turn's `Session.last_timings`, reported like a create's).
@@ -81,6 +87,8 @@ class Rollout:
             response = response_of(event)
             if response is not None:
                 self.response = response
+            elif event.type == "response.done" and self._snapshot is not None:
+                self.response = self._snapshot()
             if event.type in _ENDS:
                 self.ended = True
             yield event
@@ -120,8 +128,9 @@ class Rollout:
         if not self._state.open_calls or self._flags:
             self._wake.set()
 
-    def _suspend(self, state: ResponseState) -> None:
+    def _suspend(self, state: ResponseState, snapshot: Callable[[], Response]) -> None:
         self._state = state
+        self._snapshot = snapshot
         self._flags = ()
         self.timings = {}
         self._wake = trio.Event()
@@ -139,3 +148,4 @@ class Rollout:
     def _finished(self) -> None:
         self._done = True
         self._state = None
+        self._snapshot = None

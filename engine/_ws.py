@@ -36,6 +36,7 @@ from rollout.protocol import (
     RemoteProtocolError,
     ResponseAppend,
     ResponseCreate,
+    ResponseRef,
     ServerConnection,
     ServerEvent,
 )
@@ -128,7 +129,8 @@ class WebSocketConnection:
         when it stays full for the stall limit, `ClosedResourceError` once closed."""
         # A dict is an extension frame outside the response grammar (`rollout.timing`).
         text = self.protocol.send(event) if not isinstance(event, dict) else _dumps(event)
-        self.session.engine.counters.ws_chars_encoded += len(text)
+        suspension = isinstance(getattr(event, "response", None), ResponseRef)  # RX-2.2
+        self.session.engine.counters.ws_frame_encoded(text, suspension=suspension)
         await self._enqueue({"type": "websocket.send", "text": text}, len(text))
 
     async def close(self, code: int = 1000) -> None:

@@ -99,6 +99,7 @@ from ._response import (
     ReasoningConfig,
     Response,
     ResponseError,
+    ResponseRef,
     TextConfig,
     Usage,
 )
@@ -211,6 +212,7 @@ __all__ = [
     "ResponseInProgress",
     "ResponseIncomplete",
     "ResponseQueued",
+    "ResponseRef",
     "ResponseStream",
     "ServerConnection",
     "ServerEvent",

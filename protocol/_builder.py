@@ -7,6 +7,10 @@ raises `LocalProtocolError` and moves the machine to ERROR, which refuses furthe
 What it guarantees, whatever the caller does legally:
 - `sequence_number` starts at `first_sequence_number` (0) and grows by one per event, across
   suspensions of a rollout (the extension's `response.done` and resume);
+- a suspension costs the same whatever came before it: `response.done` names the response
+  (`ResponseRef`), the pending calls and the output indices of the step, and the resumed
+  `response.in_progress` names the response; neither repeats an item (each went out as
+  `response.output_item.done`); only the terminal event carries the whole response;
 - `output_index` is the item's index in the final `response.output`; `item_id` is the item
   `id` (never a `call_id`); `content_index` is the part's index in the message;
 - concatenated text deltas equal `output_text.done.text`, the `content_part.done` part, the
@@ -67,7 +71,14 @@ from ._items import (
     ShellAction,
     ShellCall,
 )
-from ._response import IncompleteDetails, Response, ResponseError, ResponseStatus, Usage
+from ._response import (
+    IncompleteDetails,
+    Response,
+    ResponseError,
+    ResponseRef,
+    ResponseStatus,
+    Usage,
+)
 
 __all__ = ["BuilderState", "InvalidToolPayload", "ResponseStream", "iter_chunks"]
 
@@ -168,6 +179,7 @@ class ResponseStream:
         self._seq = first_sequence_number
         self._state = BuilderState.NEW
         self._open: _Open | None = None
+        self._step_start = len(self._output)  # the first output index of the current step
 
     # --- introspection ---
     @property
@@ -416,18 +428,26 @@ class ResponseStream:
         ]
 
     def suspend(self, pending_call_ids: list[str]) -> ResponseDone:
-        """Rollout extension: the rollout waits for the outputs of `pending_call_ids`."""
+        """Rollout extension: the rollout waits for the outputs of `pending_call_ids`. The
+        event names the response and the output indices of this step (the items since the
+        start or the last resume), never the items themselves."""
         self._transition("suspend")
         return ResponseDone(
             sequence_number=self._next_sequence(),
-            response=self.snapshot(),
+            response=self._ref(),
             pending_call_ids=list(pending_call_ids),
+            output_indices=list(range(self._step_start, len(self._output))),
         )
 
     def resume(self) -> ResponseInProgress:
-        """Rollout extension: outputs were appended; sampling continues in this response."""
+        """Rollout extension: outputs were appended; sampling continues in this response (a
+        new step, whose items start at the next output index)."""
         self._transition("resume")
-        return ResponseInProgress(sequence_number=self._next_sequence(), response=self.snapshot())
+        self._step_start = len(self._output)
+        return ResponseInProgress(sequence_number=self._next_sequence(), response=self._ref())
+
+    def _ref(self) -> ResponseRef:
+        return ResponseRef(id=self._base.id, status="in_progress")
 
     def complete(self, *, usage: Usage, completed_at: int) -> ResponseCompleted:
         self._transition("complete")

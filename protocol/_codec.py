@@ -64,6 +64,7 @@ from ._response import (
     ReasoningConfig,
     Response,
     ResponseError,
+    ResponseRef,
     TextConfig,
     Usage,
 )
@@ -336,6 +337,15 @@ def _make_converter(strict: bool) -> cattrs.Converter:
         FunctionTool | CustomTool,
         tagged({"function": FunctionTool, "custom": CustomTool}, default=no_default),
     )
+
+    def response_or_ref(value: Any, _: Any) -> Response | ResponseRef:
+        # A rollout's resumed `response.in_progress` names its response (`ResponseRef`); any
+        # other carries the whole response, which always has `created_at`.
+        if isinstance(value, dict) and "created_at" not in value:
+            return typing.cast(ResponseRef, conv.structure(value, ResponseRef))
+        return typing.cast(Response, conv.structure(value, Response))
+
+    conv.register_structure_hook(Response | ResponseRef, response_or_ref)
 
     def text_or(expected: str, items_t: Any) -> Callable[[Any, Any], Any]:
         def hook(value: Any, _: Any) -> Any:

@@ -15,7 +15,7 @@ import attrs
 
 from ._errors import ErrorEvent  # defined beside the error it carries (no import cycle)
 from ._items import ContentPart, Item
-from ._response import ReasoningConfig, Response, TextConfig
+from ._response import ReasoningConfig, Response, ResponseRef, TextConfig
 from ._tools import Tool, ToolChoice, check_tool
 from ._validate import InvalidField
 
@@ -225,9 +225,12 @@ class ResponseCreated:
 
 @attrs.frozen(kw_only=True)
 class ResponseInProgress:
+    """`response.in_progress`: the response after `response.created`. A rollout resumed after
+    a suspension sends it again with a `ResponseRef` (the id and status only: RX-2.3)."""
+
     type: Literal["response.in_progress"] = "response.in_progress"
     sequence_number: int
-    response: Response
+    response: Response | ResponseRef
 
 
 @attrs.frozen(kw_only=True)
@@ -260,13 +263,18 @@ class ResponseFailed:
 
 @attrs.frozen(kw_only=True)
 class ResponseDone:
-    """Rollout extension: the rollout suspended at tool calls. `response` is the response so
-    far (status `in_progress`); `pending_call_ids` names the calls whose outputs resume it."""
+    """Rollout extension: the rollout suspended at tool calls (RX-2.2). Only what the client
+    does not have yet: `response` names it (`ResponseRef`: id, status `in_progress`),
+    `pending_call_ids` the calls whose outputs resume it, and `output_indices` the
+    `output_index` of every item of this step (since the rollout started or last resumed),
+    which already went out as `response.output_item.done`. Its size depends on the step, not
+    on the rollout so far."""
 
     type: Literal["response.done"] = "response.done"
     sequence_number: int
-    response: Response
+    response: ResponseRef
     pending_call_ids: list[str]
+    output_indices: list[int]
 
 
 @attrs.frozen(kw_only=True)
@@ -408,8 +416,11 @@ _RESPONSE_EVENTS = typing.get_args(ResponseEvent)
 
 
 def response_of(event: ServerEvent) -> Response | None:
-    """The response a lifecycle event carries; None for item, part, delta and error events."""
-    return event.response if isinstance(event, _RESPONSE_EVENTS) else None
+    """The response a lifecycle event carries; None for item, part, delta and error events,
+    and for a rollout's suspension events (they name the response: `ResponseRef`)."""
+    if isinstance(event, _RESPONSE_EVENTS) and isinstance(event.response, Response):
+        return event.response
+    return None
 
 
 # The WebSocket union; the SSE `error` shape shares the tag and is decoded separately.

@@ -20,6 +20,7 @@ __all__ = [
     "ReasoningConfig",
     "Response",
     "ResponseError",
+    "ResponseRef",
     "ResponseStatus",
     "TextConfig",
     "Usage",
@@ -201,3 +202,16 @@ class Response:
     client_metadata: dict[str, str] | None = attrs.field(
         default=None, metadata={OMIT_IF_NONE: True}
     )
+
+
+@attrs.frozen(kw_only=True)
+class ResponseRef:
+    """Rollout extension: a response named, not carried. A rollout's `response.done` and its
+    resumed `response.in_progress` carry this instead of the response so far: the client
+    already has every item (each went out as `response.output_item.done`), so a suspension
+    costs the same bytes at the first tool step as at the hundredth (PROTOCOL.md RX-2.2).
+    It has no `created_at`, which every full `Response` has: that tells the two apart."""
+
+    id: str
+    object: Literal["response"] = "response"
+    status: ResponseStatus = "in_progress"

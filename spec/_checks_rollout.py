@@ -1,10 +1,13 @@
-"""The checks of the rollout extension (RX): suspend at tool calls with `response.done`,
-resume on appended outputs, partial appends, the suspend limit, an early append refused, and
+"""The checks of the rollout extension (RX): suspend at tool calls with `response.done`
+(naming the response, not carrying it), resume on appended outputs, suspensions that do not
+grow with the rollout, partial appends, the suspend limit, an early append refused, and
 a rollout equal to the `previous_response_id` chain. The single-request append errors
 (RX-1.1, RX-4.1, RX-4.2, RX-4.4, RX-4.5) are rows of the error table (`_checks_errors`)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any
 
 import trio
@@ -24,10 +27,12 @@ from ._probes import compare_outputs, sum_tokens
 from ._requests import append_event, auto_body, outputs_for, tool_body, tool_output, unknown_id
 from ._steps import (
     MAX_ROUNDS,
+    SUSPEND_OR_END,
     completed,
     expect_resume,
     fail_on,
     first_event,
+    named_only,
     pending_calls,
     response_of,
     run_rollout,
@@ -62,34 +67,24 @@ async def rollout_done_shape(ctx: Context) -> None:
     async with ctx.ws() as ws:
         events, done = await suspended(ctx, ws)
     fail_on(sequence_problems(events), "up to response.done: ")
-    response = response_of(done)
-    if response.get("id") != response_of(events[0]).get("id"):
-        raise CheckFailed("response.done names another response than response.created")
-    if response.get("status") != "in_progress":
-        raise CheckFailed(
-            f"response.done carries status {describe_value(response.get('status'))}, expected "
-            "'in_progress'"
-        )
-    if response.get("usage") is not None:
-        raise CheckFailed(
-            f"response.done carries usage {describe_value(response.get('usage'))}, expected null"
-        )
+    fail_on(named_only(done, response_of(events[0]).get("id")), "response.done: ")
     streamed = [
-        e["item"]
-        for e in events
-        if e["type"] == "response.output_item.done" and isinstance(e.get("item"), dict)
+        e for e in events if e["type"] == "response.output_item.done" and isinstance(e.get("item"), dict)
     ]
-    if response.get("output") != streamed:
-        raise CheckFailed(
-            f"response.done output is {shape(response.get('output') or [])}, expected the "
-            f"streamed items {shape(streamed)}"
-        )
     expected = sorted(
-        str(c.get("call_id")) for c in call_items(streamed) if c.get("status") == "completed"
+        str(c.get("call_id"))
+        for c in call_items([e["item"] for e in streamed])
+        if c.get("status") == "completed"
     )
     if sorted(pending_calls(done)) != expected:
         raise CheckFailed(
             f"pending_call_ids is {pending_calls(done)}, expected the turn's call ids {expected}"
+        )
+    indices = [e.get("output_index") for e in streamed]
+    if done.get("output_indices") != indices:
+        raise CheckFailed(
+            f"output_indices is {describe_value(done.get('output_indices'))}, expected the "
+            f"output_index of each item streamed in the step {indices}"
         )
 
 
@@ -105,11 +100,14 @@ async def rollout_resume(ctx: Context) -> None:
     fail_on(sequence_problems(all_events), "across the rollout: ")
     fail_on(order_problems(all_events, suspensions=True), "across the rollout: ")
     for n, event in enumerate(all_events[:-1]):
-        if event["type"] == "response.done" and all_events[n + 1]["type"] != "response.in_progress":
+        if event["type"] != "response.done":
+            continue
+        after = all_events[n + 1]
+        if after["type"] != "response.in_progress":
             raise CheckFailed(
-                f"after response.done came {all_events[n + 1]['type']}, expected "
-                "response.in_progress"
+                f"after response.done came {after['type']}, expected response.in_progress"
             )
+        fail_on(named_only(after, response["id"]), "the resumed response.in_progress: ")
     streamed = [
         e["item"]
         for e in all_events
@@ -119,6 +117,55 @@ async def rollout_resume(ctx: Context) -> None:
         raise CheckFailed(
             f"the final output is {shape(response['output'])}, expected every streamed item "
             f"{shape(streamed)}"
+        )
+
+
+# Suspensions `rollout.suspension_size` compares, and how many bytes the suspension events may
+# grow per step: sequence numbers and output indices gain digits (1 byte each, now and then),
+# while resending the items of a step takes at least the size of one call item (~100 bytes).
+SIZE_SUSPENSIONS = 4
+SIZE_SLACK_PER_STEP = 16
+
+
+def _json_bytes(event: Mapping[str, Any]) -> int:
+    """An event's size as compact JSON (UTF-8): what it carries, whatever the spacing."""
+    return len(json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+@checks("rollout.suspension_size")
+async def rollout_suspension_size(ctx: Context) -> None:
+    sizes: list[int] = []  # per suspension: response.done + the resumed response.in_progress
+    streamed = 0  # bytes of the items streamed after the first suspension's
+    async with ctx.ws() as ws:
+        events, done = await suspended(ctx, ws)
+        for n in range(SIZE_SUSPENSIONS):
+            pending = pending_calls(done)
+            await ws.send(append_event(response_of(done)["id"], [tool_output(c) for c in pending]))
+            resumed = await expect_resume(ctx, ws, done)
+            sizes.append(_json_bytes(done) + _json_bytes(resumed))
+            if n == SIZE_SUSPENSIONS - 1:
+                break
+            ctx.step = f"waiting for suspension {n + 2} of the forced-call rollout"
+            events = await ws.collect(until=SUSPEND_OR_END)
+            if events[-1]["type"] != "response.done":
+                raise CheckFailed(
+                    f"the forced-call rollout ended with {events[-1]['type']} after "
+                    f"{n + 1} suspensions, expected {SIZE_SUSPENSIONS}"
+                )
+            done = events[-1]
+            streamed += sum(
+                _json_bytes(e["item"])
+                for e in events
+                if e["type"] == "response.output_item.done" and isinstance(e.get("item"), dict)
+            )
+    steps = SIZE_SUSPENSIONS - 1
+    if sizes[-1] - sizes[0] > SIZE_SLACK_PER_STEP * steps:
+        raise CheckFailed(
+            f"response.done and the resumed response.in_progress grew with the rollout: "
+            f"{sizes[0]} bytes at the first suspension, {sizes[-1]} at suspension "
+            f"{SIZE_SUSPENSIONS} ({'/'.join(map(str, sizes))}), while the rollout streamed "
+            f"{streamed} bytes of items in between; expected at most "
+            f"{SIZE_SLACK_PER_STEP} bytes more per step"
         )
 
 

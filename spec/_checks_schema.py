@@ -34,8 +34,18 @@ def _schema_fail(what: str, problems: Sequence[str]) -> None:
 def _events_valid(
     events: Sequence[Mapping[str, Any]], transport: Literal["ws", "sse"], what: str
 ) -> None:
+    suspended = False  # after a rollout's response.done, until the next event
     for n, event in enumerate(events):
         problems = event_problems(event, transport=transport)
+        if event.get("type") == "response.in_progress" and not suspended:
+            response = event.get("response")
+            if isinstance(response, Mapping) and "created_at" not in response:
+                # The resumed form (RX-2.3) is only for a rollout resuming after response.done.
+                problems.append(
+                    "$.response: names its response without carrying it, but follows no "
+                    "response.done (only a resumed rollout's response.in_progress may)"
+                )
+        suspended = event.get("type") == "response.done"
         _schema_fail(f"{what}, event {n} ({describe_value(event.get('type'))})", problems)
 
 

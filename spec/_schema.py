@@ -9,8 +9,9 @@ a few rules JSON Schema cannot state are checked here: token counts add up
 (`total_tokens == input_tokens + output_tokens`, `cached_tokens <= input_tokens`,
 `reasoning_tokens <= output_tokens`), a response completes after it was created, item ids and
 call ids are unique within a response, a completed function call's arguments are JSON, a
-`tool_choice` naming a function names one of the response's tools, and the
-`pending_call_ids` of `response.done` name calls of its response.
+`tool_choice` naming a function names one of the response's tools, and the `output_indices`
+of the rollout extension's `response.done` ascend. (Whether `response.done` names the calls and
+items the stream carried needs the stream: the `rollout.*` checks see to it.)
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def response_problems(obj: Any) -> list[str]:
 def event_problems(obj: Any, *, transport: Transport) -> list[str]:
     """Problems of one server event: `sse` for an event of a server-sent-events stream (its
     `error` is flat), `ws` for a WebSocket-mode message (its `error` is nested; the rollout
-    extension's `response.done` and `rollout.timing` are allowed)."""
+    extension's `response.done`, a rollout's resumed `response.in_progress` naming its response,
+    and `rollout.timing` are allowed)."""
     if transport not in ("ws", "sse"):
         raise ValueError(f"transport must be 'ws' or 'sse', not {transport!r}")
     problems = _schema_problems(transport, obj)
@@ -109,7 +111,7 @@ def event_problems(obj: Any, *, transport: Transport) -> list[str]:
         if kind in _LIFECYCLE:
             problems += _response_rules(obj.get("response"), "$.response")
         if kind == "response.done":
-            problems += _pending_rules(obj)
+            problems += _done_rules(obj)
         if kind == "response.output_item.done" and isinstance(obj.get("item"), Mapping):
             problems += _item_rules(obj["item"], "$.item")
     return _finish(problems)
@@ -303,20 +305,13 @@ def _response_rules(response: Any, path: str) -> list[str]:
     return problems
 
 
-def _pending_rules(done: Mapping[str, Any]) -> list[str]:
-    """`response.done`: every pending call id is the call_id of a call in its response."""
-    response = done.get("response")
-    pending = done.get("pending_call_ids")
-    if not isinstance(response, Mapping) or not isinstance(pending, list):
+def _done_rules(done: Mapping[str, Any]) -> list[str]:
+    """`response.done`: the output indices of the step ascend."""
+    indices = done.get("output_indices")
+    if not isinstance(indices, list):
         return []
-    output = response.get("output")
-    call_ids = {
-        item.get("call_id")
-        for item in (output if isinstance(output, list) else [])
-        if isinstance(item, Mapping) and item.get("type") in _CALL_TYPES
-    }
     return [
-        f"$.pending_call_ids[{i}]: {_quote(call_id)} is the call_id of no call in the response"
-        for i, call_id in enumerate(pending)
-        if call_id not in call_ids
+        f"$.output_indices[{i}]: {_quote(b)} does not follow {_quote(a)} (they ascend)"
+        for i, (a, b) in enumerate(zip(indices, indices[1:], strict=False), start=1)
+        if _int(a) is not None and _int(b) is not None and b <= a
     ]

@@ -21,6 +21,7 @@ __all__ = [
     "fail_on",
     "first_event",
     "forced_calls",
+    "named_only",
     "pending_calls",
     "response_field_problems",
     "response_of",
@@ -128,6 +129,36 @@ def pending_calls(done: Mapping[str, Any]) -> list[str]:
             "list of call ids"
         )
     return pending
+
+
+def named_only(event: Mapping[str, Any], response_id: object) -> list[str]:
+    """A rollout's suspension events (`response.done`, the resumed `response.in_progress`)
+    name their response and carry none of it (RX-2.2, RX-2.3): its id, `status:
+    "in_progress"`, no `output`, no `usage`."""
+    response = event.get("response")
+    if not isinstance(response, Mapping):
+        return [f"response is {describe_value(response)}, expected an object naming the response"]
+    problems = []
+    if response.get("id") != response_id:
+        problems.append(
+            f"response.id is {describe_value(response.get('id'))}, expected the rollout's "
+            f"{describe_value(response_id)}"
+        )
+    if response.get("status") != "in_progress":
+        problems.append(
+            f"response.status is {describe_value(response.get('status'))}, expected 'in_progress'"
+        )
+    if "output" in response:
+        output = response["output"]
+        n = len(output) if isinstance(output, list) else None
+        size = describe_value(output) if n is None else f"{n} item{'' if n == 1 else 's'}"
+        problems.append(
+            f"the response carries its output ({size}), expected only its id and status: the "
+            "items already went out as response.output_item.done"
+        )
+    if response.get("usage") is not None:
+        problems.append(f"the response carries usage {describe_value(response['usage'])}")
+    return problems
 
 
 async def expect_resume(ctx: Context, ws: WsClient, done: Mapping[str, Any]) -> Event:

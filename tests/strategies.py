@@ -662,6 +662,9 @@ def sdk_responses(*, output: Strategy[list[p.Item]] | None = None) -> Strategy[p
 error_bodies = st.builds(p.ErrorBody, type=texts, code=opt(texts), message=texts, param=opt(texts))
 
 
+response_refs = st.builds(p.ResponseRef, id=ids)
+
+
 def _lifecycle(cls: type[Any]) -> Strategy[Any]:
     return st.builds(cls, sequence_number=counts, response=responses)
 
@@ -683,7 +686,11 @@ def _part_event(cls: type[Any]) -> Strategy[Any]:
 
 SERVER_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
     "response.created": _lifecycle(p.ResponseCreated),
-    "response.in_progress": _lifecycle(p.ResponseInProgress),
+    "response.in_progress": st.builds(
+        p.ResponseInProgress,
+        sequence_number=counts,
+        response=st.one_of(responses, response_refs),  # a rollout's resume names its response
+    ),
     "response.queued": _lifecycle(p.ResponseQueued),
     "response.completed": _lifecycle(p.ResponseCompleted),
     "response.incomplete": _lifecycle(p.ResponseIncomplete),
@@ -691,8 +698,9 @@ SERVER_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
     "response.done": st.builds(
         p.ResponseDone,
         sequence_number=counts,
-        response=responses,
+        response=response_refs,
         pending_call_ids=st.lists(ids, max_size=3),
+        output_indices=st.lists(counts, max_size=3),
     ),
     "response.output_item.added": _item_event(p.OutputItemAdded),
     "response.output_item.done": _item_event(p.OutputItemDone),

@@ -184,6 +184,38 @@ async def test_url_target_in_process(tmp_path: Path) -> None:
     assert all(r["server_cpu_s"] is None for r in results["rollouts"])
 
 
+async def test_long_output_suspensions_stay_flat(tmp_path: Path) -> None:
+    """The long-output scenario (2,000-character call arguments) through ws-rollout: every
+    suspension's bytes (its response.done and the resumed response.in_progress) are recorded,
+    equal from the first step to the last up to the digits of growing numbers, although each
+    step streams 2 KB more; the suspension table puts the first ones beside the last."""
+    scenario = bench.PRESETS["long-output"].with_(steps=12, tool_tokens=(20,))
+    async with open_server(ServerConfig(port=0, data_dir=None)) as url:
+        config = bench.BenchConfig(
+            points=(
+                bench.SweepPoint(scenario=scenario, tps=None, repetitions=1, modes=("ws-rollout",)),
+            ),
+            servers=(bench.ServerSpec(label="inproc", url=url),),
+            out_dir=tmp_path,
+            counting=False,
+        )
+        results = await bench.run_benchmark(config)
+    bench.validate_results(results)
+    turns = sorted(results["turns"], key=lambda t: t["turn"])
+    assert len(turns) == scenario.turns
+    assert [t["done_bytes"] is None for t in turns] == [False] * scenario.steps + [True]
+    assert [t["resume_bytes"] is None for t in turns] == [True] + [False] * scenario.steps
+    suspensions = [a["done_bytes"] + b["resume_bytes"] for a, b in zip(turns, turns[1:])]
+    assert max(suspensions) - min(suspensions) <= 8, suspensions
+    assert max(suspensions) < 1000
+    # ... while each turn received more than its 2,000 characters of arguments.
+    assert all(t["payload_in_bytes"] > 2000 for t in turns[:-1])
+    (table,) = [t for t in summary_tables(results) if "ws-rollout suspensions" in t.title]
+    ((name, tps, count, _history, first, last, growth, *_),) = table.rows
+    assert (name, tps, count) == ("long-output", "unpaced", "12")
+    assert abs(int(growth)) <= 8 and int(last) - int(first) == int(growth)
+
+
 async def test_servers_compared_interleaved(tmp_path: Path) -> None:
     """Two servers, permessage-deflate on and off: the sweep alternates between them (each
     mode's runs next to each other), every WebSocket turn has its bytes, the deflate one's
@@ -281,7 +313,9 @@ def test_plans() -> None:
     assert quick.concurrency == (1, 4, 16)
     full = build_config(_args("--full"))
     assert full.concurrency == (1, 8, 16, 32, 64, 256)
-    assert len(full.points) == len(bench.PRESETS) * (1 + len(bench.SPEED_SWEEP))
+    # long-output runs unpaced and at 4,000 tps only (30,000 output tokens a rollout)
+    assert len(full.points) == (len(bench.PRESETS) - 1) * (1 + len(bench.SPEED_SWEEP)) + 2
+    assert {p.tps for p in full.points if p.scenario.name == "long-output"} == {None, 4000.0}
     assert all(set(p.modes) == set(bench.MODES) for p in full.points)
     urls = build_config(_args("--url", "a=http://127.0.0.1:1/v1", "--url", "http://h:2/v1"))
     assert [(s.label, s.url) for s in urls.servers] == [

@@ -835,6 +835,65 @@ class EmptyPendingIds(Mutant):
         return [text(event)]
 
 
+class FullDone(Mutant):
+    """`response.done` carries the response so far, every item streamed included (as before
+    RX-2.2 changed): a suspension costs more bytes at each step."""
+
+    breaks = ("rollout.done_shape", "rollout.suspension_size")
+    reason: ClassVar[Mapping[str, str]] = {
+        "rollout.done_shape": "response.done: the response carries its output (1 item)",
+        "rollout.suspension_size": "grew with the rollout",
+    }
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        _follow_response(conn, event)
+        if event["type"] == "response.done":
+            event["response"] = _response_so_far(conn)
+            event.pop("output_indices", None)
+        return [text(event)]
+
+
+class FullResume(Mutant):
+    """The resumed `response.in_progress` carries the response so far (as before RX-2.3
+    changed)."""
+
+    breaks = ("rollout.resume", "rollout.suspension_size")
+    reason: ClassVar[Mapping[str, str]] = {
+        "rollout.resume": "the resumed response.in_progress: the response carries its output",
+        "rollout.suspension_size": "grew with the rollout",
+    }
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        _follow_response(conn, event)
+        if event["type"] == "response.in_progress" and "created_at" not in event["response"]:
+            event["response"] = _response_so_far(conn)
+        return [text(event)]
+
+
+def _follow_response(conn: Conn, event: dict[str, Any]) -> None:
+    """Keep the connection's response as `response.created` had it, and its items since."""
+    if event["type"] == "response.created":
+        conn.state["response"], conn.state["items"] = event["response"], []
+    elif event["type"] == "response.output_item.done":
+        conn.state["items"].append(event["item"])
+
+
+def _response_so_far(conn: Conn) -> dict[str, Any]:
+    return {**conn.state["response"], "output": list(conn.state["items"])}
+
+
+class ShiftedOutputIndices(Mutant):
+    """`response.done` names the output indices of the step one too high."""
+
+    breaks = ("rollout.done_shape",)
+    reason = "output_indices is [1], expected the output_index of each item streamed in the step"
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.done":
+            event["output_indices"] = [i + 1 for i in event["output_indices"]]
+        return [text(event)]
+
+
 class ResumeRestartsSequence(Mutant):
     """After response.done, the rollout numbers its events from 0 again."""
 
@@ -1144,14 +1203,25 @@ class NullWsErrorCode(ResponseEdit):
 
 
 class PendingCallUnknown(ResponseEdit):
-    """`response.done` names a call its response does not hold."""
+    """`response.done` names a call the step did not make."""
 
-    breaks = ("schema.rollout_events",)
-    reason = "pending_call_ids[0]"
+    breaks = ("rollout.done_shape",)
+    reason = "pending_call_ids is ['call_mutant_unknown'], expected the turn's call ids"
 
     def edit_event(self, event: dict[str, Any]) -> None:
         if event["type"] == "response.done":
             event["pending_call_ids"] = ["call_mutant_unknown"]
+
+
+class NegativeOutputIndex(ResponseEdit):
+    """`response.done` names an output index below 0."""
+
+    breaks = ("schema.rollout_events",)
+    reason = "$.output_indices[0]"
+
+    def edit_event(self, event: dict[str, Any]) -> None:
+        if event["type"] == "response.done":
+            event["output_indices"] = [-1]
 
 
 MUTANTS: tuple[type[Mutant], ...] = (
@@ -1188,6 +1258,9 @@ MUTANTS: tuple[type[Mutant], ...] = (
     DeleteKeeps,
     DoneAsCompleted,
     EmptyPendingIds,
+    FullDone,
+    FullResume,
+    ShiftedOutputIndices,
     ResumeRestartsSequence,
     ResumeOnPartial,
     TimeoutReason,
@@ -1201,6 +1274,7 @@ MUTANTS: tuple[type[Mutant], ...] = (
     CachedOverInput,
     NullWsErrorCode,
     PendingCallUnknown,
+    NegativeOutputIndex,
 )
 # Variants run at once (each with its own server and a harness run of its checks).
 PARALLEL_VARIANTS = 4

@@ -416,7 +416,11 @@ async def test_websocket_rollout_append_refuses_a_bad_tool_output() -> None:
             )
             done = events[-1]
             assert done.type == "response.done"
-            call = next(i for i in done.response.output if isinstance(i, p.FunctionCall))
+            call = next(
+                e.item
+                for e in events
+                if isinstance(e, p.OutputItemDone) and isinstance(e.item, p.FunctionCall)
+            )
             bad = {
                 "type": "function_call_output",
                 "call_id": call.call_id,

@@ -4,7 +4,8 @@ The classifier counter, `chars_classified`, is what the classifiers report havin
 not a copy of `tokens_rendered`; so the counter tests elsewhere (a follow-up classifies only
 its new items, a chain classifies each item once) can fail: a classifier that skips input, as
 one here does, makes the same assertion fail. Decoding: the bytes of every client message and
-the decode stage's time are recorded."""
+the decode stage's time are recorded. Encoding: the characters and bytes of every frame, and
+of a rollout's suspension events, which must not grow with the rollout (PROTOCOL.md RX-2.5)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from rollout.engine import ClassifierSet, SecretDetector, open_engine
 from rollout.engine._interfaces import ClassifierVerdict
 
 from tests.engine_harness import conversation_chars
-from tests.server_harness import counters, open_test_server, open_ws, parse_metrics
+from tests.server_harness import (
+    counters,
+    fetch_counters,
+    open_test_server,
+    open_ws,
+    parse_metrics,
+)
 
 DEADLINE = 30
 MODEL = "sim:tokens=12"
@@ -124,3 +131,76 @@ async def test_encoding_is_counted() -> None:
             after = counters(await fetch_metrics(url))
     assert after["sse_bytes_encoded"] - before["sse_bytes_encoded"] == len(resp.content)
     assert after["ws_chars_encoded"] - before["ws_chars_encoded"] == received
+    assert after["ws_bytes_encoded"] - before["ws_bytes_encoded"] == received  # ASCII here
+    assert after["suspension_bytes_encoded"] == before["suspension_bytes_encoded"]
+
+
+def _frame_bytes(frame: dict[str, Any]) -> int:
+    """The bytes of a received frame as the server encoded it (compact JSON, UTF-8)."""
+    return len(json.dumps(frame, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+# A tool whose every call writes 2,000 characters of arguments (the sim fills the schema).
+WRITE_TOOL = {
+    "type": "function",
+    "name": "write_file",
+    "description": "Write a file of the project.",
+    "parameters": {
+        "type": "object",
+        "properties": {"content": {"type": "string", "minLength": 2000, "maxLength": 2000}},
+        "required": ["content"],
+        "additionalProperties": False,
+    },
+}
+LONG_ROLLOUT_STEPS = 60
+# How many bytes a suspension may gain over a rollout: the digits its sequence numbers and
+# output indices gain (a response.done re-sending the response so far gains ~2 KB a step).
+DIGITS_SLACK = 8
+
+
+async def test_suspension_bytes_do_not_grow_with_the_rollout() -> None:
+    """A 60-step rollout whose every call writes 2,000 characters: `suspension_bytes_encoded`,
+    read at each `response.done`, grows by the same bytes per suspension (that response.done
+    and the resumed response.in_progress before it) from the first step to the last, and
+    counts exactly the suspension frames the client received; `rollout_suspensions` counts
+    the 60 suspensions."""
+    with trio.fail_after(120):
+        async with open_test_server() as url, open_ws(url) as ws:
+            before = await fetch_counters(url)
+            events = await ws.create(
+                model=f"sim:steps={LONG_ROLLOUT_STEPS},tokens=8",
+                input="Write the project's files.",
+                tools=[WRITE_TOOL],
+                rollout=True,
+                store=False,
+            )
+            readings = []  # suspension_bytes_encoded at each response.done
+            while events[-1].type == "response.done":
+                done = events[-1]
+                readings.append((await fetch_counters(url))["suspension_bytes_encoded"])
+                outputs = [
+                    {"type": "function_call_output", "call_id": call_id, "output": "written"}
+                    for call_id in done.pending_call_ids
+                ]
+                events = await ws.append(done.response.id, outputs)
+            after = await fetch_counters(url)
+    assert events[-1].type == "response.completed"
+    calls = [i for i in events[-1].response.output if isinstance(i, p.FunctionCall)]
+    assert len(calls) == LONG_ROLLOUT_STEPS and all(len(c.arguments) > 2000 for c in calls)
+    assert after["rollout_suspensions"] - before["rollout_suspensions"] == LONG_ROLLOUT_STEPS
+    # Per suspension: its response.done and the resumed response.in_progress before it.
+    per_step = [b - a for a, b in zip(readings, readings[1:], strict=False)]
+    assert len(per_step) == LONG_ROLLOUT_STEPS - 1
+    assert max(per_step) - min(per_step) <= DIGITS_SLACK, per_step
+    assert per_step[-1] < 400  # an id, a status, a call id and an index: not 2 KB of arguments
+    # The counter is the suspension frames the client received, byte for byte.
+    suspension_frames = [
+        f
+        for f in ws.raw
+        if f["type"] == "response.done"
+        or (f["type"] == "response.in_progress" and "created_at" not in f["response"])
+    ]
+    assert len(suspension_frames) == 2 * LONG_ROLLOUT_STEPS
+    assert after["suspension_bytes_encoded"] - before["suspension_bytes_encoded"] == sum(
+        map(_frame_bytes, suspension_frames)
+    )

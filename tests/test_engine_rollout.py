@@ -117,13 +117,18 @@ async def test_suspends_at_tool_calls_with_the_pending_calls(
                 done = events[-1]
                 assert isinstance(done, p.ResponseDone)
                 assert rollout.suspended and not rollout.done
-                calls = [i for i in done.response.output if isinstance(i, p.FunctionCall)]
+                # response.done names the response and the step's items; the items went out
+                # as output_item.done, and the handle shows the response so far.
+                streamed = {e.output_index: e.item for e in events if e.type.endswith("item.done")}
+                calls = [i for i in streamed.values() if isinstance(i, p.FunctionCall)]
                 assert len(calls) == 2
                 assert [c.status for c in calls] == ["completed", "completed"]
                 assert done.pending_call_ids == [c.call_id for c in calls]
+                assert done.output_indices == sorted(streamed)
                 assert rollout.pending_calls == [(c.call_id, c.name) for c in calls]
-                assert done.response.status == "in_progress"
-                assert done.response.id == rollout.response_id
+                assert done.response == p.ResponseRef(id=rollout.response_id or "")
+                assert rollout.response is not None
+                assert rollout.response.output == list(streamed.values())
                 await run_to_end(rollout, events)
             assert rollout.done and not rollout.suspended
 

@@ -95,6 +95,7 @@ EXPECTED_PROTOCOL_NAMES = {
     "ResponseInProgress",
     "ResponseIncomplete",
     "ResponseQueued",
+    "ResponseRef",
     "ResponseEvent",
     "response_of",
     "ServerEvent",

@@ -65,11 +65,14 @@ def server_events(rid: str, exchange: Exchange) -> list[tuple[Any, list[str]]]:
         if exchange.rollout and not last and turn.calls:
             calls = [f"call_{t}_{c}" for c in range(turn.calls)]
             done = p.ResponseDone(
-                sequence_number=next(seq), response=_response(rid), pending_call_ids=calls
+                sequence_number=next(seq),
+                response=p.ResponseRef(id=rid),
+                pending_call_ids=calls,
+                output_indices=[0],
             )
             out.append((done, calls))
             out.append(
-                (p.ResponseInProgress(sequence_number=next(seq), response=_response(rid)), [])
+                (p.ResponseInProgress(sequence_number=next(seq), response=p.ResponseRef(id=rid)), [])
             )
     end = p.ResponseCompleted(sequence_number=next(seq), response=_response(rid, "completed"))
     out.append((end, []))
@@ -262,7 +265,12 @@ def test_client_misuse_is_a_local_error() -> None:
         client.send(p.ResponseAppend(response_id=rid, input=[]))
     client.receive_text(
         p.encode_json(
-            p.ResponseDone(sequence_number=2, response=_response(rid), pending_call_ids=["c1"])
+            p.ResponseDone(
+                sequence_number=2,
+                response=p.ResponseRef(id=rid),
+                pending_call_ids=["c1"],
+                output_indices=[0],
+            )
         )
     )
     with pytest.raises(p.LocalProtocolError, match="not pending"):
@@ -336,14 +344,19 @@ def test_server_routes_appends_and_bounds_the_queue() -> None:
     server.send(p.ResponseInProgress(sequence_number=1, response=_response("resp_1")))
     assert code(_append_json("resp_1")) == "rollout_not_suspended"
     server.send(
-        p.ResponseDone(sequence_number=2, response=_response("resp_1"), pending_call_ids=["c"])
+        p.ResponseDone(
+            sequence_number=2,
+            response=p.ResponseRef(id="resp_1"),
+            pending_call_ids=["c"],
+            output_indices=[0],
+        )
     )
     assert code(_append_json("resp_1", ("c",))) is None
     assert code(_append_json("resp_2")) == "rollout_not_found"
     with pytest.raises(p.LocalProtocolError, match="before its response started"):
         server.refuse(p.RemoteProtocolError.invalid("late", code="x"))
     with pytest.raises(p.LocalProtocolError, match="earlier"):
-        server.send(p.ResponseInProgress(sequence_number=3, response=_response("resp_1")))
+        server.send(p.ResponseInProgress(sequence_number=3, response=p.ResponseRef(id="resp_1")))
 
 
 # --- receive-path fuzzing -----------------------------------------------------------------------

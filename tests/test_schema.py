@@ -327,7 +327,8 @@ def test_the_schema_is_a_valid_draft_2020_12_document() -> None:
     Draft202012Validator.check_schema(schema)
     defs = schema["$defs"]
     entries = ("Response", "Usage", "OutputItem", "ContentPart", "SseEvent", "WsEvent",
-               "CompactResource", "ResponseDoneEvent", "WsErrorEvent", "SseErrorEvent")  # fmt: skip
+               "CompactResource", "ResponseDoneEvent", "ResponseResumedEvent", "ResponseRef",
+               "WsErrorEvent", "SseErrorEvent")  # fmt: skip
     assert set(entries) <= set(defs)
 
 
@@ -509,14 +510,21 @@ def test_the_error_events_of_each_transport_are_valid() -> None:
 
 
 def test_the_rollout_extension_events_are_valid_over_websocket() -> None:
-    suspended = response(status="in_progress", completed_at=None, usage=None, output=[CALL])
+    named = {"id": "resp_1", "object": "response", "status": "in_progress"}
     done = {
         "type": "response.done",
         "sequence_number": 7,
-        "response": suspended,
+        "response": named,
         "pending_call_ids": ["call_1"],
+        "output_indices": [3, 4],
     }
     assert event_problems(done, transport="ws") == []
+    resumed = {"type": "response.in_progress", "sequence_number": 8, "response": named}
+    assert event_problems(resumed, transport="ws") == []
+    # Named, not carried, only over WebSocket (the extension) and never when running.
+    assert any(p.startswith("$.response") for p in event_problems(resumed, transport="sse"))
+    stopped = {**resumed, "response": {**named, "status": "completed"}}
+    assert any(p.startswith("$.response.status") for p in event_problems(stopped, transport="ws"))
     timing = {"type": "rollout.timing", "response_id": "resp_1", "stages": {"render": 0.0001}}
     assert event_problems(timing, transport="ws") == []
 
@@ -755,16 +763,18 @@ def test_a_lifecycle_event_carries_a_response_of_its_status(
 
 
 def test_response_done_rules() -> None:
-    suspended = response(status="in_progress", completed_at=None, usage=None, output=[CALL])
-    base = {"type": "response.done", "sequence_number": 7, "response": suspended}
-    empty = event_problems({**base, "pending_call_ids": []}, transport="ws")
+    named = {"id": "resp_1", "object": "response", "status": "in_progress"}
+    base = {"type": "response.done", "sequence_number": 7, "response": named}
+    full = {**base, "pending_call_ids": ["call_1"], "output_indices": [0]}
+    empty = event_problems({**full, "pending_call_ids": []}, transport="ws")
     assert any(p.startswith("$.pending_call_ids: [] fails minItems") for p in empty), empty
-    unknown = event_problems({**base, "pending_call_ids": ["call_9"]}, transport="ws")
-    assert unknown == ['$.pending_call_ids[0]: "call_9" is the call_id of no call in the response']
-    ended = event_problems(
-        {**base, "response": response(output=[CALL]), "pending_call_ids": ["call_1"]},
-        transport="ws",
-    )
+    missing = event_problems({**base, "pending_call_ids": ["call_1"]}, transport="ws")
+    assert any(p.startswith("$.output_indices: required") for p in missing), missing
+    descending = event_problems({**full, "output_indices": [4, 3]}, transport="ws")
+    assert descending == ["$.output_indices[1]: 3 does not follow 4 (they ascend)"]
+    negative = event_problems({**full, "output_indices": [-1]}, transport="ws")
+    assert any(p.startswith("$.output_indices[0]: -1 fails minimum") for p in negative), negative
+    ended = event_problems({**full, "response": {**named, "status": "completed"}}, transport="ws")
     assert any(p.startswith('$.response.status: "completed" is not') for p in ended), ended
 
 
@@ -847,12 +857,15 @@ def test_the_hook_checks_with_the_schema_and_the_sdk() -> None:
     )
     timed_out = response(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
     timed_out["incomplete_details"]["reason"] = "rollout_timeout"
+    named = {"id": "resp_1", "object": "response", "status": "in_progress"}
     done = {"type": "response.done", "sequence_number": 4, "pending_call_ids": ["call_1"],
-            "response": running(output=[dump(CALL)])}  # fmt: skip
+            "output_indices": [0], "response": named}  # fmt: skip
+    resumed = {"type": "response.in_progress", "sequence_number": 5, "response": named}
     for kind, obj in (
         ("response", timed_out),
         ("ws", {"type": "response.incomplete", "sequence_number": 9, "response": timed_out}),
         ("ws", done),
+        ("ws", resumed),
         ("ws", {"type": "rollout.timing", "response_id": "resp_1", "stages": {}}),
     ):
         assert check(Emitted(kind, "rollout extension", json.dumps(obj))) == [], obj

@@ -82,7 +82,8 @@ async def run_rollout(client: WsClient) -> tuple[list[Any], list[dict[str, Any]]
             break
         assert isinstance(last, p.ResponseDone)
         assert last.response.status == "in_progress"
-        output = client.raw[-1]["response"]["output"]
+        # response.done names the step's items; they went out as output_item.done.
+        output = [f["item"] for f in client.raw if f["type"] == "response.output_item.done"]
         by_id = {c["call_id"]: c for c in calls_of(output)}
         answers = []
         for call_id in last.pending_call_ids:
@@ -170,12 +171,28 @@ async def test_three_modes_produce_the_same_rollout() -> None:
     # The final response holds every output item streamed over the whole rollout.
     streamed = [f["item"] for f in frames if f["type"] == "response.output_item.done"]
     assert final["output"] == streamed
-    # Suspensions list exactly the calls of their turn.
-    for done, frame in zip(
-        suspensions, [f for f in frames if f["type"] == "response.done"], strict=True
-    ):
-        turn_calls = calls_of(frame["response"]["output"])[-len(done.pending_call_ids) :]
-        assert [c["call_id"] for c in turn_calls] == done.pending_call_ids
+    # Suspensions name exactly the calls and the items of their turn (not the items before).
+    step: list[tuple[int, dict[str, Any]]] = []
+    for frame in frames:
+        if frame["type"] == "response.output_item.done":
+            step.append((frame["output_index"], frame["item"]))
+        elif frame["type"] == "response.done":
+            assert frame["response"] == {
+                "id": final["id"],
+                "object": "response",
+                "status": "in_progress",
+            }
+            assert frame["output_indices"] == [i for i, _ in step]
+            assert [c["call_id"] for c in calls_of([item for _, item in step])] == frame[
+                "pending_call_ids"
+            ]
+            step = []
+        elif frame["type"] == "response.in_progress" and "created_at" not in frame["response"]:
+            assert frame["response"] == {
+                "id": final["id"],
+                "object": "response",
+                "status": "in_progress",
+            }
 
     # --- the three modes agree ---
     chain_items = [strip_ids(o) for r in chain for o in r["output"]]
