@@ -14,6 +14,10 @@
 | keeps-pace               | with at least 16 concurrent ws-rollout rollouts at 4,000 tps, each   |
 |                          | streams at >= 95% of the model's rate, its median turn within 10% of |
 |                          | the model's own time                                                 |
+| flat-suspensions/bytes   | ws-rollout's last 5 suspensions (response.done + the resumed         |
+|                          | response.in_progress) at most 1.05x the bytes of its first 5         |
+|                          | (long-output, unpaced: 2 KB of arguments a step)                     |
+| flat-suspensions/ack     | ... and their acknowledgement (append to the resume) at most 1.3x    |
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 from ._stats import median
 
-__all__ = ["OPENAI_REFERENCE", "evaluate_goals"]
+__all__ = ["OPENAI_REFERENCE", "SUSPENSION_WINDOW", "evaluate_goals", "suspensions"]
 
 OPENAI_REFERENCE = (
     "OpenAI (WebSocket mode for the Responses API): up to 40% faster end-to-end for agentic "
@@ -37,6 +41,47 @@ STATELESS_VS_CHAIN = 3.0  # http-stateless ack at ~100k against ws-chain's
 STATELESS_VS_OWN = 2.0  # http-stateless ack at ~100k against its own at ~1k
 LIMITS = {1000.0: 5.0, 4000.0: 10.0}
 PACE_CONCURRENCY = 16
+LONG_OUTPUT = "long-output"
+FLAT_SUSPENSION_BYTES = 1.05  # the last suspensions' bytes against the first ones'
+# Suspensions pooled at each end of a rollout ("the first 5", "the last 5").
+SUSPENSION_WINDOW = 5
+
+Suspension = tuple[int, float | None, float | None]
+
+
+def suspensions(turns: list[dict[str, Any]]) -> list[Suspension]:
+    """A ws-rollout's suspensions in order, from its per-turn records (one scenario, server and
+    speed): the bytes of each (the `response.done` ending turn k plus the resumed
+    `response.in_progress` acknowledging turn k + 1), the ack of turn k + 1 (append sent to the
+    resume) and the tail of turn k (last output delta to `response.done`), each the median
+    over repetitions."""
+    by_turn = {t["turn"]: t for t in turns}
+    out: list[Suspension] = []
+    for k in sorted(by_turn):
+        done, resumed = by_turn[k], by_turn.get(k + 1)
+        if done["done_bytes"] is None or resumed is None or resumed["resume_bytes"] is None:
+            continue
+        ack, tail = resumed["ack_s"], done["tail_s"]
+        out.append(
+            (
+                done["done_bytes"] + resumed["resume_bytes"],
+                None if ack is None else float(ack["median"]),
+                None if tail is None else float(tail["median"]),
+            )
+        )
+    return out
+
+
+def ends(found: list[Suspension], i: int) -> tuple[float | None, float | None]:
+    """The median of value `i` over the first and over the last `SUSPENSION_WINDOW`
+    suspensions (at most half of them each)."""
+    n = min(SUSPENSION_WINDOW, len(found) // 2)
+
+    def pooled(part: list[Suspension]) -> float | None:
+        values = [float(v) for row in part if (v := row[i]) is not None]
+        return median(values) if values else None
+
+    return (pooled(found[:n]), pooled(found[-n:])) if n else (None, None)
 
 
 def _overhead(
@@ -186,6 +231,35 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
                         f"{r['physical_limit_s']:.3f} s (+{pct:.2f}%, {r['repetitions']} runs)",
                     )
                 )
+        found = suspensions(
+            [
+                t
+                for t in turns
+                if t["server"] == server
+                and t["mode"] == "ws-rollout"
+                and t["scenario"] == LONG_OUTPUT
+                and t["tps"] is None
+            ]
+        )
+        # (_ratio_goal reports its values times 1,000: seconds as ms, and kB as bytes)
+        for key, i, limit, what, detail in (
+            ("bytes", 0, FLAT_SUSPENSION_BYTES, "bytes", "{low:.0f} B first, {high:.0f} B last"),
+            ("ack", 1, FLAT_RATIO, "acknowledgement", "{low:.3f} ms first, {high:.3f} ms last"),
+        ):
+            first, last = ends(found, i)
+            unit = 1e3 if i == 0 else 1.0
+            goals.append(
+                _ratio_goal(
+                    f"flat-suspensions/{key}",
+                    server,
+                    f"ws-rollout's last {SUSPENSION_WINDOW} suspensions on {LONG_OUTPUT} "
+                    f"(unpaced) at most {limit:g}x the {what} of its first {SUSPENSION_WINDOW}",
+                    None if last is None else last / unit,
+                    None if first is None else first / unit,
+                    limit,
+                    detail + ": {ratio:.3f}x",
+                )
+            )
         waves = sorted(
             (
                 c

@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 
 from ._client import MODES
-from ._goals import OPENAI_REFERENCE
+from ._goals import OPENAI_REFERENCE, SUSPENSION_WINDOW, ends, suspensions
 from ._schema import RESULTS_SCHEMA
 
 __all__ = ["Table", "summary_tables", "to_markdown", "write_results"]
@@ -310,47 +310,21 @@ def _transport_table(results: dict[str, Any]) -> Table | None:
     )
 
 
-# Suspensions the suspension table pools at each end of a rollout ("first 5", "last 5").
-SUSPENSION_WINDOW = 5
-
-
-def _suspensions(turns: list[dict[str, Any]]) -> list[tuple[int, float | None, float | None]]:
-    """A ws-rollout's suspensions in order, from its per-turn records: the bytes of each
-    suspension (the `response.done` ending turn k plus the resumed `response.in_progress`
-    acknowledging turn k + 1), the ack of turn k + 1 (append sent to the resume) and the tail
-    of turn k (last output delta to `response.done`), each a median over repetitions."""
-    by_turn = {t["turn"]: t for t in turns}
-    out = []
-    for k in sorted(by_turn):
-        done, resumed = by_turn[k], by_turn.get(k + 1)
-        if done["done_bytes"] is None or resumed is None or resumed["resume_bytes"] is None:
-            continue
-        out.append(
-            (done["done_bytes"] + resumed["resume_bytes"], _med(resumed["ack_s"]), _med(done["tail_s"]))
-        )
-    return out
-
-
 def _suspension_table(results: dict[str, Any], server: str) -> Table | None:
     """ws-rollout's suspensions early and late in the rollout: their bytes and times must not
     grow with it (PROTOCOL.md RX-2.5), whatever the model wrote before."""
     turns = [t for t in results["turns"] if t["server"] == server and t["mode"] == "ws-rollout"]
     rows = []
     for scenario, tps in sorted(
-        {(t["scenario"], t["tps"]) for t in turns}, key=lambda k: (k[0], k[1] is not None, k[1])
+        {(t["scenario"], t["tps"]) for t in turns},
+        key=lambda k: (k[0], k[1] is not None, k[1] or 0.0),
     ):
         mine = [t for t in turns if (t["scenario"], t["tps"]) == (scenario, tps)]
-        found = _suspensions(mine)
+        found = suspensions(mine)
         if len(found) < 2:
             continue
-        n = min(SUSPENSION_WINDOW, len(found) // 2)
-        early, late = found[:n], found[-n:]
-
-        def pooled(part: list[tuple[int, float | None, float | None]], i: int) -> float | None:
-            values = [v for row in part if (v := row[i]) is not None]
-            return _median(values) if values else None
-
-        bytes_early, bytes_late = pooled(early, 0), pooled(late, 0)
+        bytes_early, bytes_late = ends(found, 0)
+        (ack_early, ack_late), (tail_early, tail_late) = ends(found, 1), ends(found, 2)
         rows.append(
             (
                 scenario,
@@ -362,10 +336,10 @@ def _suspension_table(results: dict[str, Any], server: str) -> Table | None:
                 "-"
                 if bytes_early is None or bytes_late is None
                 else f"{bytes_late - bytes_early:+.0f}",
-                _ms(pooled(early, 1), 3),
-                _ms(pooled(late, 1), 3),
-                _ms(pooled(early, 2), 3),
-                _ms(pooled(late, 2), 3),
+                _ms(ack_early, 3),
+                _ms(ack_late, 3),
+                _ms(tail_early, 3),
+                _ms(tail_late, 3),
             )
         )
     if not rows:

@@ -332,6 +332,7 @@ class WebSocketConnection:
         """Answer the started create with a request error (the connection checks that no
         event of its response went out)."""
         text = self.protocol.refuse(error)
+        self.session.engine.counters.ws_frame_encoded(text)
         await self._enqueue({"type": "websocket.send", "text": text}, len(text))
 
     def _emitter(self) -> Callable[[ServerEvent], Awaitable[None]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import itertools
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
@@ -312,6 +313,6 @@ def _done_rules(done: Mapping[str, Any]) -> list[str]:
         return []
     return [
         f"$.output_indices[{i}]: {_quote(b)} does not follow {_quote(a)} (they ascend)"
-        for i, (a, b) in enumerate(zip(indices, indices[1:], strict=False), start=1)
+        for i, (a, b) in enumerate(itertools.pairwise(indices), start=1)
         if _int(a) is not None and _int(b) is not None and b <= a
     ]

@@ -164,7 +164,11 @@ def sdk_event(obj: Any, adapter: pydantic.TypeAdapter[Any]) -> list[str]:
     if kind in ROLLOUT_ONLY_EVENTS:
         return []
     response = obj.get("response")
-    if kind == "response.in_progress" and isinstance(response, dict) and "created_at" not in response:
+    if (
+        kind == "response.in_progress"
+        and isinstance(response, dict)
+        and "created_at" not in response
+    ):
         return []  # a resumed rollout's: it names its response (the schema covers it, RX-2.3)
     details = (obj.get("response") or {}).get("incomplete_details") if kind else None
     if isinstance(details, dict) and details.get("reason") == "rollout_timeout":

@@ -5,6 +5,7 @@ the work counters alone (no timing is asserted anywhere here)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -205,7 +206,7 @@ async def test_long_output_suspensions_stay_flat(tmp_path: Path) -> None:
     assert len(turns) == scenario.turns
     assert [t["done_bytes"] is None for t in turns] == [False] * scenario.steps + [True]
     assert [t["resume_bytes"] is None for t in turns] == [True] + [False] * scenario.steps
-    suspensions = [a["done_bytes"] + b["resume_bytes"] for a, b in zip(turns, turns[1:])]
+    suspensions = [a["done_bytes"] + b["resume_bytes"] for a, b in itertools.pairwise(turns)]
     assert max(suspensions) - min(suspensions) <= 8, suspensions
     assert max(suspensions) < 1000
     # ... while each turn received more than its 2,000 characters of arguments.

@@ -9,6 +9,7 @@ of a rollout's suspension events, which must not grow with the rollout (PROTOCOL
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -189,7 +190,7 @@ async def test_suspension_bytes_do_not_grow_with_the_rollout() -> None:
     assert len(calls) == LONG_ROLLOUT_STEPS and all(len(c.arguments) > 2000 for c in calls)
     assert after["rollout_suspensions"] - before["rollout_suspensions"] == LONG_ROLLOUT_STEPS
     # Per suspension: its response.done and the resumed response.in_progress before it.
-    per_step = [b - a for a, b in zip(readings, readings[1:], strict=False)]
+    per_step = [b - a for a, b in itertools.pairwise(readings)]
     assert len(per_step) == LONG_ROLLOUT_STEPS - 1
     assert max(per_step) - min(per_step) <= DIGITS_SLACK, per_step
     assert per_step[-1] < 400  # an id, a status, a call id and an index: not 2 KB of arguments

@@ -5,7 +5,6 @@ everything)."""
 from __future__ import annotations
 
 import json
-
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any

@@ -72,7 +72,10 @@ def server_events(rid: str, exchange: Exchange) -> list[tuple[Any, list[str]]]:
             )
             out.append((done, calls))
             out.append(
-                (p.ResponseInProgress(sequence_number=next(seq), response=p.ResponseRef(id=rid)), [])
+                (
+                    p.ResponseInProgress(sequence_number=next(seq), response=p.ResponseRef(id=rid)),
+                    [],
+                )
             )
     end = p.ResponseCompleted(sequence_number=next(seq), response=_response(rid, "completed"))
     out.append((end, []))
