@@ -210,6 +210,27 @@ def test_response_done_is_not_in_the_sdk_union() -> None:
             adapter.validate_json(p.encode_json(event))
 
 
+def test_a_resumed_rollout_is_read_by_the_sdk_connection() -> None:
+    """A rollout's resumed `response.in_progress` names its response instead of carrying it
+    (RX-2.3): the SDK's strict type refuses it (the schema checks it instead, `check_with_sdk`
+    skips it), while the SDK's WebSocket connection, which parses every event leniently
+    (`ResponsesConnection.parse_event`: `construct_type_unchecked`), reads its type, sequence
+    number and response id."""
+    from openai._models import construct_type_unchecked
+
+    stream = p.ResponseStream(p.Response(id="resp_1", created_at=0, model="m"))
+    stream.start()
+    stream.begin_call("fc_1", "call_1", "lookup")
+    stream.end_call()
+    stream.suspend(["call_1"])
+    wire = p.encode_json(stream.resume())
+    with pytest.raises(pydantic.ValidationError):
+        WS_EVENT.validate_json(wire)
+    event: Any = construct_type_unchecked(value=json.loads(wire), type_=ResponsesServerEvent)
+    assert (event.type, event.sequence_number) == ("response.in_progress", 6)
+    assert (event.response.id, event.response.status) == ("resp_1", "in_progress")
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 
