@@ -209,8 +209,8 @@ def build_config(args: argparse.Namespace) -> Any:
         for name in PRESETS:
             # long-output's 30,000 output tokens take 8 minutes a rollout at 65 tps: it runs
             # unpaced (its suspensions' bytes and acks) and at the fastest speed only.
-            speeds = LONG_OUTPUT_SPEEDS if name == LONG_OUTPUT else (None, *SPEED_SWEEP)
-            for tps in speeds:
+            sweep = LONG_OUTPUT_SPEEDS if name == LONG_OUTPUT else (None, *SPEED_SWEEP)
+            for tps in sweep:
                 if tps is None and args.no_overhead_phase:
                     continue
                 reps = reps_by_speed[tps] if name != LONG_OUTPUT else LONG_OUTPUT_REPS[tps]

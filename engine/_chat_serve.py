@@ -24,11 +24,14 @@ from rollout.protocol import (
     ServerEvent,
     Tool,
     from_wire,
+    response_of,
 )
 
 from ._chat import dumps_json, tool_name
 
 __all__ = ["ChatCompletionEmitter", "request_from_chat"]
+
+_TERMINALS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> RemoteProtocolError:
@@ -284,8 +287,7 @@ class ChatCompletionEmitter:
             await self._out(
                 {"tool_calls": [{"index": last["index"], "function": {"arguments": delta}}]}
             )
-        elif kind in ("response.completed", "response.incomplete", "response.failed"):
-            response = event.response  # type: ignore[union-attr]
+        elif kind in _TERMINALS and (response := response_of(event)) is not None:
             if response.usage is not None:
                 self.usage = {
                     "prompt_tokens": response.usage.input_tokens,

@@ -342,8 +342,8 @@ def _make_converter(strict: bool) -> cattrs.Converter:
         # A rollout's resumed `response.in_progress` names its response (`ResponseRef`); any
         # other carries the whole response, which always has `created_at`.
         if isinstance(value, dict) and "created_at" not in value:
-            return typing.cast(ResponseRef, conv.structure(value, ResponseRef))
-        return typing.cast(Response, conv.structure(value, Response))
+            return conv.structure(value, ResponseRef)
+        return conv.structure(value, Response)
 
     conv.register_structure_hook(Response | ResponseRef, response_or_ref)
 
