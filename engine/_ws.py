@@ -33,10 +33,10 @@ from rollout.protocol import (
     DEFAULT_MAX_QUEUED_CREATES,
     ErrorBody,
     ErrorEvent,
+    Phase,
     RemoteProtocolError,
     ResponseAppend,
     ResponseCreate,
-    ResponseRef,
     ServerConnection,
     ServerEvent,
 )
@@ -127,9 +127,15 @@ class WebSocketConnection:
     async def send_event(self, event: ServerEvent | dict[str, Any]) -> None:
         """Queue a frame (in order). Waits while the outbox is full; raises `SlowConsumer`
         when it stays full for the stall limit, `ClosedResourceError` once closed."""
-        # A dict is an extension frame outside the response grammar (`rollout.timing`).
-        text = self.protocol.send(event) if not isinstance(event, dict) else _dumps(event)
-        suspension = isinstance(getattr(event, "response", None), ResponseRef)  # RX-2.2
+        if isinstance(event, dict):  # an extension frame outside the grammar (`rollout.timing`)
+            text, suspension = _dumps(event), False
+        else:
+            # A rollout's suspension events: its response.done and the response.in_progress
+            # that resumes it (counted apart: they must not grow with the rollout, RX-2.5).
+            suspension = event.type == "response.done" or (
+                event.type == "response.in_progress" and self.protocol.phase is Phase.SUSPENDED
+            )
+            text = self.protocol.send(event)
         self.session.engine.counters.ws_frame_encoded(text, suspension=suspension)
         await self._enqueue({"type": "websocket.send", "text": text}, len(text))
 
