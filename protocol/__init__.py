@@ -18,6 +18,7 @@ from ._connection import (
     DEFAULT_MAX_QUEUED_CREATES,
     DEFAULT_MAX_REMEMBERED_RESPONSES,
     ClientConnection,
+    Lane,
     ServerConnection,
 )
 from ._errors import ErrorBody, LocalProtocolError, ProtocolError, RemoteProtocolError
@@ -91,6 +92,7 @@ from ._items import (
     call_of,
     output_of,
 )
+from ._lanes import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
 from ._response import (
     RESPONSE_ERROR_CODES,
     IncompleteDetails,
@@ -136,10 +138,13 @@ __all__ = [
     "CALL_KINDS",
     "CLIENT_BUILTIN_TOOLS",
     "CLIENT_EVENT_TYPES",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_MAX_LANES",
     "DEFAULT_MAX_MESSAGE_SIZE",
     "DEFAULT_MAX_QUEUED_CREATES",
     "DEFAULT_MAX_REMEMBERED_RESPONSES",
     "DEFAULT_MAX_SSE_EVENT_SIZE",
+    "MAX_STREAM_ID_CHARS",
     "RESPONSE_ERROR_CODES",
     "SERVER_EVENT_TYPES",
     "TERMINAL_EVENT_TYPES",
@@ -179,6 +184,7 @@ __all__ = [
     "InvalidToolPayload",
     "Item",
     "ItemReference",
+    "Lane",
     "LocalProtocolError",
     "LocalShellAction",
     "LocalShellCall",
@@ -254,4 +260,5 @@ __all__ = [
     "response_of",
     "sequence_problem",
     "to_wire",
+    "valid_stream_id",
 ]

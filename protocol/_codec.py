@@ -56,6 +56,7 @@ from ._items import (
     Item,
     OpaqueItem,
 )
+from ._lanes import valid_stream_id
 from ._response import (
     OMIT_IF_NONE,
     IncompleteDetails,
@@ -636,10 +637,16 @@ def decode_client_event(
     fmt: Literal["json", "msgpack"] = "json",
 ) -> ClientEvent:
     """Decode one client message. Raises `RemoteProtocolError` (with the error to send back)
-    for anything malformed, oversized or unknown."""
-    return typing.cast(
-        ClientEvent, _as_event(_load(data, max_size=max_size, fmt=fmt), CLIENT_EVENT_TYPES, _STRICT)
-    )
+    for anything malformed, oversized or unknown; a create that names a valid lane gets the
+    error on its lane (its `stream_id` echoed)."""
+    value = _load(data, max_size=max_size, fmt=fmt)
+    try:
+        return typing.cast(ClientEvent, _as_event(value, CLIENT_EVENT_TYPES, _STRICT))
+    except RemoteProtocolError as exc:
+        if isinstance(value, dict) and value.get("type") == "response.create":
+            lane = value.get("stream_id")
+            exc.stream_id = lane if valid_stream_id(lane) else None
+        raise
 
 
 def decode_create_body(

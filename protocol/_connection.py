@@ -2,37 +2,60 @@
 events out; events in, frame text out. No sockets, no tasks, no clock: the I/O layer owns
 those and drives these objects.
 
+**Lanes.** A connection has a default lane (creates without `stream_id`) and up to `max_lanes`
+named ones (`stream_id`, `_lanes.py`), each opened by the first create that names it and kept
+for the connection's life. A lane is FIFO: its responses run one at a time, in the order their
+creates arrived, each followed by its own `ResponseTracker` (`_state.py`: the response grammar,
+sequence numbers from 0 per response). Lanes run concurrently, their events interleaving, up to
+`max_in_flight` responses across them. Every event of a laned response, and every error about
+a laned request or response, carries the lane's `stream_id`; the default lane's carry none.
+
 `ServerConnection` is the server's side. `receive_text` decodes a client message and applies
-the connection rules: a create joins the FIFO queue (or is refused when the queue is full, or
-names a lane, which rollout does not run), an append is let through only to this connection's
-suspended rollout (else `rollout_not_found`, `response_already_completed` or
-`rollout_not_suspended`); a refusal comes back as the ready-made `ErrorEvent` to send. The
-server then says when it takes the next create off its queue (`start`), and `send` encodes
-each event of that response after checking it against the response grammar (`_state.py`):
-a server that breaks it raises `LocalProtocolError`.
+the connection's rules; a create passes the admission rules (`_ADMISSION`, in order) or is
+refused with the ready-made `ErrorEvent` to send:
+
+    rule              refused when                               status, code
+    _stream_id_rule   `stream_id` is not 1-256 of [A-Za-z0-9_.-]  400 invalid_stream_id
+    _lane_limit_rule  it would open lane max_lanes + 1            400 websocket_stream_limit_reached
+    _queue_rule       more than max_queued_creates would wait     429 too_many_queued_requests
+
+(`param` is `stream_id` for the first two; only `invalid_stream_id` does not echo the lane.)
+An admitted create waits on its lane. `start_next` says which create to answer now: the
+oldest waiting create whose lane is free, while fewer than `max_in_flight` responses run (so
+the 17th concurrent create waits instead of being refused). `max_queued_creates` bounds the
+creates waiting across all lanes, and so the memory a connection holds with every lane busy:
+at most `max_in_flight` responses running and `max_queued_creates` creates waiting. An append
+is let through only to a suspended rollout of this connection (else `rollout_not_found`,
+`response_already_completed` or `rollout_not_suspended`). `send` encodes each event of a
+response (on its lane, `stream_id=`) after checking it against the response grammar: a server
+that breaks it raises `LocalProtocolError`, and the connection refuses further use.
 
 `ClientConnection` is the client's side. `send` encodes client events and refuses misuse
-with `LocalProtocolError` (an append to nothing suspended, or answering a call that is not
-pending); `receive_text` (typed events) or `receive_json` (an already parsed JSON object: the
-cheap path of a benchmark client, and of a harness that must read what it does not know)
-follows the server's events and raises `RemoteProtocolError` when the server breaks the rules
-(an event for no response, a gap in sequence numbers, events after a terminal one, a second
-response interleaved with the first). `awaiting` tells whether the server still owes events.
+with `LocalProtocolError` (an invalid lane id, a lane past the limit, an append to nothing
+suspended, or answering a call that is not pending); `receive_text` (typed events) or
+`receive_json` (an already parsed JSON object: the cheap path of a benchmark client, and of a
+harness that must read what it does not know) follows the server's events on their lanes
+(routed by `stream_id`) and raises `RemoteProtocolError` when the server breaks the rules (an
+event for no response or for a lane nothing was sent on, a gap in sequence numbers, events
+after a terminal one, two responses of one lane interleaved). `awaiting` tells whether the
+server still owes events; `lane(stream_id)` shows one lane.
 
 Request errors (`error` events) answer one message and carry no sequence number. Which
 message a client cannot always tell (an accepted append is silent), so the client
-attributes an error first to a message the server could only refuse (sent raw: not JSON, an
-unknown type, an append with nothing suspended), then to its latest append while a rollout
-is suspended, else to a queued create: exact for a client with one request unanswered at a
-time, as the SDKs are.
+attributes an error, on the lane it names, first to a message the server could only refuse
+(sent raw: not JSON, an unknown type, an invalid lane, an append with nothing suspended),
+then to its latest append while a rollout is suspended, else to a queued create: exact for a
+client with one request unanswered per lane at a time, as the SDKs are.
 """
 
 from __future__ import annotations
 
 import collections
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import attrs
 
 from ._codec import DEFAULT_MAX_MESSAGE_SIZE, decode_client_event, decode_server_event, encode_json
 from ._errors import ErrorBody, LocalProtocolError, RemoteProtocolError
@@ -45,43 +68,176 @@ from ._events import (
     SseErrorEvent,
 )
 from ._items import output_of
+from ._lanes import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
 from ._state import Move, Phase, ResponseTracker
 
 __all__ = [
     "DEFAULT_MAX_QUEUED_CREATES",
     "DEFAULT_MAX_REMEMBERED_RESPONSES",
     "ClientConnection",
+    "Lane",
     "ServerConnection",
 ]
 
-# Creates a client may queue behind the running one. Agents send one at a time; a few more
-# allow pipelining, and the bound keeps a misbehaving client from queueing without limit.
-DEFAULT_MAX_QUEUED_CREATES = 16
-# Ids of ended responses a server connection remembers, to tell an append to one of them
-# (`response_already_completed`) from one naming nothing (`rollout_not_found`): ~50 bytes an
-# id, far more responses than a connection's cache keeps, bounded for a connection that lives
-# an hour and runs many short responses.
+# Creates that may wait, across a connection's lanes, for their lane or for a place among the
+# responses in flight: one per named lane (a client keeping all 32 lanes busy with one more
+# turn queued on each), past which a create is refused (429) rather than held. With
+# `max_in_flight` running, a connection holds at most 16 + 32 requests.
+DEFAULT_MAX_QUEUED_CREATES = 32
+# Ids of ended responses a connection remembers, to tell an append to one of them
+# (`response_already_completed`, on its lane) from one naming nothing (`rollout_not_found`):
+# ~50 bytes an id, far more responses than a connection's cache keeps, bounded for a
+# connection that lives an hour and runs many short responses.
 DEFAULT_MAX_REMEMBERED_RESPONSES = 1024
+# Server event types that answer a client message rather than extend a response's stream: they
+# may go out at any time, on the lane of what they answer, and move no lane's grammar. (Acks
+# of input sent to a running response belong here beside `error`.)
+ANSWER_EVENT_TYPES = frozenset({"error"})
 
 
-def _refusal(message: str, *, code: str, param: str | None = None, status: int = 400) -> ErrorEvent:
-    return ErrorEvent(status=status, error=ErrorBody(code=code, message=message, param=param))
+def _refusal(
+    message: str,
+    *,
+    code: str,
+    param: str | None = None,
+    status: int = 400,
+    stream_id: str | None = None,
+) -> ErrorEvent:
+    return ErrorEvent(
+        status=status, error=ErrorBody(code=code, message=message, param=param), stream_id=stream_id
+    )
 
 
-class _Connection:
-    """What both sides show of the connection's one response slot."""
+class Lane:
+    """One lane of a connection: its response slot (phase, response, sequence numbers, pending
+    calls, all in its `tracker`) and how many creates wait on it."""
 
-    _tracker: ResponseTracker
+    def __init__(self, stream_id: str | None) -> None:
+        self.stream_id = stream_id  # None: the default lane
+        self.tracker = ResponseTracker()
 
     @property
     def phase(self) -> Phase:
-        """The phase of the response being answered (IDLE between responses)."""
-        return self._tracker.phase
+        return self.tracker.phase
 
     @property
     def response_id(self) -> str | None:
-        """The id of that response (once its `response.created` went over the wire)."""
-        return self._tracker.response_id
+        return self.tracker.response_id
+
+    @property
+    def pending_call_ids(self) -> tuple[str, ...]:
+        return self.tracker.pending_call_ids
+
+    @property
+    def suspended(self) -> bool:
+        return self.tracker.phase is Phase.SUSPENDED
+
+    @property
+    def queued(self) -> int:
+        """Creates on this lane whose response has not started."""
+        raise NotImplementedError
+
+
+class _Remembered:
+    """Ended responses (id -> lane), the oldest forgotten past a bound."""
+
+    def __init__(self, bound: int) -> None:
+        self._ids: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._bound = bound
+
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._ids
+
+    def lane_of(self, response_id: str) -> str | None:
+        return self._ids.get(response_id)
+
+    def add(self, response_id: str, stream_id: str | None) -> None:
+        self._ids[response_id] = stream_id
+        while len(self._ids) > self._bound:
+            self._ids.popitem(last=False)
+
+
+class _Connection:
+    """What both sides show: the default lane's slot (as before lanes), and each lane."""
+
+    _lanes: Mapping[str | None, Lane]
+    _broken: bool
+
+    @property
+    def phase(self) -> Phase:
+        """The phase of the default lane's response (IDLE between responses); ERROR once the
+        protocol was broken (on any lane)."""
+        return Phase.ERROR if self._broken else self._lanes[None].phase
+
+    @property
+    def response_id(self) -> str | None:
+        """The id of the default lane's response (once its `response.created` went over)."""
+        return self._lanes[None].response_id
+
+    def lane(self, stream_id: str | None = None) -> Lane | None:
+        """The lane `stream_id` (None: the default lane), if a create opened it."""
+        return self._lanes.get(stream_id)
+
+    @property
+    def named_lanes(self) -> int:
+        """Named lanes opened on this connection (the default lane is not counted)."""
+        return len(self._lanes) - 1
+
+
+# --- the server's side ---------------------------------------------------------------------------
+
+
+class _ServerLane(Lane):
+    def __init__(self, stream_id: str | None) -> None:
+        super().__init__(stream_id)
+        self.waiting: collections.deque[ResponseCreate] = collections.deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+
+Admission = Callable[["ServerConnection", ResponseCreate], ErrorEvent | None]
+
+
+def _stream_id_rule(conn: ServerConnection, create: ResponseCreate) -> ErrorEvent | None:
+    if create.stream_id is None or valid_stream_id(create.stream_id):
+        return None
+    return _refusal(
+        f"Invalid 'stream_id': expected 1 to {MAX_STREAM_ID_CHARS} characters of "
+        "A-Z, a-z, 0-9, '_', '.' and '-' (omit stream_id for the default lane).",
+        code="invalid_stream_id",
+        param="stream_id",
+    )
+
+
+def _lane_limit_rule(conn: ServerConnection, create: ResponseCreate) -> ErrorEvent | None:
+    lane = create.stream_id
+    if lane is None or lane in conn._lanes or conn.named_lanes < conn.max_lanes:
+        return None
+    return _refusal(
+        f"This connection has opened {conn.max_lanes} stream_id lanes, its limit; reuse one "
+        "of them, use the default lane, or open a new WebSocket connection.",
+        code="websocket_stream_limit_reached",
+        param="stream_id",
+        stream_id=lane,
+    )
+
+
+def _queue_rule(conn: ServerConnection, create: ResponseCreate) -> ErrorEvent | None:
+    if conn.waiting_with(create.stream_id) <= conn.max_queued_creates:
+        return None
+    return _refusal(
+        f"Too many queued requests on this connection (the limit is "
+        f"{conn.max_queued_creates}); wait for a response to finish.",
+        code="too_many_queued_requests",
+        status=429,
+        stream_id=create.stream_id,
+    )
+
+
+# The rules a create must pass to be queued, in order: the first that objects refuses it.
+_ADMISSION: tuple[Admission, ...] = (_stream_id_rule, _lane_limit_rule, _queue_rule)
 
 
 class ServerConnection(_Connection):
@@ -93,17 +249,53 @@ class ServerConnection(_Connection):
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES,
         max_remembered_responses: int = DEFAULT_MAX_REMEMBERED_RESPONSES,
+        max_lanes: int = DEFAULT_MAX_LANES,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
         self.max_message_size = max_message_size
         self.max_queued_creates = max_queued_creates
-        self.queued = 0  # creates received and not started (at most max_queued_creates + 1)
-        self._tracker = ResponseTracker()
-        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._max_ended = max_remembered_responses
+        self.max_lanes = max_lanes
+        self.max_in_flight = max_in_flight
+        self._lanes: dict[str | None, _ServerLane] = {None: _ServerLane(None)}
+        self._arrivals: collections.deque[_ServerLane] = collections.deque()  # per waiting create
+        self._in_flight: dict[str, _ServerLane] = {}  # running response id -> its lane
+        self._ended = _Remembered(max_remembered_responses)
+        self._broken = False
+
+    # --- state ---
+    @property
+    def queued(self) -> int:
+        """Creates received and not started, on every lane."""
+        return len(self._arrivals)
+
+    @property
+    def in_flight(self) -> int:
+        """Responses started and not ended (a create being answered counts), on every lane."""
+        return sum(1 for lane in self._lanes.values() if lane.phase is not Phase.IDLE)
 
     @property
     def pending_call_ids(self) -> tuple[str, ...]:
-        return self._tracker.pending_call_ids
+        """The default lane's suspended rollout's pending calls."""
+        return self._lanes[None].pending_call_ids
+
+    def lane_of(self, response_id: str) -> str | None:
+        """The `stream_id` of the lane a response of this connection runs (or ran) on: None for
+        the default lane and for an unknown id. What an event about that response carries (an
+        ack of input sent to it)."""
+        lane = self._in_flight.get(response_id)
+        return lane.stream_id if lane is not None else self._ended.lane_of(response_id)
+
+    def waiting_with(self, stream_id: str | None) -> int:
+        """How many creates would wait (not start at once) with one more on lane `stream_id`:
+        a create starts at once when its lane is free and a place in flight is left."""
+        free_lanes = {lane.stream_id for lane in self._arrivals if lane.phase is Phase.IDLE}
+        lane = self._lanes.get(stream_id)
+        if lane is None or lane.phase is Phase.IDLE:
+            free_lanes.add(stream_id)
+        startable = min(len(free_lanes), max(0, self.max_in_flight - self.in_flight))
+        return self.queued + 1 - startable
 
     # --- receiving ---
     def decode(self, data: str | bytes) -> ClientEvent:
@@ -112,8 +304,9 @@ class ServerConnection(_Connection):
         return decode_client_event(data, max_size=self.max_message_size)
 
     def receive_text(self, data: str | bytes) -> list[ClientEvent | ErrorEvent]:
-        """A client message -> what to act on: a create to queue, an append to deliver to
-        the suspended rollout, or the `error` event to answer with."""
+        """A client message -> what to act on: a create (queued on its lane: `start_next`
+        says when to answer it), an append to deliver to the suspended rollout, or the
+        `error` event to answer with."""
         try:
             event = self.decode(data)
         except RemoteProtocolError as exc:
@@ -127,40 +320,42 @@ class ServerConnection(_Connection):
         return [self._route_append(event)]
 
     def _queue(self, event: ResponseCreate) -> ResponseCreate | ErrorEvent:
-        if event.stream_id is not None:
-            return _refusal(
-                "Lanes (stream_id) are not supported by this server: omit stream_id to use the "
-                "connection's single FIFO lane.",
-                code="unsupported_parameter",
-                param="stream_id",
-            )
-        # Between responses the first queued create starts at once: it waits behind nothing.
-        waiting = self.queued - (self._tracker.phase is Phase.IDLE)
-        if waiting >= self.max_queued_creates:
-            return _refusal(
-                f"Too many queued requests on this connection (the limit is "
-                f"{self.max_queued_creates}); wait for a response to finish.",
-                code="too_many_queued_requests",
-                status=429,
-            )
-        self.queued += 1
+        for rule in _ADMISSION:
+            refusal = rule(self, event)
+            if refusal is not None:
+                return refusal
+        lane = self._lanes.get(event.stream_id)
+        if lane is None:
+            lane = self._lanes[event.stream_id] = _ServerLane(event.stream_id)
+        lane.waiting.append(event)
+        self._arrivals.append(lane)
         return event
 
     def _route_append(self, event: ResponseAppend) -> ResponseAppend | ErrorEvent:
-        tracker = self._tracker
-        if tracker.rollout and tracker.in_response and tracker.response_id == event.response_id:
-            if tracker.phase is Phase.SUSPENDED:
+        lane = self._in_flight.get(event.response_id)
+        if lane is not None:
+            if not lane.tracker.rollout:
+                return _refusal(
+                    f"Response '{event.response_id}' is not a rollout: continue it with a new "
+                    "response.create and previous_response_id.",
+                    code="rollout_not_found",
+                    param="response_id",
+                    stream_id=lane.stream_id,
+                )
+            if lane.phase is Phase.SUSPENDED:
                 return event
             return _refusal(
                 "The rollout is not suspended: append tool outputs after response.done.",
                 code="rollout_not_suspended",
                 param="response_id",
+                stream_id=lane.stream_id,
             )
         if event.response_id in self._ended:
             return _refusal(
                 f"Response '{event.response_id}' has already completed.",
                 code="response_already_completed",
                 param="response_id",
+                stream_id=self._ended.lane_of(event.response_id),
             )
         return _refusal(
             f"No rollout with id '{event.response_id}' is running on this connection.",
@@ -169,48 +364,88 @@ class ServerConnection(_Connection):
         )
 
     # --- sending ---
-    def start(self, request: ResponseCreate) -> None:
-        """The next queued create (in FIFO order) is answered now."""
-        if self.queued <= 0:
-            raise LocalProtocolError("no create is queued on this connection")
-        self._guard(lambda: self._tracker.start(rollout=bool(request.rollout)))
-        self.queued -= 1
+    def start_next(self) -> ResponseCreate | None:
+        """The create to answer now, taken off its lane's queue (its lane is then busy until
+        its terminal event or refusal): the oldest waiting create whose lane is free, while
+        fewer than `max_in_flight` responses run. None when none may start."""
+        self._usable()
+        if not self._arrivals or self.in_flight >= self.max_in_flight:
+            return None
+        lane = next((lane for lane in self._arrivals if lane.phase is Phase.IDLE), None)
+        if lane is None:
+            return None
+        self._arrivals.remove(lane)  # its first entry: lanes are FIFO
+        request = lane.waiting.popleft()
+        self._guard(lambda: lane.tracker.start(rollout=bool(request.rollout)))
+        return request
 
-    def refuse(self, error: RemoteProtocolError | ErrorEvent) -> str:
-        """Answer the started create with a request error instead of a response."""
-        self._guard(self._tracker.refuse)
-        return self.send(error.error_event() if isinstance(error, RemoteProtocolError) else error)
+    def refuse(
+        self, error: RemoteProtocolError | ErrorEvent, *, stream_id: str | None = None
+    ) -> str:
+        """Answer the started create of lane `stream_id` with a request error instead of a
+        response."""
+        lane = self._lane_for(stream_id)
+        self._guard(lane.tracker.refuse)
+        return self.send(
+            error.error_event() if isinstance(error, RemoteProtocolError) else error,
+            stream_id=stream_id,
+        )
 
-    def send(self, event: ServerEvent) -> str:
-        """Encode one server event. A request error (an `ErrorEvent`) may go out at any time;
-        an event of the response being answered must follow the response grammar."""
-        if self._tracker.phase is Phase.ERROR:
-            raise LocalProtocolError("the connection broke the protocol earlier; it can't send")
-        if not isinstance(event, ErrorEvent):
-            response = getattr(event, "response", None)
-            move = self._guard(
-                lambda: self._tracker.advance(
-                    event.type,
-                    event.sequence_number,
-                    response.id if response is not None else None,
-                    getattr(event, "pending_call_ids", None),
-                )
-            )
-            if move is Move.TERMINAL and response is not None:
-                self._remember(response.id)
+    def send(self, event: ServerEvent, *, stream_id: str | None = None) -> str:
+        """Encode one server event, on lane `stream_id` (written into the event; the default
+        lane: the event's own `stream_id`). An answer to a message (`ANSWER_EVENT_TYPES`: a
+        request error) may go out at any time; an event of a response must follow the
+        response grammar of its lane's response."""
+        self._usable()
+        own = getattr(event, "stream_id", None)
+        if stream_id is None:
+            stream_id = own
+        elif own is None:
+            event = attrs.evolve(event, stream_id=stream_id)
+        elif own != stream_id:
+            self._broken = True
+            raise LocalProtocolError(f"{event.type} names lane {own!r}, sent on {stream_id!r}")
+        if event.type not in ANSWER_EVENT_TYPES:
+            self._advance(event, self._lane_for(stream_id))
         return encode_json(event)
 
-    def _remember(self, response_id: str) -> None:
-        self._ended[response_id] = None
-        while len(self._ended) > self._max_ended:
-            self._ended.popitem(last=False)
+    def _advance(self, event: ServerEvent, lane: _ServerLane) -> None:
+        response = getattr(event, "response", None)
+        response_id = response.id if response is not None else None
+        move = self._guard(
+            lambda: lane.tracker.advance(
+                event.type,
+                event.sequence_number,
+                response_id,
+                getattr(event, "pending_call_ids", None),
+            )
+        )
+        if move in (Move.QUEUED, Move.CREATED) and response_id is not None:
+            self._in_flight[response_id] = lane
+        elif move is Move.TERMINAL and response_id is not None:
+            self._in_flight.pop(response_id, None)
+            self._ended.add(response_id, lane.stream_id)
+
+    def _lane_for(self, stream_id: str | None) -> _ServerLane:
+        lane = self._lanes.get(stream_id)
+        if lane is None:
+            self._broken = True
+            raise LocalProtocolError(f"no create was received on lane {stream_id!r}")
+        return lane
+
+    def _usable(self) -> None:
+        if self._broken:
+            raise LocalProtocolError("the connection broke the protocol earlier; it can't send")
 
     def _guard(self, step: Any) -> Any:
         try:
             return step()
         except LocalProtocolError:
-            self._tracker.phase = Phase.ERROR
+            self._broken = True
             raise
+
+
+# --- the client's side ---------------------------------------------------------------------------
 
 
 def _output_call_ids(items: Any) -> list[str]:
@@ -224,65 +459,105 @@ def _output_call_ids(items: Any) -> list[str]:
     return ids
 
 
-class ClientConnection(_Connection):
-    """The client's side of one WebSocket-mode connection."""
+class _ClientLane(Lane):
+    def __init__(self, stream_id: str | None) -> None:
+        super().__init__(stream_id)
+        self.creates: collections.deque[bool] = collections.deque()  # queued: is a rollout
+        self.appends: list[frozenset[str]] = []  # unanswered appends: the calls they answer
+        self.answered: set[str] = set()  # pending calls the client has sent outputs for
 
-    def __init__(self, *, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> None:
-        self.max_message_size = max_message_size
-        self._tracker = ResponseTracker()
-        self._creates: collections.deque[bool] = collections.deque()  # queued: is a rollout
-        self._appends: list[frozenset[str]] = []  # unanswered appends: the calls they answer
-        self._answered: set[str] = set()  # pending calls the client has sent outputs for
-        self._refusable = 0  # raw messages sent that the server can only refuse
-
-    # --- state ---
     @property
     def queued(self) -> int:
-        """Creates sent whose response has not started (nor been refused)."""
-        return len(self._creates)
-
-    @property
-    def suspended(self) -> bool:
-        return self._tracker.phase is Phase.SUSPENDED
+        return len(self.creates)
 
     @property
     def pending_call_ids(self) -> tuple[str, ...]:
         """The suspended rollout's calls that still need an output from this client."""
         if not self.suspended:
             return ()
-        return tuple(c for c in self._tracker.pending_call_ids if c not in self._answered)
+        return tuple(c for c in self.tracker.pending_call_ids if c not in self.answered)
 
     @property
     def awaiting(self) -> bool:
-        """Whether the server owes events: a response runs or is queued, a message it can only
-        refuse awaits its error, or a suspended rollout has every output and is due to
-        resume."""
-        phase = self._tracker.phase
-        if phase is Phase.ERROR:
-            return False
-        if (
-            self._creates
-            or self._refusable
-            or phase in (Phase.QUEUED, Phase.CREATED, Phase.RUNNING)
-        ):
+        if self.creates or self.phase in (Phase.QUEUED, Phase.CREATED, Phase.RUNNING):
             return True
-        return phase is Phase.SUSPENDED and not self.pending_call_ids
+        return self.suspended and not self.pending_call_ids
+
+    def take_error(self) -> bool:
+        """Attribute a request error on this lane to what it answers; False if nothing."""
+        if self.appends and self.suspended:
+            self.answered -= self.appends.pop()  # that append's outputs were not committed
+            return True
+        if self.creates:
+            # While a response runs the error answers the latest create (refused on arrival);
+            # between responses, the oldest (refused when its turn came).
+            if self.tracker.in_response:
+                self.creates.pop()
+            else:
+                self.creates.popleft()
+            return True
+        return False
+
+
+class ClientConnection(_Connection):
+    """The client's side of one WebSocket-mode connection."""
+
+    def __init__(
+        self,
+        *,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        max_lanes: int = DEFAULT_MAX_LANES,
+        max_remembered_responses: int = DEFAULT_MAX_REMEMBERED_RESPONSES,
+    ) -> None:
+        self.max_message_size = max_message_size
+        self.max_lanes = max_lanes
+        self._lanes: dict[str | None, _ClientLane] = {None: _ClientLane(None)}
+        # Raw messages sent that the server can only refuse, by the lane its error will name.
+        self._refusable: dict[str | None, int] = {}
+        self._ended = _Remembered(max_remembered_responses)
+        self._broken = False
+
+    # --- state (of the default lane, as before lanes; `lane()` shows any) ---
+    @property
+    def queued(self) -> int:
+        """Creates sent whose response has not started (nor been refused), on every lane."""
+        return sum(lane.queued for lane in self._lanes.values())
+
+    @property
+    def suspended(self) -> bool:
+        return not self._broken and self._lanes[None].suspended
+
+    @property
+    def pending_call_ids(self) -> tuple[str, ...]:
+        """The default lane's suspended rollout's calls that still need an output."""
+        return self._lanes[None].pending_call_ids
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether the server owes events: on some lane a response runs or is queued, or a
+        suspended rollout has every output and is due to resume; or a message it can only
+        refuse awaits its error."""
+        if self._broken:
+            return False
+        return bool(self._refusable) or any(lane.awaiting for lane in self._lanes.values())
 
     # --- sending ---
     def send(self, event: ClientEvent) -> str:
         """Encode a client event; `LocalProtocolError` when the rules forbid sending it."""
         self._usable()
         if isinstance(event, ResponseAppend):
-            answered = self._check_append(event)
-            self._answered |= answered
-            self._appends.append(answered)
+            lane, answered = self._check_append(event)
+            lane.answered |= answered
+            lane.appends.append(answered)
         else:
-            self._creates.append(bool(event.rollout))
+            self._check_lane(event.stream_id)
+            self._open(event.stream_id).creates.append(bool(event.rollout))
         return encode_json(event)
 
     def sent_raw(self, message: Mapping[str, Any] | str | bytes) -> None:
         """Record a message sent without the checks of `send` (a harness sending something
-        invalid on purpose): only its `type` is looked at, to expect the right answer."""
+        invalid on purpose): only its `type`, `stream_id` and `response_id` are looked at, to
+        expect the right answer."""
         self._usable()
         value: Any = message
         if not isinstance(message, Mapping):
@@ -292,23 +567,74 @@ class ClientConnection(_Connection):
                 value = None
         kind = value.get("type") if isinstance(value, Mapping) else None
         if kind == "response.create":
-            self._creates.append(bool(value.get("rollout")))
-        elif kind == "response.append" and self.suspended:
-            answered = frozenset(_output_call_ids(value.get("input")))
-            self._answered |= answered
-            self._appends.append(answered)
+            stream_id = value.get("stream_id")
+            if stream_id is not None and not valid_stream_id(stream_id):
+                self._expect_refusal(None)  # invalid_stream_id: not echoed
+            elif stream_id is not None and stream_id not in self._lanes and self._full():
+                self._expect_refusal(stream_id)  # websocket_stream_limit_reached: echoed
+            else:
+                self._open(stream_id).creates.append(bool(value.get("rollout")))
+        elif kind == "response.append":
+            response_id = value.get("response_id")
+            lane = self._running(response_id)
+            if lane is not None and lane.suspended:
+                answered = frozenset(_output_call_ids(value.get("input")))
+                lane.answered |= answered
+                lane.appends.append(answered)
+            elif lane is not None:
+                self._expect_refusal(lane.stream_id)
+            elif isinstance(response_id, str) and response_id in self._ended:
+                self._expect_refusal(self._ended.lane_of(response_id))
+            else:
+                self._expect_refusal(None)
         else:  # not a message the server can accept: it owes an error for it
-            self._refusable += 1
+            self._expect_refusal(None)
 
-    def _check_append(self, event: ResponseAppend) -> frozenset[str]:
-        tracker = self._tracker
-        if not self.suspended or event.response_id != tracker.response_id:
+    def _expect_refusal(self, stream_id: str | None) -> None:
+        self._refusable[stream_id] = self._refusable.get(stream_id, 0) + 1
+
+    def _full(self) -> bool:
+        return self.named_lanes >= self.max_lanes
+
+    def _check_lane(self, stream_id: str | None) -> None:
+        if stream_id is None or (stream_id in self._lanes):
+            return
+        if not valid_stream_id(stream_id):
+            raise LocalProtocolError(
+                f"stream_id {stream_id!r} is not a lane id (1 to {MAX_STREAM_ID_CHARS} "
+                "characters of [A-Za-z0-9_.-])"
+            )
+        if self._full():
+            raise LocalProtocolError(
+                f"stream_id {stream_id!r} would open lane {self.max_lanes + 1} of this "
+                f"connection (the limit is {self.max_lanes})"
+            )
+
+    def _open(self, stream_id: str | None) -> _ClientLane:
+        lane = self._lanes.get(stream_id)
+        if lane is None:
+            lane = self._lanes[stream_id] = _ClientLane(stream_id)
+        return lane
+
+    def _running(self, response_id: object) -> _ClientLane | None:
+        """The lane whose current response is `response_id`."""
+        if not isinstance(response_id, str):
+            return None
+        for lane in self._lanes.values():
+            if lane.tracker.in_response and lane.response_id == response_id:
+                return lane
+        return None
+
+    def _check_append(self, event: ResponseAppend) -> tuple[_ClientLane, frozenset[str]]:
+        lane = self._running(event.response_id)
+        if lane is None or not lane.suspended:
+            default = self._lanes[None]
             raise LocalProtocolError(
                 f"response.append to {event.response_id!r}: no rollout with that id is "
-                f"suspended on this connection (phase {tracker.phase.name}, response "
-                f"{tracker.response_id!r})"
+                f"suspended on this connection (phase {(lane or default).phase.name}, response "
+                f"{(lane or default).response_id!r})"
             )
-        pending = set(self.pending_call_ids)
+        pending = set(lane.pending_call_ids)
         answered: set[str] = set()
         for i, item in enumerate(event.input):
             output = output_of(item)
@@ -320,10 +646,10 @@ class ClientConnection(_Connection):
                     f"response.append input[{i}] answers call {call_id!r}, which is not pending"
                 )
             answered.add(call_id)
-        return frozenset(answered)
+        return lane, frozenset(answered)
 
     def _usable(self) -> None:
-        if self._tracker.phase is Phase.ERROR:
+        if self._broken:
             raise LocalProtocolError("the server broke the protocol; the connection is unusable")
 
     # --- receiving ---
@@ -333,7 +659,7 @@ class ClientConnection(_Connection):
         try:
             event = decode_server_event(data, max_size=self.max_message_size)
         except RemoteProtocolError:
-            self._tracker.phase = Phase.ERROR
+            self._broken = True
             raise
         response = getattr(event, "response", None)
         self._follow(
@@ -341,17 +667,19 @@ class ClientConnection(_Connection):
             event.sequence_number,
             response.id if response is not None else None,
             getattr(event, "pending_call_ids", None),
+            getattr(event, "stream_id", None),
             has_sequence_number=True,
         )
         return event
 
     def receive_json(self, event: Mapping[str, Any]) -> Mapping[str, Any]:
         """Follow one server event given as parsed JSON (the caller did `json.loads`): only
-        `type`, `sequence_number`, `response.id` and `pending_call_ids` are read."""
+        `type`, `sequence_number`, `stream_id`, `response.id` and `pending_call_ids` are
+        read."""
         self._usable()
         kind = event.get("type") if isinstance(event, Mapping) else None
         if not isinstance(kind, str):
-            self._tracker.phase = Phase.ERROR
+            self._broken = True
             raise RemoteProtocolError.invalid(
                 "A server event is not a JSON object with a string `type`.",
                 code="invalid_server_event",
@@ -359,11 +687,13 @@ class ClientConnection(_Connection):
         response = event.get("response")
         response_id = response.get("id") if isinstance(response, Mapping) else None
         pending = event.get("pending_call_ids")
+        stream_id = event.get("stream_id")
         self._follow(
             kind,
             event.get("sequence_number"),
             response_id if isinstance(response_id, str) else None,
             pending if isinstance(pending, list) else None,
+            stream_id if isinstance(stream_id, str) else None,
             has_sequence_number="sequence_number" in event,
         )
         return event
@@ -374,42 +704,62 @@ class ClientConnection(_Connection):
         sequence_number: object,
         response_id: str | None,
         pending: list[str] | None,
+        stream_id: str | None,
         *,
         has_sequence_number: bool,
     ) -> None:
-        tracker = self._tracker
-        if kind == "error":
-            self._request_error()
+        if kind in ANSWER_EVENT_TYPES:
+            if kind == "error":
+                self._request_error(stream_id)
             return
         if not has_sequence_number and kind.split(".")[0] != "response":
             return  # an extension frame outside any response (e.g. `rollout.timing`)
         try:
+            lane = self._lanes.get(stream_id)
+            if lane is None:
+                raise LocalProtocolError(
+                    f"{kind} arrived on lane {stream_id!r}, on which no create was sent"
+                )
+            tracker = lane.tracker
             if tracker.phase is Phase.IDLE:
                 if kind not in ("response.created", "response.queued"):
                     raise LocalProtocolError(f"{kind} arrived while no response is running")
-                if not self._creates:
+                if not lane.creates:
                     raise LocalProtocolError(f"{kind} arrived but no create is waiting")
-                tracker.start(rollout=self._creates.popleft())
+                tracker.start(rollout=lane.creates.popleft())
             suspended = tracker.phase is Phase.SUSPENDED
             move = tracker.advance(kind, sequence_number, response_id, pending)
         except LocalProtocolError as exc:
-            tracker.phase = Phase.ERROR
+            self._broken = True
             raise RemoteProtocolError.invalid(
                 f"The server broke the WebSocket-mode protocol: {exc}", code="invalid_server_event"
             ) from exc
         if move is Move.DONE or (suspended and move in (Move.IN_PROGRESS, Move.TERMINAL)):
-            self._appends.clear()  # a resume or an end answers the appends before it
-            self._answered.clear()
+            lane.appends.clear()  # a resume or an end answers the appends before it
+            lane.answered.clear()
+        if move is Move.TERMINAL and response_id is not None:
+            self._ended.add(response_id, stream_id)
 
-    def _request_error(self) -> None:
+    def _request_error(self, stream_id: str | None) -> None:
+        """Attribute a request error to the message it answers (see the module docstring):
+        on the lane it names, else, from a server that names no lane, to any."""
+        if self._refusable.get(stream_id):
+            self._take_refusable(stream_id)
+            return
+        lane = self._lanes.get(stream_id)
+        if lane is not None and lane.take_error():
+            return
         if self._refusable:
-            self._refusable -= 1  # answered at once, as it arrived
-        elif self._appends and self.suspended:
-            self._answered -= self._appends.pop()  # that append's outputs were not committed
-        elif self._creates:
-            # While a response runs the error answers the latest create (refused on arrival);
-            # between responses, the oldest (refused when its turn came).
-            if self._tracker.in_response:
-                self._creates.pop()
-            else:
-                self._creates.popleft()
+            self._take_refusable(next(iter(self._refusable)))
+            return
+        if stream_id is None:  # e.g. a server without lanes refusing a laned create
+            for other in self._lanes.values():
+                if other.take_error():
+                    return
+
+    def _take_refusable(self, stream_id: str | None) -> None:
+        left = self._refusable[stream_id] - 1
+        if left:
+            self._refusable[stream_id] = left
+        else:
+            del self._refusable[stream_id]

@@ -8,6 +8,8 @@ from typing import Literal
 
 import attrs
 
+from ._lanes import stream_id_field
+
 __all__ = [
     "ErrorBody",
     "ErrorEvent",
@@ -30,13 +32,15 @@ class ErrorBody:
 
 @attrs.frozen(kw_only=True)
 class ErrorEvent:
-    """The WebSocket `error` event, nested: `{"type": "error", "status", "error": {...}}`.
+    """The WebSocket `error` event, nested: `{"type": "error", "status", "error": {...}}`;
+    `stream_id` names the lane of the request it answers (absent on the default lane).
     (Here rather than in `_events`, which re-exports it: a remote error builds it.)"""
 
     type: Literal["error"] = "error"
     status: int | None = None
     sequence_number: int | None = None
     error: ErrorBody
+    stream_id: str | None = stream_id_field()
 
 
 class ProtocolError(Exception):
@@ -52,12 +56,14 @@ class RemoteProtocolError(ProtocolError):
 
     `body` and `status` are exactly what should be sent back: over WebSocket as the nested
     `error` event (see `error_event()`), over HTTP as `{"error": body}` with `status`.
+    `stream_id`: the lane of the WebSocket request it answers, when known (echoed).
     """
 
-    def __init__(self, body: ErrorBody, status: int = 400) -> None:
+    def __init__(self, body: ErrorBody, status: int = 400, *, stream_id: str | None = None) -> None:
         super().__init__(body.message)
         self.body = body
         self.status = status
+        self.stream_id = stream_id
 
     @classmethod
     def invalid(
@@ -74,7 +80,7 @@ class RemoteProtocolError(ProtocolError):
         return self.body.param
 
     def error_event(self) -> ErrorEvent:
-        return ErrorEvent(status=self.status, error=self.body)
+        return ErrorEvent(status=self.status, error=self.body, stream_id=self.stream_id)
 
     def __repr__(self) -> str:
         return f"RemoteProtocolError(status={self.status}, body={self.body!r})"

@@ -3,7 +3,9 @@
 Client events are what a peer sends us over WebSocket (`response.create`, and the rollout
 extension's `response.append`); the HTTP create body is a `ResponseCreate` without `type`.
 Server events are the Responses streaming events, the nested WebSocket `error`, the flat SSE
-`error`, and the rollout extension's `response.done`.
+`error`, and the rollout extension's `response.done`. Every WebSocket server event has an
+optional `stream_id`: the lane of the response it belongs to (`_lanes.py`), absent on the
+default lane; the server connection writes it (`ServerConnection.send`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import attrs
 
 from ._errors import ErrorEvent  # defined beside the error it carries (no import cycle)
 from ._items import ContentPart, Item
+from ._lanes import stream_id_field
 from ._response import ReasoningConfig, Response, ResponseRef, TextConfig
 from ._tools import Tool, ToolChoice, check_tool
 from ._validate import InvalidField
@@ -221,6 +224,7 @@ class ResponseCreated:
     type: Literal["response.created"] = "response.created"
     sequence_number: int
     response: Response
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -231,6 +235,7 @@ class ResponseInProgress:
     type: Literal["response.in_progress"] = "response.in_progress"
     sequence_number: int
     response: Response | ResponseRef
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -238,6 +243,7 @@ class ResponseQueued:
     type: Literal["response.queued"] = "response.queued"
     sequence_number: int
     response: Response
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -245,6 +251,7 @@ class ResponseCompleted:
     type: Literal["response.completed"] = "response.completed"
     sequence_number: int
     response: Response
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -252,6 +259,7 @@ class ResponseIncomplete:
     type: Literal["response.incomplete"] = "response.incomplete"
     sequence_number: int
     response: Response
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -259,6 +267,7 @@ class ResponseFailed:
     type: Literal["response.failed"] = "response.failed"
     sequence_number: int
     response: Response
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -275,6 +284,7 @@ class ResponseDone:
     response: ResponseRef
     pending_call_ids: list[str]
     output_indices: list[int]
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -283,6 +293,7 @@ class OutputItemAdded:
     sequence_number: int
     output_index: int
     item: Item
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -291,6 +302,7 @@ class OutputItemDone:
     sequence_number: int
     output_index: int
     item: Item
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -301,6 +313,7 @@ class ContentPartAdded:
     output_index: int
     content_index: int
     part: ContentPart
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -311,6 +324,7 @@ class ContentPartDone:
     output_index: int
     content_index: int
     part: ContentPart
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -322,6 +336,7 @@ class OutputTextDelta:
     content_index: int
     delta: str
     logprobs: list[dict[str, Any]] = attrs.field(factory=list)
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -333,6 +348,7 @@ class OutputTextDone:
     content_index: int
     text: str
     logprobs: list[dict[str, Any]] = attrs.field(factory=list)
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -344,6 +360,7 @@ class FunctionCallArgumentsDelta:
     item_id: str
     output_index: int
     delta: str
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -353,6 +370,7 @@ class FunctionCallArgumentsDone:
     item_id: str
     output_index: int
     arguments: str
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -362,6 +380,7 @@ class CustomToolCallInputDelta:
     item_id: str
     output_index: int
     delta: str
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -371,6 +390,7 @@ class CustomToolCallInputDone:
     item_id: str
     output_index: int
     input: str
+    stream_id: str | None = stream_id_field()
 
 
 @attrs.frozen(kw_only=True)

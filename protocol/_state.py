@@ -1,11 +1,12 @@
 """The WebSocket-mode state machine of one connection, shared by both ends (after h11's
 `_state.py`): the server checks what it sends against it, the client what it receives.
 
-A connection runs one response at a time (PROTOCOL.md WS-5.1), so its state is the state of
-that one slot. Every server event of a response is one `Move`; the table says, for each
+A lane of a connection runs one response at a time (PROTOCOL.md WS-5.1, WS-7), so a lane's
+state is the state of that one slot; a connection keeps one tracker per lane
+(`_connection.py`). Every server event of a response is one `Move`; the table says, for each
 `Phase`, which moves are legal and where they lead. A plain response and a rollout (the
 extension, RX-2) have a table each: only a rollout may suspend (`response.done`) and be
-resumed (`response.in_progress` again). Creates wait in the connection's FIFO queue until
+resumed (`response.in_progress` again). Creates wait in their lane's FIFO queue until
 the slot is free; request errors (`error` events) answer a message and are outside the
 response grammar.
 
@@ -104,7 +105,7 @@ def sequence_problem(event_type: object, sequence_number: object, expected: int)
 
 
 class ResponseTracker:
-    """The slot of one connection: its phase, and the running response's id, next sequence
+    """The slot of one lane: its phase, and the running response's id, next sequence
     number and (while suspended) pending call ids."""
 
     def __init__(self) -> None:

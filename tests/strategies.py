@@ -759,6 +759,15 @@ SERVER_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
         error=error_bodies,
     ),
 }
+# Any WebSocket server event may be on a named lane (`stream_id`).
+lane_ids = st.text(alphabet=string.ascii_letters + string.digits + "_.-", min_size=1, max_size=256)
+
+
+def _laned(events: Strategy[Any]) -> Strategy[Any]:
+    return st.tuples(events, opt(lane_ids)).map(lambda t: attrs.evolve(t[0], stream_id=t[1]))
+
+
+SERVER_EVENT_STRATEGIES = {kind: _laned(events) for kind, events in SERVER_EVENT_STRATEGIES.items()}
 server_events: Strategy[p.ServerEvent] = st.one_of(*SERVER_EVENT_STRATEGIES.values())
 sse_error_events = st.builds(
     p.SseErrorEvent, sequence_number=counts, code=opt(texts), message=texts, param=opt(texts)

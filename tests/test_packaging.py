@@ -59,6 +59,12 @@ EXPECTED_PROTOCOL_NAMES = {
     "DEFAULT_MAX_REMEMBERED_RESPONSES",
     "ClientConnection",
     "ServerConnection",
+    # lanes (stream_id)
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_MAX_LANES",
+    "MAX_STREAM_ID_CHARS",
+    "Lane",
+    "valid_stream_id",
     "Move",
     "Phase",
     "sequence_problem",
