@@ -93,7 +93,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-queued-creates",
         type=int,
         default=DEFAULT_MAX_QUEUED_CREATES,
-        help=f"response.create events queued per connection (default {DEFAULT_MAX_QUEUED_CREATES})",
+        help=f"response.create events waiting per connection, across its lanes (default "
+        f"{DEFAULT_MAX_QUEUED_CREATES})",
     )
     p.add_argument(
         "--max-connections",

@@ -26,6 +26,12 @@ rollout (the extension, `rollout: true`) suspends at them, so pre- and post-infe
 once for the whole agent loop. That is the only difference, which is what makes the modes
 equal.
 
+A response runs on its request's lane (`request.stream_id`, the default lane without one): the
+WebSocket server runs one response per busy lane at once, each in this coroutine, and the
+emitter it hands over puts the events on that lane. The final state joins the connection's
+cache as its lane's latest; a failure evicts the parent only when the parent is of the same
+lane (a failed fork from another lane keeps it: `_cache.py`).
+
 `_Run.end` is the one exit: whatever ended the response (completion, a flag, a backend
 failure, a shutdown, a bug), its usage is committed and then its one terminal event is sent.
 A response cut off by a disconnect or a cancellation sends nothing; its usage goes to the
@@ -311,7 +317,7 @@ class _Run:
         records = self.records
         stored = final.store and parent_stored
         state = attrs.evolve(state, response=final, stored=stored)
-        self.session.cache.put(state)
+        self.session.cache.put(state, lane=self.request.stream_id, latest=True)
         engine.render_cache.put(self.session.owner, state)
         job_store = None
         if final.store:
@@ -404,9 +410,12 @@ class _Run:
         return state, 0
 
     def _evict_parent(self) -> None:
-        # A failed continuation evicts its parent from the connection's cache (OpenAI's rule).
+        # A failed continuation evicts its parent from the connection's cache (OpenAI's rule),
+        # unless the parent belongs to another lane than this response's (a failed fork).
         if self.prepared.parent is not None:
-            self.session.cache.evict(self.prepared.parent.id)
+            self.session.cache.discard_failed_parent(
+                self.prepared.parent.id, self.request.stream_id
+            )
 
 
 def _flagged(flag: Flag, *, appended: bool) -> ResponseError:

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import trio
 from hypercorn.trio import serve as hypercorn_serve
-from rollout.protocol import DEFAULT_MAX_MESSAGE_SIZE
+from rollout.protocol import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, DEFAULT_MAX_MESSAGE_SIZE
 
 from ._app import DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
 from ._deflate import DEFAULT_WEBSOCKET_DEFLATE, HypercornConfig, decline_deflate_offers
@@ -63,6 +63,8 @@ class ServerConfig:
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
+    max_lanes: int = DEFAULT_MAX_LANES
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     send_stall_limit: float = DEFAULT_SEND_STALL_LIMIT
@@ -86,6 +88,8 @@ class ServerConfig:
                 max_message_size=self.max_message_size,
                 connection_age_limit=self.connection_age_limit,
                 max_queued_creates=self.max_queued_creates,
+                max_lanes=self.max_lanes,
+                max_in_flight=self.max_in_flight,
                 max_buffered_bytes=self.max_buffered_bytes,
                 send_stall_limit=self.send_stall_limit,
             ),

@@ -55,8 +55,9 @@ ROLLOUT_EVENT_BUFFER = 256
 
 
 class Session:
-    """The connection scope. Not safe for concurrent `create`s: callers serialize them
-    (the WebSocket handler runs its FIFO queue one request at a time)."""
+    """The connection scope. Its responses may run concurrently (the WebSocket handler runs
+    one per busy lane): each keeps its own timings, and the cache follows the lanes
+    (`_cache.py`); a request's lane is its `stream_id`."""
 
     def __init__(self, engine: EngineServices, *, owner: str | None, cache: ResponseCache) -> None:
         self.engine = engine
@@ -65,9 +66,12 @@ class Session:
         self.last_timings: dict[str, float] = {}
 
     # --- parents ---
-    async def resolve(self, response_id: str, timings: dict[str, float]) -> ResponseState:
+    async def resolve(
+        self, response_id: str, timings: dict[str, float], *, lane: str | None = None
+    ) -> ResponseState:
         """The state a `previous_response_id` names: this connection's cache, else the store
-        (for this owner), whose answer the render cache may then spare re-rendering."""
+        (for this owner), whose answer the render cache may then spare re-rendering; a state
+        found that way joins the cache on `lane`, the lane that asked for it."""
         engine = self.engine
         counters = engine.counters
         with engine.timer.measure("resolve", timings):
@@ -92,7 +96,7 @@ class Session:
                     except LookupError:
                         raise previous_response_not_found(response_id) from None
             state = self._hydrate(chain, timings)
-        self.cache.put(state)
+        self.cache.put(state, lane=lane)
         return state
 
     def _hydrate(self, chain: list[StoredResponse], timings: dict[str, float]) -> ResponseState:
@@ -152,7 +156,8 @@ class Session:
         """Run one response (stateless or continuing), sending its events to `emit`.
         Returns the final state (None when the response failed). Request errors raise
         `RemoteProtocolError` before any event is sent. `timings`: stages already timed for
-        this request (its decode), reported with the rest in `last_timings`."""
+        this request (its decode); pre-inference adds its stages to it (and `last_timings`
+        is it)."""
         if request.rollout:
             raise invalid(
                 "Use open_rollout() (or the WebSocket transport) for rollout mode.",
@@ -270,7 +275,8 @@ class Session:
         engine = self.engine
         if engine.draining:
             raise shutting_down()
-        timings = dict(timings or {})
+        # The caller's dict gets this request's stages (concurrent requests each have theirs).
+        timings = timings if timings is not None else {}
         self.last_timings = timings
         parent: ResponseState | None = None
         generate = _generates(request)
@@ -278,14 +284,16 @@ class Session:
         try:
             if request.previous_response_id is not None:
                 hydrated = request.previous_response_id not in self.cache
-                parent = await self.resolve(request.previous_response_id, timings)
+                parent = await self.resolve(
+                    request.previous_response_id, timings, lane=request.stream_id
+                )
             threshold = _compact_threshold(request)
             resolved = await self._resolve_inputs(request, parent)
             prepared = self._prepare_input(request, parent, resolved, timings, generate)
         except RemoteProtocolError:
             engine.counters.request_errors += 1
             if parent is not None:
-                self.cache.evict(parent.id)
+                self.cache.discard_failed_parent(parent.id, request.stream_id)
             raise
         except Exception:
             log.exception("a request failed before its response started")

@@ -1,21 +1,28 @@
-"""WebSocket mode: one connection, one Session, requests run one at a time in FIFO order.
+"""WebSocket mode: one connection, one Session, its lanes' responses running concurrently.
 
 The rules of the connection live in `rollout.protocol.ServerConnection` (sans-IO): it decodes
-client messages, decides what a create or an append may do (queue, lanes, the suspended
-rollout), and encodes every event after checking it against the response grammar. This
-wrapper is thin and mechanical (after trio-websocket): a reader task feeds frames to it and
-either queues a `response.create` or delivers a `response.append` to the rollout; a runner
-task takes creates off the queue and runs them through the session; a writer task sends the
-frames in order from a bounded outbox. Request-scoped errors are answered with the nested
-`error` event and never close the socket. A connection older than its age limit answers its
-next create with `websocket_connection_limit_reached` and then closes cleanly (1000).
+client messages, decides what a create or an append may do (admission, lanes, the queue, the
+suspended rollout), says which create to answer next (`start_next`: the oldest waiting create
+whose lane is free, while fewer than `max_in_flight` responses run), and encodes every event
+after checking it against its lane's response grammar. This wrapper is thin and mechanical
+(after trio-websocket): a reader task feeds frames to it and either queues a
+`response.create` or delivers a `response.append` to its rollout; each create the connection
+starts runs through the session in a task of its own (one per busy lane), with an emitter that
+puts its events on its lane (`stream_id`); a writer task sends the frames in order from a
+bounded outbox, so the lanes' events interleave there. Request-scoped errors are answered with
+the nested `error` event (on the request's lane) and never close the socket. A connection
+older than its age limit answers every create it starts with
+`websocket_connection_limit_reached`, and closes cleanly (1000) once no response runs.
 
 Backpressure: the outbox holds at most `max_buffered_bytes` of encoded frames. A client that
-reads slower than the server writes pauses the response (its sampling waits on the outbox);
-one that stops reading for `send_stall_limit` seconds is a slow consumer: its response is
+reads slower than the server writes pauses the responses (their sampling waits on the outbox);
+one that stops reading for `send_stall_limit` seconds is a slow consumer: its responses are
 cancelled (the usage of what was sampled is recorded) and the connection is torn down. What
 then stays pinned is one frame and the kernel's socket buffer: hypercorn writes each frame
 shielded from cancellation, so a frame already handed to it waits for the peer or for TCP.
+
+Events about a response from outside its stream (an ack of input sent to it) go out on that
+response's lane with `send_about(response_id, event)`.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ from typing import Any
 import attrs
 import trio
 from rollout.protocol import (
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_LANES,
     DEFAULT_MAX_MESSAGE_SIZE,
     DEFAULT_MAX_QUEUED_CREATES,
     ErrorBody,
     ErrorEvent,
+    LocalProtocolError,
     Phase,
     RemoteProtocolError,
     ResponseAppend,
@@ -71,6 +81,8 @@ class WebSocketLimits:
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
+    max_lanes: int = DEFAULT_MAX_LANES
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     send_stall_limit: float = DEFAULT_SEND_STALL_LIMIT
 
@@ -103,41 +115,57 @@ class WebSocketConnection:
         self._buffered = 0  # bytes of text in the outbox (and the frame being sent)
         self._queued = trio.Event()  # the writer has something to send
         self._drained = trio.Event()  # the writer sent a frame (room in the outbox)
-        self._tasks = trio.CancelScope()  # the reader, the runner and the shutdown watcher
+        self._tasks = trio.CancelScope()  # the reader, the responses and the shutdown watcher
+        self._responses: trio.Nursery | None = None  # where each started create runs
         self._closing = False  # a close frame is queued
         self._disconnected = False  # the peer closed or went away
         self._opened_at = trio.current_time()
-        # The connection bounds the queue (the creates waiting behind the running one, and
-        # between responses one more that starts at once): the channel never fills.
-        self._queue_send, self._queue_recv = trio.open_memory_channel[
-            tuple[ResponseCreate, dict[str, float]]
-        ](limits.max_queued_creates + 1)
-        self._rollout: Rollout | None = None
+        self._expired = False  # past the age limit: creates are refused, then it closes
         self.protocol = ServerConnection(
-            max_message_size=limits.max_message_size, max_queued_creates=limits.max_queued_creates
+            max_message_size=limits.max_message_size,
+            max_queued_creates=limits.max_queued_creates,
+            max_lanes=limits.max_lanes,
+            max_in_flight=limits.max_in_flight,
         )
+        # The decode timings of each waiting create (by its id(); as many as the connection
+        # lets wait), handed to its response when it starts.
+        self._decode_timings: dict[int, dict[str, float]] = {}
+        self._rollouts: dict[str | None, Rollout] = {}  # the rollout running on each lane
         self._closed = False
         self._shutting_down = shutting_down if shutting_down is not None else trio.Event()
-        self._idle = trio.Event()  # set while no request runs and none is queued
+        self._idle = trio.Event()  # set while no response runs and none is queued
         self._idle.set()
         self.frames_in = 0
         self.frames_out = 0
 
     # --- output ---
-    async def send_event(self, event: ServerEvent | dict[str, Any]) -> None:
-        """Queue a frame (in order). Waits while the outbox is full; raises `SlowConsumer`
-        when it stays full for the stall limit, `ClosedResourceError` once closed."""
+    async def send_event(
+        self, event: ServerEvent | dict[str, Any], *, stream_id: str | None = None
+    ) -> None:
+        """Queue a frame (in order), on lane `stream_id`. Waits while the outbox is full;
+        raises `SlowConsumer` when it stays full for the stall limit, `ClosedResourceError`
+        once closed."""
         if isinstance(event, dict):  # an extension frame outside the grammar (`rollout.timing`)
-            text, suspension = _dumps(event), False
+            text = _dumps({**event, "stream_id": stream_id} if stream_id is not None else event)
+            suspension = False
         else:
             # A rollout's suspension events: its response.done and the response.in_progress
             # that resumes it (counted apart: they must not grow with the rollout, RX-2.5).
+            lane = self.protocol.lane(stream_id if stream_id is not None else event.stream_id)
             suspension = event.type == "response.done" or (
-                event.type == "response.in_progress" and self.protocol.phase is Phase.SUSPENDED
+                event.type == "response.in_progress"
+                and lane is not None
+                and lane.phase is Phase.SUSPENDED
             )
-            text = self.protocol.send(event)
+            text = self.protocol.send(event, stream_id=stream_id)
         self.session.engine.counters.ws_frame_encoded(text, suspension=suspension)
         await self._enqueue({"type": "websocket.send", "text": text}, len(text))
+
+    async def send_about(self, response_id: str, event: ServerEvent | dict[str, Any]) -> None:
+        """Send an event about a response of this connection from outside its stream (an ack
+        of input sent to it): it goes out on that response's lane, running or ended
+        (`ServerConnection.lane_of`)."""
+        await self.send_event(event, stream_id=self.protocol.lane_of(response_id))
 
     async def close(self, code: int = 1000) -> None:
         """Close after the frames already queued (not for a slow consumer: see `_stalled`)."""
@@ -210,7 +238,7 @@ class WebSocketConnection:
             try:
                 with self._tasks:
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(self._runner, nursery.cancel_scope)
+                        self._responses = nursery
                         nursery.start_soon(self._watch_shutdown)
                         try:
                             await self._reader()
@@ -223,10 +251,14 @@ class WebSocketConnection:
                 self._queued.set()
 
     async def _watch_shutdown(self) -> None:
-        """On server shutdown: close once the running request (if any) has finished."""
+        """On server shutdown: close once the running responses (if any) have finished."""
         await self._shutting_down.wait()
-        await self._idle.wait()
-        await self.close(1001)
+        await self._close_when_idle(1001)
+
+    async def _close_when_idle(self, code: int) -> None:
+        while not self._idle.is_set():
+            await self._idle.wait()
+        await self.close(code)
 
     async def _reader(self) -> None:
         while True:
@@ -242,123 +274,173 @@ class WebSocketConnection:
             data = message.get("text")
             if data is None:
                 data = message.get("bytes") or b""
-            timings: dict[str, float] = {}
             try:
-                decoded = await self.session.engine.decode(self.protocol.decode, data, timings)
-            except RemoteProtocolError as exc:
-                await self._answer_error(exc)
-                continue
-            except Exception:  # a bug in the decoder: this frame fails, the socket lives
-                log.exception("decoding a WebSocket frame failed unexpectedly")
-                await self._answer_error(server_error())
-                continue
-            for event in self.protocol.receive_event(decoded):
-                if isinstance(event, ErrorEvent):
-                    if event.error.code != "too_many_queued_requests":  # (a 429 is not one)
-                        self.session.engine.counters.request_errors += 1
-                    await self.send_event(event)
-                elif isinstance(event, ResponseCreate):
-                    try:
-                        self._queue_send.send_nowait((event, timings))
-                        if self._idle.is_set():
-                            self._idle = trio.Event()
-                    except trio.ClosedResourceError:
-                        return
-                else:
-                    await self._append(event, timings)
+                await self._receive_frame(data)
+            except trio.ClosedResourceError:
+                return  # closing: nothing more can be answered
 
-    async def _answer_error(self, exc: RemoteProtocolError) -> None:
+    async def _receive_frame(self, data: str | bytes) -> None:
+        timings: dict[str, float] = {}
+        try:
+            decoded = await self.session.engine.decode(self.protocol.decode, data, timings)
+        except RemoteProtocolError as exc:
+            await self._answer_error(exc)
+            return
+        except Exception:  # a bug in the decoder: this frame fails, the socket lives
+            log.exception("decoding a WebSocket frame failed unexpectedly")
+            await self._answer_error(server_error())
+            return
+        for event in self.protocol.receive_event(decoded):
+            if isinstance(event, ErrorEvent):
+                if event.error.code != "too_many_queued_requests":  # (a 429 is not one)
+                    self.session.engine.counters.request_errors += 1
+                await self.send_event(event)
+            elif isinstance(event, ResponseCreate):
+                self._decode_timings[id(event)] = timings
+                self._dispatch()
+            else:
+                await self._append(event, timings)
+
+    async def _answer_error(
+        self, exc: RemoteProtocolError, *, stream_id: str | None = None
+    ) -> None:
         self.session.engine.counters.request_errors += 1
-        await self.send_event(exc.error_event())
+        await self.send_event(exc.error_event(), stream_id=stream_id)
 
     async def _append(self, event: ResponseAppend, timings: dict[str, float]) -> None:
-        """Deliver an append the connection let through (to its suspended rollout); the
-        rollout checks the items (pending call ids, item kinds). `timings`: its decode's,
-        reported with the resumed turn's stages."""
+        """Deliver an append the connection let through (to a suspended rollout) to that
+        rollout, which checks the items (pending call ids, item kinds). `timings`: its
+        decode's, reported with the resumed turn's stages."""
+        lane = self.protocol.lane_of(event.response_id)
+        rollout = self._rollouts.get(lane)
         try:
-            if self._rollout is None:  # the rollout ended as the append arrived
+            if rollout is None or rollout.response_id != event.response_id:
+                # The rollout ended as the append arrived.
                 raise RemoteProtocolError.invalid(
                     "The rollout is not suspended: append tool outputs after response.done.",
                     code="rollout_not_suspended",
                     param="response_id",
                 )
-            self._rollout.append(event.input)
+            rollout.append(event.input)
             for stage, seconds in timings.items():
-                self._rollout.timings[stage] = self._rollout.timings.get(stage, 0.0) + seconds
+                rollout.timings[stage] = rollout.timings.get(stage, 0.0) + seconds
         except RemoteProtocolError as exc:
-            await self._answer_error(exc)
+            await self._answer_error(exc, stream_id=lane)
         except Exception:  # a bug: this append fails, the rollout and the socket live on
             log.exception("response.append failed unexpectedly")
-            await self._answer_error(server_error())
+            await self._answer_error(server_error(), stream_id=lane)
 
-    async def _runner(self, cancel_scope: trio.CancelScope) -> None:
-        limit = self.limits.connection_age_limit
-        async for request, timings in self._queue_recv:
-            age = trio.current_time() - self._opened_at
-            self.protocol.start(request)
-            if math.isfinite(limit) and age > limit:
+    # --- the lanes ---
+    def _dispatch(self) -> None:
+        """Start every create the connection lets run now, each in a task of its own."""
+        assert self._responses is not None
+        try:
+            while (request := self.protocol.start_next()) is not None:
+                timings = self._decode_timings.pop(id(request), {})
+                self._responses.start_soon(self._respond, request, timings)
+        except LocalProtocolError:  # a bug of ours broke the protocol: the connection is over
+            log.exception("a WebSocket connection broke the protocol; closing it")
+            self._closed = True
+            self._queued.set()
+            self._tasks.cancel()
+            return
+        if self.protocol.queued or self.protocol.in_flight:
+            if self._idle.is_set():
+                self._idle = trio.Event()
+        else:
+            self._idle.set()
+
+    async def _respond(self, request: ResponseCreate, timings: dict[str, float]) -> None:
+        """Answer one started create, on its lane; then let the next creates start."""
+        lane = request.stream_id
+        try:
+            if self._past_age_limit():
                 await self._refuse(
+                    lane,
                     _error(
-                        f"This connection is older than its limit of {limit:g} seconds; "
-                        "open a new WebSocket connection to continue.",
+                        f"This connection is older than its limit of "
+                        f"{self.limits.connection_age_limit:g} seconds; open a new WebSocket "
+                        "connection to continue.",
                         code="websocket_connection_limit_reached",
-                    )
+                    ),
                 )
-                await self.close(1000)
-                self._queue_send.close()
-                cancel_scope.cancel()
                 return
-            try:
-                await self._run_one(request, timings)
-            except trio.ClosedResourceError:
-                # The client closed the socket while this request was answered: `send_event`
-                # can see it closed after taking its lock (a shielded checkpoint, so before
-                # the reader's cancellation reaches us). The connection is over; not an error.
-                return
-            finally:
-                if not self._queue_recv.statistics().current_buffer_used:
-                    self._idle.set()
+            await self._run_one(request, timings)
+        except trio.ClosedResourceError:
+            # The client closed the socket while this request was answered: `send_event` can
+            # see it closed after taking its lock (a shielded checkpoint, so before the
+            # reader's cancellation reaches us). The connection is over; not an error.
+            return
+        finally:
+            if not self._closed:
+                self._dispatch()
+
+    def _past_age_limit(self) -> bool:
+        """Whether the connection is past its age limit (from then on it refuses every create
+        and closes once no response runs)."""
+        limit = self.limits.connection_age_limit
+        if not self._expired and math.isfinite(limit):
+            if trio.current_time() - self._opened_at > limit:
+                self._expired = True
+                assert self._responses is not None
+                self._responses.start_soon(self._close_when_idle, 1000)
+        return self._expired
 
     async def _run_one(self, request: ResponseCreate, timings: dict[str, float]) -> None:
-        """Run one create (`timings`: its decode's)."""
-        emit = self._emitter()
+        """Run one create (`timings`: its decode's) on its lane."""
+        lane = request.stream_id
+        rollout = Rollout(self.session) if request.rollout else None
+        emit = self._emitter(lane, timings, rollout)
         try:
-            if request.rollout:
-                self._rollout = Rollout(self.session)
-                await self.session.run_rollout(request, emit, self._rollout, timings=timings)
+            if rollout is not None:
+                self._rollouts[lane] = rollout
+                await self.session.run_rollout(request, emit, rollout, timings=timings)
             else:
                 await self.session.create(request, emit, timings=timings)
         except RemoteProtocolError as exc:
             self.session.engine.counters.request_errors += 1
-            await self._refuse(exc)
+            await self._refuse(lane, exc)
         finally:
-            self._rollout = None
+            self._rollouts.pop(lane, None)
 
-    async def _refuse(self, error: RemoteProtocolError | ErrorEvent) -> None:
-        """Answer the started create with a request error (the connection checks that no
-        event of its response went out)."""
-        text = self.protocol.refuse(error)
+    async def _refuse(self, lane: str | None, error: RemoteProtocolError | ErrorEvent) -> None:
+        """Answer the started create of `lane` with a request error (the connection checks
+        that no event of its response went out)."""
+        text = self.protocol.refuse(error, stream_id=lane)
         self.session.engine.counters.ws_frame_encoded(text)
         await self._enqueue({"type": "websocket.send", "text": text}, len(text))
 
-    def _emitter(self) -> Callable[[ServerEvent], Awaitable[None]]:
+    def _emitter(
+        self, lane: str | None, timings: dict[str, float], rollout: Rollout | None
+    ) -> Callable[[ServerEvent], Awaitable[None]]:
+        """The emitter of one response: its events go out on its lane. With timing frames on,
+        each `response.in_progress` (a create's, and each resumed rollout turn's) is followed
+        by a `rollout.timing` frame with that turn's pre-inference stages: the create's
+        (`timings`, which pre-inference fills), then those of the appends that resumed it."""
         if not self.timing:
-            return self.send_event
-        session = self.session
 
-        async def emit(event: ServerEvent) -> None:
-            await self.send_event(event)
-            # After each response.in_progress: a create's, and each resumed rollout turn's.
+            async def emit(event: ServerEvent) -> None:
+                await self.send_event(event, stream_id=lane)
+
+            return emit
+        turns = 0
+
+        async def emit_timed(event: ServerEvent) -> None:
+            nonlocal turns
+            await self.send_event(event, stream_id=lane)
             if event.type == "response.in_progress":
+                stages = rollout.timings if turns and rollout is not None else timings
+                turns += 1
                 await self.send_event(
                     {
                         "type": "rollout.timing",
                         "response_id": event.response.id,
-                        "stages": {k: round(v, 9) for k, v in session.last_timings.items()},
-                    }
+                        "stages": {k: round(v, 9) for k, v in stages.items()},
+                    },
+                    stream_id=lane,
                 )
 
-        return emit
+        return emit_timed
 
 
 def _dumps(obj: dict[str, Any]) -> str:

@@ -275,6 +275,38 @@ async def test_max_cached_tokens_evicts_the_least_recently_used() -> None:
             assert len(tiny.cache) == 1 and e.id in tiny.cache
 
 
+async def test_the_cache_follows_the_lanes() -> None:
+    """Each lane's latest response stays past the count bound (a lane's next turn finds its
+    parent however busy the other lanes are); a newer one on its lane releases it; a failed
+    continuation evicts its parent only on the parent's own lane; the token bound stays hard.
+    (A request's lane is its `stream_id`; the default lane is None.)"""
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            session = engine.session(max_cached_responses=2)
+            made = {lane: await create(session, input="hi", stream_id=lane) for lane in "abc"}
+            made["-"] = await create(session, input="hi")
+            assert all(s.id in session.cache for s in made.values())
+            newer = await follow(session, made["a"], stream_id="a")
+            # a's first response is no lane's latest now: the count bound (2) evicts it.
+            assert made["a"].id not in session.cache and newer.id in session.cache
+            # A failed fork on lane b keeps lane c's response...
+            with pytest.raises(p.RemoteProtocolError):
+                await follow(session, made["c"], stream_id="b", input=[answers(made["c"])[0]])
+            assert made["c"].id in session.cache
+            # ...and a failure on lane c itself evicts it (store: false: gone).
+            with pytest.raises(p.RemoteProtocolError):
+                await follow(session, made["c"], stream_id="c", input=[answers(made["c"])[0]])
+            assert made["c"].id not in session.cache
+            with pytest.raises(p.RemoteProtocolError) as gone:
+                await follow(session, made["c"], stream_id="c")
+            assert not_found(gone, made["c"].id)
+            # The token bound evicts even a lane's latest (least recently used first).
+            tight = engine.session(max_cached_tokens=1)
+            first = await create(tight, input="hi", stream_id="x")
+            second = await create(tight, input="hi", stream_id="y")
+            assert first.id not in tight.cache and second.id in tight.cache
+
+
 def test_cache_bounds_are_validated() -> None:
     from rollout.engine import ResponseCache
 

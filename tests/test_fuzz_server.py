@@ -78,7 +78,8 @@ def check(event: Any) -> None:
 
 
 async def probe(ws: Any, n: int) -> None:
-    """A create that must complete after whatever came before it on this socket."""
+    """A create that must complete after whatever came before it on this socket; then every
+    lane a fuzzed create named is drained too (its response may still run beside the probe)."""
     await ws.send(
         {
             "type": "response.create",
@@ -88,11 +89,12 @@ async def probe(ws: Any, n: int) -> None:
             "metadata": {"probe": str(n)},
         }
     )
-    while True:
+    done = False
+    while not done or ws.awaiting:
         event = await ws.recv()
         check(event)
         if event.type == "response.completed" and event.response.metadata.get("probe") == str(n):
-            return
+            done = True
 
 
 @settings(

@@ -53,8 +53,10 @@ REFUSED = {
     "conversation": "no Conversations API; use previous_response_id",
     "prompt": "no stored prompt templates",
     "background": "no background mode",
-    "stream_id": "no WebSocket lanes yet (issue 15); over HTTP never valid",
 }
+# Fields of WebSocket mode only: served over WebSocket, left out of the HTTP body (HTTP refuses
+# them with `unsupported_parameter`: tests/test_server_http.py).
+WS_ONLY = {"generate", "stream", "stream_id"}
 # Fields whose instance the engine cannot take as is (they name things that must exist).
 SEMANTIC = {"previous_response_id": "names a response that must exist"}
 
@@ -264,7 +266,7 @@ async def test_every_create_field_is_served(field: str) -> None:
     body = {"model": MODEL, "input": "Hello", field: value}
     with trio.fail_after(DEADLINE):
         async with open_test_server() as url:
-            http_body = {k: v for k, v in body.items() if k not in ("generate", "stream")}
+            http_body = {k: v for k, v in body.items() if k not in WS_ONLY}
             async with httpx.AsyncClient(timeout=DEADLINE) as client:
                 resp = await client.post(f"{url}/responses", json=http_body)
             async with open_ws(url) as ws:
@@ -283,6 +285,8 @@ async def test_every_create_field_is_served(field: str) -> None:
     assert resp.status_code == 200, resp.text
     assert resp.json()["status"] == "completed"
     assert events[-1].type == "response.completed", events[-1]
+    if field == "stream_id":  # the response ran on that lane
+        assert {e.stream_id for e in events} == {value}
 
 
 # --- conversations with every item type -------------------------------------------------------
