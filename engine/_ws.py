@@ -271,15 +271,17 @@ class WebSocketConnection:
             if kind != "websocket.receive":
                 continue
             self.frames_in += 1
-            data = message.get("text")
-            if data is None:
-                data = message.get("bytes") or b""
             try:
-                await self._receive_frame(data)
+                await self._receive_frame(message)
             except trio.ClosedResourceError:
                 return  # closing: nothing more can be answered
 
-    async def _receive_frame(self, data: str | bytes) -> None:
+    async def _receive_frame(self, message: dict[str, Any]) -> None:
+        """Act on one client frame: queue a create (and start what may start), deliver an
+        append, or answer with an error."""
+        data = message.get("text")
+        if data is None:
+            data = message.get("bytes") or b""
         timings: dict[str, float] = {}
         try:
             decoded = await self.session.engine.decode(self.protocol.decode, data, timings)
