@@ -13,7 +13,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import EllipsisType
 from typing import Any
 
-from rollout.protocol import ClientConnection, Phase, RemoteProtocolError, sequence_problem
+from rollout.protocol import (
+    ClientConnection,
+    Phase,
+    RemoteProtocolError,
+    sequence_problem,
+    valid_stream_id,
+)
 
 from ._client import CheckFailed, describe_value
 
@@ -166,24 +172,32 @@ def lifecycle_problems(events: Sequence[Event], *, suspensions: bool = False) ->
     if not events:
         return ["the response has no events"]
     connection = ClientConnection()
-    connection.sent_raw({"type": "response.create", "rollout": suspensions})
+    create: dict[str, Any] = {"type": "response.create", "rollout": suspensions}
+    lane = events[0].get("stream_id")
+    if not isinstance(lane, str):
+        lane = None
+    elif valid_stream_id(lane):  # a response on a named lane: its events carry the lane
+        create["stream_id"] = lane
+    connection.sent_raw(create)
     for n, event in enumerate(events):
         kind = event.get("type")
         try:
             connection.receive_json(event)
         except RemoteProtocolError as exc:
             return [f"event {n} ({kind}): {exc.__cause__ or exc}"]
-        if connection.response_id is None:
+        view = connection.lane(lane)
+        if view is None or view.response_id is None:
             return [f"the response begins with {kind}, expected response.created"]
         if kind == "response.done":  # answer every pending call, as the client would
             outputs = [
                 {"type": "function_call_output", "call_id": call_id}
-                for call_id in connection.pending_call_ids
+                for call_id in view.pending_call_ids
             ]
             connection.sent_raw(
-                {"type": "response.append", "response_id": connection.response_id, "input": outputs}
+                {"type": "response.append", "response_id": view.response_id, "input": outputs}
             )
-    if connection.phase is not Phase.IDLE:
+    view = connection.lane(lane)
+    if view is None or view.phase is not Phase.IDLE:
         return [f"the response ends with {events[-1].get('type')}, expected a terminal event"]
     return []
 

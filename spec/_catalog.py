@@ -7,6 +7,7 @@ from ._checks_chain import checks as chain
 from ._checks_errors import checks as errors
 from ._checks_events import checks as events
 from ._checks_http import checks as http
+from ._checks_lanes import checks as lanes
 from ._checks_rollout import checks as rollout
 from ._checks_schema import checks as schema
 from ._checks_ws import checks as ws
@@ -25,4 +26,4 @@ def _gather(*sets: CheckSet) -> dict[str, CheckFn]:
     return every.by_id
 
 
-CHECKS: dict[str, CheckFn] = _gather(http, ws, events, chain, rollout, schema, errors)
+CHECKS: dict[str, CheckFn] = _gather(http, ws, lanes, events, chain, rollout, schema, errors)

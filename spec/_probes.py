@@ -1,7 +1,7 @@
-"""What the server supports, probed once per run: the rollout extension (a feature: its checks
-are skipped without it) and whether the model is deterministic (the same requests twice give
-equal outputs modulo ids). With a deterministic model, outputs that must be equal are compared
-modulo ids, otherwise their structure is compared (`compare_outputs`)."""
+"""What the server supports, probed once per run: the rollout extension and lanes (features:
+their checks are skipped without them) and whether the model is deterministic (the same
+requests twice give equal outputs modulo ids). With a deterministic model, outputs that must be
+equal are compared modulo ids, otherwise their structure is compared (`compare_outputs`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ __all__ = [
     "compare_outputs",
     "deterministic",
     "probe_deterministic",
+    "probe_lanes",
     "probe_rollout",
     "sum_tokens",
 ]
@@ -114,4 +115,24 @@ async def probe_rollout(ctx: Context) -> str | None:
     raise CheckFailed(f"a create with rollout: true was answered with {event['type']}")
 
 
-FEATURE_PROBES = {"rollout": probe_rollout}
+async def probe_lanes(ctx: Context) -> str | None:
+    """None when the server runs a create with `stream_id` (a lane, WS-7), else why lanes are
+    absent: the server refuses the parameter, as WS-2.8 allows."""
+    async with ctx.ws() as ws:
+        event = await first_event(
+            ctx,
+            ws,
+            {"type": "response.create", **text_body(ctx, stream_id="conformance.lane-probe")},
+        )
+    if event["type"] in ("response.created", "response.queued"):
+        return None
+    error = as_dict(event.get("error"))
+    if event["type"] == "error" and error.get("param") == "stream_id":
+        return f"the server refuses `stream_id` ({error.get('code')}): lanes are not supported"
+    raise CheckFailed(
+        f"a create with stream_id was answered with {event['type']} "
+        f"{describe_value(error.get('code'))}: {describe_value(error.get('message'))}"
+    )
+
+
+FEATURE_PROBES = {"rollout": probe_rollout, "lanes": probe_lanes}

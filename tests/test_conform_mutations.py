@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import pytest
 import trio
+from rollout import protocol as p
 from rollout import spec
 from rollout.engine._app import RolloutApp
 from rollout.spec._checks_errors import ERROR_ROWS, ErrorRow
@@ -440,6 +441,177 @@ class StripStreamId(Mutant):
         return event
 
 
+def lane_error(code: str, stream_id: str, param: str | None = None, status: int = 400) -> Message:
+    """A WebSocket `error` on a lane (its `stream_id` echoed)."""
+    message = ws_error(code, param, status)
+    return text({**json.loads(message["text"]), "stream_id": stream_id})
+
+
+def _terminal_of_lane(event: dict[str, Any]) -> bool:
+    return event["type"] in TERMINAL and isinstance(event.get("stream_id"), str)
+
+
+class DropDeltaLane(Mutant):
+    """Text deltas of a laned response lose their `stream_id`."""
+
+    breaks = ("lanes.echo",)
+    reason = "response.output_text.delta of the response on lane"
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.output_text.delta":
+            event.pop("stream_id", None)
+        return [text(event)]
+
+
+class AcceptBadLanes(Mutant):
+    """Runs a create with an invalid `stream_id` on a lane of its own choosing."""
+
+    breaks = ("lanes.invalid_stream_id",)
+    reason = "expected an error event with code 'invalid_stream_id', observed response.created"
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        lane = event.get("stream_id")
+        if _create(event) and isinstance(lane, str) and not p.valid_stream_id(lane):
+            event["stream_id"] = "lenient"
+        return event
+
+
+# FewLanes refuses a connection's lanes past this many.
+FEW_LANES = 16
+
+
+class FewLanes(Mutant):
+    """Refuses lanes past the 16th of a connection as if the limit were reached."""
+
+    breaks = ("lanes.limit",)
+    reason = f"lane {FEW_LANES + 1} of 32 was refused with error 'websocket_stream_limit_reached'"
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        lane = event.get("stream_id")
+        if _create(event) and isinstance(lane, str):
+            lanes = conn.state.setdefault("lanes", set())
+            if lane not in lanes and len(lanes) >= FEW_LANES:
+                await conn.emit([lane_error("websocket_stream_limit_reached", lane, "stream_id")])
+                return None
+            lanes.add(lane)
+        return event
+
+
+class OverlapOnALane(Mutant):
+    """A create on a busy lane runs at once on a hidden lane, its events put back on the lane
+    it named: two responses of one lane overlap."""
+
+    breaks = ("lanes.fifo",)
+    reason = "2 response.created events before its terminal event, expected one"
+    HIDDEN = ".hidden-twin"
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        lane = event.get("stream_id")
+        if (
+            _create(event)
+            and isinstance(lane, str)
+            and lane in conn.state.setdefault("busy", set())
+        ):
+            event["stream_id"] = lane + self.HIDDEN
+        elif _create(event) and isinstance(lane, str):
+            conn.state["busy"].add(lane)
+        return event
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        lane = event.get("stream_id")
+        if isinstance(lane, str) and lane.endswith(self.HIDDEN):
+            event["stream_id"] = lane.removesuffix(self.HIDDEN)
+        return [text(event)]
+
+
+class SerialLanes(Mutant):
+    """Runs every create on the default lane, one at a time, and labels each response's
+    events with the lane its create named: lanes that never overlap."""
+
+    breaks = ("lanes.concurrent",)
+    reason = "only after the one on lane"
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event):
+            conn.state.setdefault("order", []).append(event.pop("stream_id", None))
+        return event
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] in ("response.created", "error") and conn.state.get("current") is None:
+            order = conn.state.get("order") or [None]
+            conn.state["current"] = order.pop(0)
+        lane = conn.state.get("current")
+        if lane is not None:
+            event["stream_id"] = lane
+        if event["type"] in TERMINAL:
+            conn.state["current"] = None
+        return [text(event)]
+
+
+class RefuseBeyondSixteen(Mutant):
+    """Refuses a create while 16 responses of the connection are in flight."""
+
+    breaks = ("lanes.in_flight",)
+    reason = "was refused with error 'too_many_requests': more than 16 responses in flight"
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event):
+            if conn.state.get("running", 0) >= 16:
+                lane = str(event.get("stream_id"))
+                await conn.emit([lane_error("too_many_requests", lane, None, 429)])
+                return None
+            conn.state["running"] = conn.state.get("running", 0) + 1
+        return event
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] in TERMINAL:
+            conn.state["running"] = conn.state.get("running", 0) - 1
+        return [text(event)]
+
+
+class LaneScopedParents(Mutant):
+    """A continuation finds only parents made on its own lane."""
+
+    breaks = ("lanes.fork",)
+    reason = "observed error 'previous_response_not_found'"
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.completed":
+            made = conn.state.setdefault("made", {})
+            made[event["response"]["id"]] = event.get("stream_id")
+        return [text(event)]
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        parent = event.get("previous_response_id")
+        made = conn.state.get("made", {})
+        if _create(event) and parent in made and made[parent] != event.get("stream_id"):
+            event["previous_response_id"] = "resp_forgotten"
+        return event
+
+
+class EvictOnAnyFailure(Mutant):
+    """A failed continuation on any lane evicts its parent."""
+
+    breaks = ("lanes.fork_failure",)
+    reason = "a failed fork must keep the parent"
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        parent = event.get("previous_response_id")
+        if _create(event) and parent:
+            if parent in conn.state.setdefault("evicted", set()):
+                event["previous_response_id"] = "resp_evicted"
+            conn.state.setdefault("asked", {})[event.get("stream_id")] = parent
+        return event
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        asked = conn.state.get("asked", {})
+        if event["type"] == "error" and event.get("stream_id") in asked:
+            conn.state["evicted"].add(asked.pop(event.get("stream_id")))
+        elif event["type"] == "response.created":
+            asked.pop(event.get("stream_id"), None)
+        return [text(event)]
+
+
 class SwapItemEvents(Mutant):
     """Sends a message's content_part.added before its output_item.added."""
 
@@ -595,7 +767,6 @@ _ERROR_CHECKS = (
     "ws.error_model_not_found",
     "ws.error_unknown_event",
     "ws.error_invalid_json",
-    "ws.stream_id",
     "rollout.http_rejected",
     "rollout.append_unknown_response",
     "rollout.append_completed",
@@ -613,7 +784,6 @@ class RenameErrorCodes(Mutant):
         _ERROR_CHECKS,
         lambda row: f"error.code: expected {row.code!r}, observed '{row.code}_renamed'",
         auth__http_401="error.code 'invalid_api_key_renamed', expected 'invalid_api_key'",
-        ws__stream_id="error.code: expected 'unsupported_parameter', observed",
         ws__evicted_after_failure="evicted: error.code: expected 'previous_response_not_found'",
         ws__queue_limit="error.code: expected 'too_many_queued_requests', observed",
         ws__connection_age_limit="error.code: expected 'websocket_connection_limit_reached'",
@@ -990,7 +1160,6 @@ class ErrorParamDropped(Mutant):
         "http.error_model_not_found",
         "http.error_previous_response_not_found",
         "rollout.http_rejected",
-        "ws.stream_id",
         "ws.previous_response_not_found",
         "ws.store_false_after_reconnect",
         "ws.evicted_after_failure",
@@ -1008,7 +1177,6 @@ class ErrorParamDropped(Mutant):
     reason: ClassVar[Mapping[str, str]] = row_reasons(
         breaks,
         lambda row: f"error.param: expected {row.param!r}, observed null",
-        ws__stream_id="error.param: expected 'stream_id', observed null",
         ws__evicted_after_failure="evicted: error.param: expected 'previous_response_id'",
     )
 
@@ -1237,6 +1405,14 @@ MUTANTS: tuple[type[Mutant], ...] = (
     WarmupGenerates,
     ForgetParent,
     StripStreamId,
+    DropDeltaLane,
+    AcceptBadLanes,
+    FewLanes,
+    OverlapOnALane,
+    SerialLanes,
+    RefuseBeyondSixteen,
+    LaneScopedParents,
+    EvictOnAnyFailure,
     SwapItemEvents,
     SequenceFromOne,
     CorruptDeltas,
@@ -1359,4 +1535,36 @@ async def test_rollout_checks_are_skipped_when_the_server_rejects_the_parameter(
         assert "rejects the `rollout` parameter" in result.reason
     assert report.ok
     # With --require rollout, the skipped extension fails the run.
+    assert not required.ok and required.exit_code == 1
+
+
+class WithoutLanes(Mutant):
+    """A server without lanes: it refuses `stream_id` with `unsupported_parameter`, as WS-2.8
+    allows. Not a broken variant: its lanes checks must be skipped, never passed or failed."""
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event) and event.get("stream_id") is not None:
+            await conn.emit([ws_error("unsupported_parameter", "stream_id")])
+            return None
+        return event
+
+
+async def test_lanes_checks_are_skipped_when_the_server_refuses_stream_id() -> None:
+    with trio.fail_after(60):
+        async with serving(app_wrapper=WithoutLanes) as url:
+            report = await spec.run_conformance(
+                url, harness_options(filter=("lanes", "ws.stream_id"))
+            )
+            required = await spec.run_conformance(
+                url, harness_options(filter=("lanes.echo",), require=("lanes",))
+            )
+    assert report.features["lanes"] is False
+    results = report.by_id()
+    assert results["ws.stream_id"].outcome is spec.Outcome.PASSED  # a refusal is allowed
+    lanes = [r for r in report.results if r.feature == "lanes"]
+    assert len(lanes) >= 8
+    for result in lanes:
+        assert result.outcome is spec.Outcome.SKIPPED, (result.id, result.reason)
+        assert "refuses `stream_id` (unsupported_parameter)" in result.reason
+    assert report.ok
     assert not required.ok and required.exit_code == 1
