@@ -706,8 +706,12 @@ def to_wire(obj: Any) -> Any:
     return _STRICT.unstructure(obj)
 
 
-def encode_json(obj: Any) -> str:
-    return json.dumps(_STRICT.unstructure(obj), ensure_ascii=False, separators=(",", ":"))
+def encode_json(obj: Any, *, extra: Mapping[str, Any] | None = None) -> str:
+    """`obj` as compact JSON; `extra`: keys added to the object (a server event's lane)."""
+    wire = _STRICT.unstructure(obj)
+    if extra:
+        wire.update(extra)
+    return json.dumps(wire, ensure_ascii=False, separators=(",", ":"))
 
 
 def encode_msgpack(obj: Any) -> bytes:

@@ -55,8 +55,6 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import attrs
-
 from ._codec import DEFAULT_MAX_MESSAGE_SIZE, decode_client_event, decode_server_event, encode_json
 from ._errors import ErrorBody, LocalProtocolError, RemoteProtocolError
 from ._events import (
@@ -396,18 +394,18 @@ class ServerConnection(_Connection):
         lane: the event's own `stream_id`). An answer to a message (`ANSWER_EVENT_TYPES`: a
         request error) may go out at any time; an event of a response must follow the
         response grammar of its lane's response."""
-        self._usable()
+        if self._broken:
+            self._usable()
         own = getattr(event, "stream_id", None)
         if stream_id is None:
             stream_id = own
-        elif own is None:
-            event = attrs.evolve(event, stream_id=stream_id)
-        elif own != stream_id:
+        elif own is not None and own != stream_id:
             self._broken = True
             raise LocalProtocolError(f"{event.type} names lane {own!r}, sent on {stream_id!r}")
         if event.type not in ANSWER_EVENT_TYPES:
-            self._advance(event, self._lane_for(stream_id))
-        return encode_json(event)
+            self._advance(event, self._lanes.get(stream_id) or self._lane_for(stream_id))
+        # The lane goes into the frame (cheaper than a copy of the event with it).
+        return encode_json(event, extra={"stream_id": stream_id} if own != stream_id else None)
 
     def _advance(self, event: ServerEvent, lane: _ServerLane) -> None:
         response = getattr(event, "response", None)
@@ -420,9 +418,11 @@ class ServerConnection(_Connection):
                 getattr(event, "pending_call_ids", None),
             )
         )
-        if move in (Move.QUEUED, Move.CREATED) and response_id is not None:
+        if response_id is None:  # an item, part or delta event
+            return
+        if move is Move.QUEUED or move is Move.CREATED:
             self._in_flight[response_id] = lane
-        elif move is Move.TERMINAL and response_id is not None:
+        elif move is Move.TERMINAL:
             self._in_flight.pop(response_id, None)
             self._ended.add(response_id, lane.stream_id)
 
