@@ -390,7 +390,7 @@ class ServerConnection(_Connection):
         )
 
     def send(self, event: ServerEvent, *, stream_id: str | None = None) -> str:
-        """Encode one server event, on lane `stream_id` (written into the event; the default
+        """Encode one server event, on lane `stream_id` (written into the frame; the default
         lane: the event's own `stream_id`). An answer to a message (`ANSWER_EVENT_TYPES`: a
         request error) may go out at any time; an event of a response must follow the
         response grammar of its lane's response."""
