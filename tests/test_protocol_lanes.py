@@ -221,7 +221,12 @@ def test_appends_errors_and_acks_follow_the_lane_of_their_response() -> None:
         p.ResponseInProgress(sequence_number=1, response=_response("resp_r")), stream_id="r"
     )
     server.send(
-        p.ResponseDone(sequence_number=2, response=_response("resp_r"), pending_call_ids=["c"]),
+        p.ResponseDone(
+            sequence_number=2,
+            response=p.ResponseRef(id="resp_r"),
+            pending_call_ids=["c"],
+            output_indices=[],
+        ),
         stream_id="r",
     )
     assert isinstance(answer("resp_r"), p.ResponseAppend)
