@@ -221,6 +221,13 @@ class ResponseStream:
         self._seq += 1
         return n
 
+    def steer_sequence_number(self) -> int:
+        """The sequence number of a steering answer in this stream (ST-2): after
+        `response.created`, also after the terminal event."""
+        if self._state in (BuilderState.NEW, BuilderState.ERROR):
+            raise LocalProtocolError(f"no steering answer in state {self._state.value}")
+        return self._next_sequence()
+
     # --- actions ---
     def start(self) -> list[ServerEvent]:
         """`response.created` then `response.in_progress`."""

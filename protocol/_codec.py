@@ -54,6 +54,7 @@ from ._items import (
     WIRE_NAME,
     ContentPart,
     Item,
+    Message,
     OpaqueItem,
 )
 from ._lanes import valid_stream_id
@@ -70,6 +71,7 @@ from ._response import (
     Usage,
 )
 from ._shapes import BUILTIN_TOOL_SHAPES, NESTED_TOOL_SHAPES, OPAQUE_ITEM_SHAPES, check_shape
+from ._steer import InvalidSteer, ResponseSteer
 from ._tools import (
     TOOL_CHOICE_TYPES,
     TOOL_TYPES,
@@ -635,11 +637,14 @@ def decode_client_event(
     *,
     max_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     fmt: Literal["json", "msgpack"] = "json",
-) -> ClientEvent:
+) -> ClientEvent | InvalidSteer:
     """Decode one client message. Raises `RemoteProtocolError` (with the error to send back)
     for anything malformed, oversized or unknown; a create that names a valid lane gets the
-    error on its lane (its `stream_id` echoed)."""
+    error on its lane (its `stream_id` echoed). A `response.steer` that fails its checks is
+    not an error but an `InvalidSteer` (answered with `response.steer.failed`)."""
     value = _load(data, max_size=max_size, fmt=fmt)
+    if isinstance(value, dict) and value.get("type") == "response.steer":
+        return _steer_event(value)
     try:
         return typing.cast(ClientEvent, _as_event(value, CLIENT_EVENT_TYPES, _STRICT))
     except RemoteProtocolError as exc:
@@ -647,6 +652,106 @@ def decode_client_event(
             lane = value.get("stream_id")
             exc.stream_id = lane if valid_stream_id(lane) else None
         raise
+
+
+# What `response.steer` may carry (the SDK's `ResponseSteerEvent`): these three fields; in its
+# input, user messages with these keys (`id` and `status` as the SDK's message type allows)
+# and content parts of these types. The SDK's input type also admits `function_call_output`,
+# which its documentation says steering does not support: refused (spec/PROTOCOL.md ST-1.2).
+_STEER_KEYS = frozenset({"type", "previous_response_id", "input"})
+_STEER_MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status"})
+_STEER_PART_TYPES = frozenset({"input_text", "input_image", "input_file"})
+
+
+def _steer_event(value: dict[str, Any]) -> ResponseSteer | InvalidSteer:
+    target = value.get("previous_response_id")
+    raw = value.get("input")
+    problem = _steer_problem(value, target, raw)
+    if problem is not None:
+        return InvalidSteer(
+            previous_response_id=target if isinstance(target, str) else "",
+            input=raw if raw is not None else "",
+            message=problem,
+        )
+    assert isinstance(target, str)
+    return ResponseSteer(previous_response_id=target, input=raw)
+
+
+def _steer_problem(value: dict[str, Any], target: Any, raw: Any) -> str | None:
+    """Why a `response.steer` message is invalid, or None."""
+    extra = sorted(set(value) - _STEER_KEYS)
+    if extra:
+        return (
+            f"Unknown parameter: '{extra[0][:MAX_QUOTED_CHARS]}'. response.steer takes only type, "
+            "previous_response_id and input (the target response fixes the lane)."
+        )
+    if not isinstance(target, str) or not target:
+        return (
+            "Invalid 'previous_response_id': expected the id of the response to steer, got "
+            f"{describe(target)}."
+        )
+    if isinstance(raw, str):
+        return None
+    if not isinstance(raw, list) or not raw:
+        return (
+            "Invalid 'input': expected a string or a non-empty array of user messages, got "
+            f"{describe(raw) if raw != [] else 'an empty array'}."
+        )
+    for i, item in enumerate(raw):
+        problem = _steer_message_problem(item, f"input[{i}]")
+        if problem is not None:
+            return problem
+    return None
+
+
+def _steer_message_problem(item: Any, where: str) -> str | None:
+    if not isinstance(item, dict):
+        return f"Invalid '{where}': expected a user message object, got {describe(item)}."
+    kind = item.get("type", "message")
+    if kind != "message":
+        return (
+            f"Invalid '{where}.type': {clip(kind)}. Steering accepts only user messages "
+            "(no tool outputs or other items)."
+        )
+    if item.get("role") != "user":
+        return (
+            f"Invalid '{where}.role': {clip(item.get('role'))}. Steering accepts only "
+            "messages with the user role."
+        )
+    extra = sorted(set(item) - _STEER_MESSAGE_KEYS)
+    if extra:
+        return (
+            f"Unknown parameter: '{where}.{extra[0][:MAX_QUOTED_CHARS]}'. A steering message "
+            "takes type, role and content."
+        )
+    content = item.get("content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            ptype = part.get("type") if isinstance(part, dict) else None
+            if ptype not in _STEER_PART_TYPES:
+                return (
+                    f"Invalid '{where}.content[{j}]': a steering message's content parts are "
+                    "input_text, input_image or input_file."
+                )
+    try:
+        _structure(_STRICT, item, Item)
+    except RemoteProtocolError as exc:
+        return f"Invalid '{where}': {exc.body.message}"
+    return None
+
+
+def steer_items(raw: Any) -> list[Item]:
+    """The items of a checked steering input (`ResponseSteer.input`): a string is one user
+    message. Raises `RemoteProtocolError` for input that fails the checks."""
+    if isinstance(raw, str):
+        return [Message(role="user", content=raw)]
+    if not isinstance(raw, list):
+        raise RemoteProtocolError.invalid(
+            "Invalid 'input': expected a string or a non-empty array of user messages.",
+            code="invalid_input",
+            param="input",
+        )
+    return [typing.cast(Item, _structure(_STRICT, item, Item)) for item in raw]
 
 
 def decode_create_body(

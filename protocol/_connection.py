@@ -26,7 +26,10 @@ the 17th concurrent create waits instead of being refused). `max_queued_creates`
 creates waiting across all lanes, and so the memory a connection holds with every lane busy:
 at most `max_in_flight` responses running and `max_queued_creates` creates waiting. An append
 is let through only to a suspended rollout of this connection (else `rollout_not_found`,
-`response_already_completed` or `rollout_not_suspended`). `send` encodes each event of a
+`response_already_completed` or `rollout_not_suspended`), a steer only to the running response
+it names (else `response.steer.failed`, out of any stream and on the target's lane when it is
+known: `invalid_input` for a malformed one, `response_not_found`, `response_already_completed`,
+or `response_not_active` for a response that failed). `send` encodes each event of a
 response (on its lane, `stream_id=`) after checking it against the response grammar: a server
 that breaks it raises `LocalProtocolError`, and the connection refuses further use.
 
@@ -39,6 +42,13 @@ harness that must read what it does not know) follows the server's events on the
 event for no response or for a lane nothing was sent on, a gap in sequence numbers, events
 after a terminal one, two responses of one lane interleaved). `awaiting` tells whether the
 server still owes events; `lane(stream_id)` shows one lane.
+
+Steering answers (`_steer.py`) are followed by both sides: in the stream of the response they
+name (its next sequence number, also after its terminal event, where a successor may start
+without a create of its own; the lane stays busy until the ended response has answered all
+the input it accepted), or out of any stream (sequence number 0, like an `error`). Every
+steer gets one first answer (accepted, or failed without a steer id); `awaiting` counts steers
+still unanswered and accepted input an ended response has not answered yet.
 
 Request errors (`error` events) answer one message and carry no sequence number. Which
 message a client cannot always tell (an accepted append is silent), so the client
@@ -68,6 +78,14 @@ from ._events import (
 from ._items import output_of
 from ._lanes import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
 from ._state import Move, Phase, ResponseTracker
+from ._steer import (
+    OUT_OF_STREAM,
+    STEER_EVENT_TYPES,
+    InvalidSteer,
+    ResponseSteer,
+    ResponseSteerFailed,
+    steer_failed,
+)
 
 __all__ = [
     "DEFAULT_MAX_QUEUED_CREATES",
@@ -88,8 +106,9 @@ DEFAULT_MAX_QUEUED_CREATES = 32
 # connection that lives an hour and runs many short responses.
 DEFAULT_MAX_REMEMBERED_RESPONSES = 1024
 # Server event types that answer a client message rather than extend a response's stream: they
-# may go out at any time, on the lane of what they answer, and move no lane's grammar. (Acks
-# of input sent to a running response belong here beside `error`.)
+# may go out at any time, on the lane of what they answer, and move no lane's grammar. (So do
+# steering answers out of any stream, sequence number 0; those in a response's stream are
+# events of that response: `_state.Move.STEER`.)
 ANSWER_EVENT_TYPES = frozenset({"error"})
 
 
@@ -131,26 +150,38 @@ class Lane:
         return self.tracker.phase is Phase.SUSPENDED
 
     @property
+    def free(self) -> bool:
+        """No response runs, and the last one owes no answer to steering input it accepted
+        (its `response.steer.pending`, a failure, or its successor)."""
+        tracker = self.tracker
+        return tracker.phase is Phase.IDLE and not (tracker.ended and tracker.steers_owed)
+
+    @property
     def queued(self) -> int:
         """Creates on this lane whose response has not started."""
         raise NotImplementedError
 
 
 class _Remembered:
-    """Ended responses (id -> lane), the oldest forgotten past a bound."""
+    """Ended responses (id -> lane, terminal status), the oldest forgotten past a bound."""
 
     def __init__(self, bound: int) -> None:
-        self._ids: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._ids: collections.OrderedDict[str, tuple[str | None, str]] = collections.OrderedDict()
         self._bound = bound
 
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._ids
 
     def lane_of(self, response_id: str) -> str | None:
-        return self._ids.get(response_id)
+        found = self._ids.get(response_id)
+        return found[0] if found is not None else None
 
-    def add(self, response_id: str, stream_id: str | None) -> None:
-        self._ids[response_id] = stream_id
+    def status_of(self, response_id: str) -> str | None:
+        found = self._ids.get(response_id)
+        return found[1] if found is not None else None
+
+    def add(self, response_id: str, stream_id: str | None, status: str = "completed") -> None:
+        self._ids[response_id] = (stream_id, status)
         while len(self._ids) > self._bound:
             self._ids.popitem(last=False)
 
@@ -271,7 +302,7 @@ class ServerConnection(_Connection):
     @property
     def in_flight(self) -> int:
         """Responses started and not ended (a create being answered counts), on every lane."""
-        return sum(1 for lane in self._lanes.values() if lane.phase is not Phase.IDLE)
+        return sum(1 for lane in self._lanes.values() if not lane.free)
 
     @property
     def pending_call_ids(self) -> tuple[str, ...]:
@@ -288,34 +319,66 @@ class ServerConnection(_Connection):
     def waiting_with(self, stream_id: str | None) -> int:
         """How many creates would wait (not start at once) with one more on lane `stream_id`:
         a create starts at once when its lane is free and a place in flight is left."""
-        free_lanes = {lane.stream_id for lane in self._arrivals if lane.phase is Phase.IDLE}
+        free_lanes = {lane.stream_id for lane in self._arrivals if lane.free}
         lane = self._lanes.get(stream_id)
-        if lane is None or lane.phase is Phase.IDLE:
+        if lane is None or lane.free:
             free_lanes.add(stream_id)
         startable = min(len(free_lanes), max(0, self.max_in_flight - self.in_flight))
         return self.queued + 1 - startable
 
     # --- receiving ---
-    def decode(self, data: str | bytes) -> ClientEvent:
+    def decode(self, data: str | bytes) -> ClientEvent | InvalidSteer:
         """Decode one client message (pure, so the caller may run it in a worker thread);
         raises `RemoteProtocolError` with the error to answer."""
         return decode_client_event(data, max_size=self.max_message_size)
 
-    def receive_text(self, data: str | bytes) -> list[ClientEvent | ErrorEvent]:
+    def receive_text(
+        self, data: str | bytes
+    ) -> list[ClientEvent | ErrorEvent | ResponseSteerFailed]:
         """A client message -> what to act on: a create (queued on its lane: `start_next`
-        says when to answer it), an append to deliver to the suspended rollout, or the
-        `error` event to answer with."""
+        says when to answer it), an append to deliver to the suspended rollout, a steer to
+        deliver to the running response, or the `error` event (for a steer,
+        `response.steer.failed`) to answer with."""
         try:
             event = self.decode(data)
         except RemoteProtocolError as exc:
             return [exc.error_event()]
         return self.receive_event(event)
 
-    def receive_event(self, event: ClientEvent) -> list[ClientEvent | ErrorEvent]:
+    def receive_event(
+        self, event: ClientEvent | InvalidSteer
+    ) -> list[ClientEvent | ErrorEvent | ResponseSteerFailed]:
         """The connection rules for an already decoded client event (see `receive_text`)."""
         if isinstance(event, ResponseCreate):
             return [self._queue(event)]
-        return [self._route_append(event)]
+        if isinstance(event, ResponseAppend):
+            return [self._route_append(event)]
+        return [self._route_steer(event)]
+
+    def _route_steer(
+        self, event: ResponseSteer | InvalidSteer
+    ) -> ResponseSteer | ResponseSteerFailed:
+        """A steer goes to the running response it names; else it fails out of any stream
+        (on the target's lane when it is known)."""
+        target = event.previous_response_id
+        if isinstance(event, InvalidSteer):
+            return steer_failed(
+                event, "invalid_input", event.message, stream_id=self.lane_of(target)
+            )
+        if target in self._in_flight:
+            return event
+        status = self._ended.status_of(target)
+        lane = self._ended.lane_of(target)
+        if status == "failed":
+            message = f"Response '{target}' failed; it takes no steering input."
+            return steer_failed(event, "response_not_active", message, stream_id=lane)
+        if status is not None:
+            message = (
+                f"Response '{target}' has already completed; continue it with response.create."
+            )
+            return steer_failed(event, "response_already_completed", message, stream_id=lane)
+        message = f"No response with id '{target}' is running on this connection."
+        return steer_failed(event, "response_not_found", message)
 
     def _queue(self, event: ResponseCreate) -> ResponseCreate | ErrorEvent:
         for rule in _ADMISSION:
@@ -369,7 +432,7 @@ class ServerConnection(_Connection):
         self._usable()
         if not self._arrivals or self.in_flight >= self.max_in_flight:
             return None
-        lane = next((lane for lane in self._arrivals if lane.phase is Phase.IDLE), None)
+        lane = next((lane for lane in self._arrivals if lane.free), None)
         if lane is None:
             return None
         self._arrivals.remove(lane)  # its first entry: lanes are FIFO
@@ -402,12 +465,21 @@ class ServerConnection(_Connection):
         elif own is not None and own != stream_id:
             self._broken = True
             raise LocalProtocolError(f"{event.type} names lane {own!r}, sent on {stream_id!r}")
-        if event.type not in ANSWER_EVENT_TYPES:
+        out_of_stream = event.type in STEER_EVENT_TYPES and event.sequence_number == OUT_OF_STREAM
+        if event.type not in ANSWER_EVENT_TYPES and not out_of_stream:
             self._advance(event, self._lanes.get(stream_id) or self._lane_for(stream_id))
         # The lane goes into the frame (cheaper than a copy of the event with it).
         return encode_json(event, extra={"stream_id": stream_id} if own != stream_id else None)
 
     def _advance(self, event: ServerEvent, lane: _ServerLane) -> None:
+        steer = getattr(event, "steer", None)
+        if steer is not None:  # a steering answer in the stream of the response it names
+            self._guard(
+                lambda: lane.tracker.advance(
+                    event.type, event.sequence_number, steer.previous_response_id, steer_id=steer.id
+                )
+            )
+            return
         response = getattr(event, "response", None)
         response_id = response.id if response is not None else None
         move = self._guard(
@@ -416,6 +488,7 @@ class ServerConnection(_Connection):
                 event.sequence_number,
                 response_id,
                 getattr(event, "pending_call_ids", None),
+                previous_response_id=getattr(response, "previous_response_id", None),
             )
         )
         if response_id is None:  # an item, part or delta event
@@ -424,7 +497,7 @@ class ServerConnection(_Connection):
             self._in_flight[response_id] = lane
         elif move is Move.TERMINAL:
             self._in_flight.pop(response_id, None)
-            self._ended.add(response_id, lane.stream_id)
+            self._ended.add(response_id, lane.stream_id, getattr(response, "status", "completed"))
 
     def _lane_for(self, stream_id: str | None) -> _ServerLane:
         lane = self._lanes.get(stream_id)
@@ -481,6 +554,8 @@ class _ClientLane(Lane):
     def awaiting(self) -> bool:
         if self.creates or self.phase in (Phase.QUEUED, Phase.CREATED, Phase.RUNNING):
             return True
+        if not self.free:  # accepted steering input is answered after the end
+            return True
         return self.suspended and not self.pending_call_ids
 
     def take_error(self) -> bool:
@@ -516,6 +591,7 @@ class ClientConnection(_Connection):
         self._refusable: dict[str | None, int] = {}
         self._ended = _Remembered(max_remembered_responses)
         self._broken = False
+        self._steers = 0  # steers sent and not yet accepted or refused
 
     # --- state (of the default lane, as before lanes; `lane()` shows any) ---
     @property
@@ -539,7 +615,9 @@ class ClientConnection(_Connection):
         refuse awaits its error."""
         if self._broken:
             return False
-        return bool(self._refusable) or any(lane.awaiting for lane in self._lanes.values())
+        if self._refusable or self._steers:
+            return True
+        return any(lane.awaiting for lane in self._lanes.values())
 
     # --- sending ---
     def send(self, event: ClientEvent) -> str:
@@ -549,6 +627,8 @@ class ClientConnection(_Connection):
             lane, answered = self._check_append(event)
             lane.answered |= answered
             lane.appends.append(answered)
+        elif isinstance(event, ResponseSteer):
+            self._steers += 1
         else:
             self._check_lane(event.stream_id)
             self._open(event.stream_id).creates.append(bool(event.rollout))
@@ -574,6 +654,8 @@ class ClientConnection(_Connection):
                 self._expect_refusal(stream_id)  # websocket_stream_limit_reached: echoed
             else:
                 self._open(stream_id).creates.append(bool(value.get("rollout")))
+        elif kind == "response.steer":  # answered by a steering event, whatever it holds
+            self._steers += 1
         elif kind == "response.append":
             response_id = value.get("response_id")
             lane = self._running(response_id)
@@ -662,13 +744,16 @@ class ClientConnection(_Connection):
             self._broken = True
             raise
         response = getattr(event, "response", None)
+        steer = getattr(event, "steer", None)
         self._follow(
             event.type,
             event.sequence_number,
-            response.id if response is not None else None,
+            response.id if response is not None else steer and steer.previous_response_id,
             getattr(event, "pending_call_ids", None),
             getattr(event, "stream_id", None),
             has_sequence_number=True,
+            previous_response_id=getattr(response, "previous_response_id", None),
+            steer_id=steer.id if steer is not None else None,
         )
         return event
 
@@ -685,7 +770,12 @@ class ClientConnection(_Connection):
                 code="invalid_server_event",
             )
         response = event.get("response")
-        response_id = response.get("id") if isinstance(response, Mapping) else None
+        response = response if isinstance(response, Mapping) else {}
+        steer = event.get("steer")
+        steer = steer if isinstance(steer, Mapping) else {}
+        response_id = response.get("id") if response else steer.get("previous_response_id")
+        previous = response.get("previous_response_id")
+        steer_id = steer.get("id")
         pending = event.get("pending_call_ids")
         stream_id = event.get("stream_id")
         self._follow(
@@ -695,6 +785,8 @@ class ClientConnection(_Connection):
             pending if isinstance(pending, list) else None,
             stream_id if isinstance(stream_id, str) else None,
             has_sequence_number="sequence_number" in event,
+            previous_response_id=previous if isinstance(previous, str) else None,
+            steer_id=steer_id if isinstance(steer_id, str) else None,
         )
         return event
 
@@ -707,6 +799,8 @@ class ClientConnection(_Connection):
         stream_id: str | None,
         *,
         has_sequence_number: bool,
+        previous_response_id: str | None = None,
+        steer_id: str | None = None,
     ) -> None:
         if kind in ANSWER_EVENT_TYPES:
             if kind == "error":
@@ -721,14 +815,23 @@ class ClientConnection(_Connection):
                     f"{kind} arrived on lane {stream_id!r}, on which no create was sent"
                 )
             tracker = lane.tracker
-            if tracker.phase is Phase.IDLE:
+            if kind in STEER_EVENT_TYPES:
+                self._follow_steer(lane, kind, sequence_number, response_id, steer_id)
+                return
+            if tracker.phase is Phase.IDLE and not _successor(tracker, kind, previous_response_id):
                 if kind not in ("response.created", "response.queued"):
                     raise LocalProtocolError(f"{kind} arrived while no response is running")
                 if not lane.creates:
                     raise LocalProtocolError(f"{kind} arrived but no create is waiting")
                 tracker.start(rollout=lane.creates.popleft())
             suspended = tracker.phase is Phase.SUSPENDED
-            move = tracker.advance(kind, sequence_number, response_id, pending)
+            move = tracker.advance(
+                kind,
+                sequence_number,
+                response_id,
+                pending,
+                previous_response_id=previous_response_id,
+            )
         except LocalProtocolError as exc:
             self._broken = True
             raise RemoteProtocolError.invalid(
@@ -739,6 +842,28 @@ class ClientConnection(_Connection):
             lane.answered.clear()
         if move is Move.TERMINAL and response_id is not None:
             self._ended.add(response_id, stream_id)
+
+    def _follow_steer(
+        self,
+        lane: _ClientLane,
+        kind: str,
+        sequence_number: object,
+        target: str | None,
+        steer_id: str | None,
+    ) -> None:
+        """A steering answer: in the stream of the response it names, or out of any stream
+        (sequence number 0); an acceptance or a failure without a steer id answers a steer."""
+        if sequence_number != OUT_OF_STREAM:
+            lane.tracker.advance(kind, sequence_number, target, steer_id=steer_id)
+        first_answer = kind == "response.steer.accepted" or (
+            kind == "response.steer.failed" and steer_id is None
+        )
+        if first_answer:
+            if not self._steers:
+                raise LocalProtocolError(f"{kind} arrived but no steer is waiting for an answer")
+            self._steers -= 1
+        elif sequence_number == OUT_OF_STREAM:
+            raise LocalProtocolError(f"{kind} for accepted input came out of its response's stream")
 
     def _request_error(self, stream_id: str | None) -> None:
         """Attribute a request error to the message it answers (see the module docstring):
@@ -763,3 +888,13 @@ class ClientConnection(_Connection):
             self._refusable[stream_id] = left
         else:
             del self._refusable[stream_id]
+
+
+def _successor(tracker: ResponseTracker, kind: str, previous_response_id: str | None) -> bool:
+    """A `response.created` that starts the ended response's successor (ST-2)."""
+    return (
+        kind == "response.created"
+        and tracker.ended
+        and tracker.steers_owed > 0
+        and previous_response_id == tracker.response_id
+    )

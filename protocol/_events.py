@@ -1,11 +1,12 @@
 """Client and server events: one immutable class per wire `type`.
 
-Client events are what a peer sends us over WebSocket (`response.create`, and the rollout
-extension's `response.append`); the HTTP create body is a `ResponseCreate` without `type`.
-Server events are the Responses streaming events, the nested WebSocket `error`, the flat SSE
-`error`, and the rollout extension's `response.done`. Every WebSocket server event has an
-optional `stream_id`: the lane of the response it belongs to (`_lanes.py`), absent on the
-default lane; the server connection writes it (`ServerConnection.send`).
+Client events are what a peer sends us over WebSocket (`response.create`, `response.steer`,
+and the rollout extension's `response.append`); the HTTP create body is a `ResponseCreate`
+without `type`. Server events are the Responses streaming events, the steering
+acknowledgements (`_steer.py`), the nested WebSocket `error`, the flat SSE `error`, and the
+rollout extension's `response.done`. Every WebSocket server event has an optional
+`stream_id`: the lane of the response it belongs to (`_lanes.py`), absent on the default
+lane; the server connection writes it (`ServerConnection.send`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from ._errors import ErrorEvent  # defined beside the error it carries (no impor
 from ._items import ContentPart, Item
 from ._lanes import stream_id_field
 from ._response import ReasoningConfig, Response, ResponseRef, TextConfig
+from ._steer import (
+    ResponseSteer,
+    ResponseSteerAccepted,
+    ResponseSteerFailed,
+    ResponseSteerPending,
+)
 from ._tools import Tool, ToolChoice, check_tool
 from ._validate import InvalidField
 
@@ -209,10 +216,11 @@ class ResponseAppend:
     input: list[Item]
 
 
-ClientEvent: TypeAlias = ResponseCreate | ResponseAppend
+ClientEvent: TypeAlias = ResponseCreate | ResponseAppend | ResponseSteer
 CLIENT_EVENT_TYPES: dict[str, type[Any]] = {
     "response.create": ResponseCreate,
     "response.append": ResponseAppend,
+    "response.steer": ResponseSteer,
 }
 
 
@@ -428,6 +436,9 @@ ServerEvent: TypeAlias = (
     | FunctionCallArgumentsDone
     | CustomToolCallInputDelta
     | CustomToolCallInputDone
+    | ResponseSteerAccepted
+    | ResponseSteerPending
+    | ResponseSteerFailed
     | ErrorEvent
 )
 
@@ -469,6 +480,9 @@ SERVER_EVENT_TYPES: dict[str, type[Any]] = {
         FunctionCallArgumentsDone,
         CustomToolCallInputDelta,
         CustomToolCallInputDone,
+        ResponseSteerAccepted,
+        ResponseSteerPending,
+        ResponseSteerFailed,
         ErrorEvent,
     )
 }

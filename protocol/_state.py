@@ -18,6 +18,14 @@ response grammar.
 
 (A suspended rollout that times out may end without resuming, RX-3.2.)
 
+Steering (`response.steer`, ST-2) adds one move, STEER: an acknowledgement in the stream of
+the response it names. `response.steer.accepted` (and a failure without a steer id) may come
+while the response runs (CREATED, RUNNING, SUSPENDED); after its terminal event the slot is
+IDLE but keeps the ended response until another starts, and that response's accepted input
+is answered there, in its stream: `response.steer.pending` or a failure with the steer id
+for each, or a successor's `response.created` (numbered from 0, `previous_response_id` the
+ended response) that commits all of it. A successor starts without a create of its own.
+
 `ResponseTracker` applies the table and the rules a table cannot say: sequence numbers
 start at 0 and grow by one, every lifecycle event names the same response, `response.done`
 names the calls that resume the rollout. A violation raises `LocalProtocolError`; the
@@ -59,6 +67,7 @@ class Move(enum.Enum):
     ITEM = "item"  # any other event of a response (items, parts, deltas, unknown kinds)
     DONE = "response.done"
     TERMINAL = "terminal"  # response.completed | response.incomplete | response.failed
+    STEER = "steer"  # response.steer.accepted | response.steer.pending | response.steer.failed
 
 
 _TERMINALS = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -70,25 +79,34 @@ _LIFECYCLE = {
     **dict.fromkeys(_TERMINALS, Move.TERMINAL),
 }
 
+_STEERS = frozenset({"response.steer.accepted", "response.steer.pending", "response.steer.failed"})
+
 Table = Mapping[Phase, Mapping[Move, Phase]]
 
 PLAIN_TRANSITIONS: Table = {
-    Phase.IDLE: {},
+    # After a terminal event only (the ended response's steering answers, its successor).
+    Phase.IDLE: {Move.STEER: Phase.IDLE, Move.CREATED: Phase.CREATED},
     Phase.STARTING: {Move.QUEUED: Phase.QUEUED, Move.CREATED: Phase.CREATED},
     Phase.QUEUED: {Move.CREATED: Phase.CREATED},
-    Phase.CREATED: {Move.IN_PROGRESS: Phase.RUNNING},
-    Phase.RUNNING: {Move.ITEM: Phase.RUNNING, Move.TERMINAL: Phase.IDLE},
+    Phase.CREATED: {Move.IN_PROGRESS: Phase.RUNNING, Move.STEER: Phase.CREATED},
+    Phase.RUNNING: {Move.ITEM: Phase.RUNNING, Move.STEER: Phase.RUNNING, Move.TERMINAL: Phase.IDLE},
     Phase.ERROR: {},
 }
 ROLLOUT_TRANSITIONS: Table = {
     **PLAIN_TRANSITIONS,
     Phase.RUNNING: {**PLAIN_TRANSITIONS[Phase.RUNNING], Move.DONE: Phase.SUSPENDED},
-    Phase.SUSPENDED: {Move.IN_PROGRESS: Phase.RUNNING, Move.TERMINAL: Phase.IDLE},
+    Phase.SUSPENDED: {
+        Move.IN_PROGRESS: Phase.RUNNING,
+        Move.STEER: Phase.SUSPENDED,
+        Move.TERMINAL: Phase.IDLE,
+    },
 }
 
 
 def move_of(event_type: str) -> Move:
     """The move a server event of a response makes (`error` is not one: see the module)."""
+    if event_type in _STEERS:
+        return Move.STEER
     return _LIFECYCLE.get(event_type, Move.ITEM)
 
 
@@ -114,6 +132,8 @@ class ResponseTracker:
         self.response_id: str | None = None
         self.next_sequence_number = 0
         self.pending_call_ids: tuple[str, ...] = ()
+        self.ended = False  # IDLE after this response's terminal event (nothing started since)
+        self.steers_owed = 0  # its accepted steering input not yet pending, failed or committed
 
     def start(self, *, rollout: bool) -> None:
         """A create leaves the queue and is answered next."""
@@ -121,6 +141,7 @@ class ResponseTracker:
             raise LocalProtocolError(f"a create can't start in phase {self.phase.name}")
         self.phase, self.rollout = Phase.STARTING, rollout
         self.response_id, self.next_sequence_number, self.pending_call_ids = None, 0, ()
+        self.ended, self.steers_owed = False, 0
 
     def refuse(self) -> None:
         """The starting create is answered by a request error instead of a response."""
@@ -137,18 +158,29 @@ class ResponseTracker:
         sequence_number: object,
         response_id: str | None,
         pending_call_ids: Sequence[str] | None = None,
+        *,
+        previous_response_id: str | None = None,
+        steer_id: str | None = None,
     ) -> Move:
         """Apply one event of the running response; returns its move. `response_id` is the
-        id of a lifecycle event's `response`, None for other events."""
+        id of a lifecycle event's `response` (with its `previous_response_id`), the target
+        of a steering answer (with its `steer_id`), None for other events."""
         move = move_of(event_type)
         table = ROLLOUT_TRANSITIONS if self.rollout else PLAIN_TRANSITIONS
         after = table.get(self.phase, {}).get(move)
+        if after is not None and self.phase is Phase.IDLE:
+            after = self._after_end(event_type, move, previous_response_id, steer_id)
         if after is None:
             kind = "rollout" if self.rollout else "response"
             raise LocalProtocolError(
                 f"{event_type} is not allowed in phase {self.phase.name} of a {kind}"
                 + (f" ({self.response_id})" if self.response_id else "")
             )
+        if move is Move.STEER:
+            return self._steer(event_type, sequence_number, response_id, steer_id, after)
+        if move is Move.CREATED and self.phase is Phase.IDLE:  # a successor: a stream of its own
+            self.response_id, self.next_sequence_number, self.pending_call_ids = None, 0, ()
+            self.ended, self.steers_owed = False, 0
         expected = self.next_sequence_number
         problem = sequence_problem(event_type, sequence_number, expected)
         if problem is not None:
@@ -167,7 +199,49 @@ class ResponseTracker:
             self.pending_call_ids = ()
         self.next_sequence_number = expected + 1
         self.phase = after
+        if move is Move.TERMINAL:
+            self.ended = True
         return move
+
+    def _after_end(
+        self, event_type: str, move: Move, previous_response_id: str | None, steer_id: str | None
+    ) -> Phase | None:
+        """What an IDLE slot allows: only after a terminal event, the answers owed for the
+        ended response's accepted steering input, and its successor."""
+        if not self.ended:
+            return None
+        if move is Move.CREATED:
+            if self.steers_owed and previous_response_id == self.response_id:
+                return Phase.CREATED
+            return None
+        if event_type == "response.steer.accepted" or steer_id is None or not self.steers_owed:
+            return None  # after the end only accepted input is answered, each once
+        return Phase.IDLE
+
+    def _steer(
+        self,
+        event_type: str,
+        sequence_number: object,
+        target: str | None,
+        steer_id: str | None,
+        after: Phase,
+    ) -> Move:
+        problem = sequence_problem(event_type, sequence_number, self.next_sequence_number)
+        if problem is not None:
+            raise LocalProtocolError(problem)
+        if target != self.response_id:
+            raise LocalProtocolError(
+                f"{event_type} answers steering of {target!r} in the stream of {self.response_id!r}"
+            )
+        if event_type == "response.steer.accepted":
+            self.steers_owed += 1
+        elif steer_id is not None:  # pending, or a failure of accepted input
+            if not self.steers_owed:
+                raise LocalProtocolError(f"{event_type} answers no accepted steering input")
+            self.steers_owed -= 1
+        self.next_sequence_number += 1
+        self.phase = after
+        return Move.STEER
 
     @property
     def in_response(self) -> bool:

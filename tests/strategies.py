@@ -496,11 +496,24 @@ response_creates = st.builds(
     rollout=opt(st.booleans()),
 )
 response_appends = st.builds(p.ResponseAppend, response_id=ids, input=st.lists(items, max_size=4))
+# Steering input as JSON (`ResponseSteer.input` is carried as sent): a string, or user messages.
+steer_parts = st.one_of(
+    st.builds(lambda t: {"type": "input_text", "text": t}, texts),
+    st.builds(lambda u: {"type": "input_image", "image_url": f"https://example.com/{u}.png"}, ids),
+)
+steer_messages = st.builds(
+    lambda content, typed: {"role": "user", "content": content, **typed},
+    texts | st.lists(steer_parts, min_size=1, max_size=2),
+    st.sampled_from([{}, {"type": "message"}]),
+)
+steer_inputs = texts | st.lists(steer_messages, min_size=1, max_size=3)
+response_steers = st.builds(p.ResponseSteer, previous_response_id=ids, input=steer_inputs)
 CLIENT_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
     "response.create": response_creates,
     "response.append": response_appends,
+    "response.steer": response_steers,
 }
-client_events: Strategy[p.ClientEvent] = response_creates | response_appends
+client_events: Strategy[p.ClientEvent] = response_creates | response_appends | response_steers
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -684,6 +697,27 @@ def _part_event(cls: type[Any]) -> Strategy[Any]:
     )
 
 
+steer_refs = st.builds(p.SteerRef, id=ids, previous_response_id=ids)
+required_inputs = st.one_of(
+    st.builds(
+        p.RequiredInput,
+        type=st.just("function_call_output"),
+        call_id=ids,
+        name=ids,
+    ),
+    st.builds(
+        p.RequiredInput,
+        type=st.sampled_from(["custom_tool_call_output", "shell_call_output"]),
+        call_id=ids,
+    ),
+    st.builds(
+        p.RequiredInput,
+        type=st.just("tool_search_output"),
+        call_id=ids,
+        execution=st.just("client"),
+    ),
+    st.builds(p.RequiredInput, type=st.just("mcp_approval_response"), approval_request_id=ids),
+)
 SERVER_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
     "response.created": _lifecycle(p.ResponseCreated),
     "response.in_progress": st.builds(
@@ -757,6 +791,26 @@ SERVER_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
         status=opt(st.integers(100, 599)),
         sequence_number=opt(counts),
         error=error_bodies,
+    ),
+    "response.steer.accepted": st.builds(
+        p.ResponseSteerAccepted, sequence_number=counts, steer=steer_refs, stream_id=opt(ids)
+    ),
+    "response.steer.pending": st.builds(
+        p.ResponseSteerPending,
+        sequence_number=counts,
+        reason=st.sampled_from(["waiting_for_required_input"]) | texts,
+        required_input=st.lists(required_inputs, max_size=3),
+        steer=steer_refs,
+        stream_id=opt(ids),
+    ),
+    "response.steer.failed": st.builds(
+        p.ResponseSteerFailed,
+        sequence_number=counts,
+        error=st.builds(p.SteerError, code=texts, message=texts),
+        steer=st.builds(
+            p.SteerSubmission, input=steer_inputs, previous_response_id=ids, id=opt(ids)
+        ),
+        stream_id=opt(ids),
     ),
 }
 # Any WebSocket server event may be on a named lane (`stream_id`).
