@@ -57,6 +57,8 @@ class Counters:
     responses_incomplete: int = 0
     responses_failed: int = 0
     request_errors: int = 0
+    steers_accepted: int = 0  # steering submissions queued on a running response
+    steer_successors: int = 0  # successor responses started with queued steering input
 
     def ws_frame_encoded(self, text: str, *, suspension: bool = False) -> None:
         """A WebSocket text frame was encoded (`suspension`: a rollout's suspension event)."""

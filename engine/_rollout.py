@@ -3,8 +3,13 @@
     pre-inference, once     validate, render, classify the new input; route (`Session.prepare`)
     start                   response.created, response.in_progress
     loop:
+      steered               steering input is queued (`_steer.Steering`): stop here,
+                            response.incomplete with reason `steered` (a safe boundary)
       sample                one turn from the backend, streamed; its output rendered and
-                            classified into the state
+                            classified into the state. Steering input accepted while it
+                            waits for the backend outside a tool-call item (no client call
+                            made yet in the turn) stops it there: the open message closes
+                            `incomplete`, then response.incomplete `steered`
       hosted tools ran      their results are in the output: sample again
       tool calls, rollout   suspend: response.done, then wait until `Rollout.append` has
                             delivered every output; resume: response.in_progress, and sample
@@ -12,6 +17,12 @@
       otherwise             the response is complete (or incomplete: max_output_tokens)
     post-inference, once    usage (and, with store: true, the response) committed; only then
                             the terminal event goes out
+    after the end           queued steering input (the session, `Session._respond`): a
+                            successor response continues from this one with it, through
+                            this same coroutine (pre-inference of the new input only); or,
+                            when the response owes client tool results, each submission is
+                            answered `response.steer.pending` and parked for the client's
+                            continuation, which gets it prepended
 
 A suspension costs O(step) on the wire, not O(rollout): `response.done` names the response,
 its pending call ids and the output indices of the step, and the resumed `response.in_progress`
@@ -31,6 +42,14 @@ WebSocket server runs one response per busy lane at once, each in this coroutine
 emitter it hands over puts the events on that lane. The final state joins the connection's
 cache as its lane's latest; a failure evicts the parent only when the parent is of the same
 lane (a failed fork from another lane keeps it: `_cache.py`).
+
+Steering never cuts a tool-call item: once the model has made a client tool call in a turn,
+the turn ends normally and the calls are owed. A suspended rollout that is steered stays
+suspended (its calls are owed, and started tools are not cancelled); the client's outputs
+resume it, and it stops `steered` at the boundary before the next turn.
+
+Every event leaves through `Steering.emit`, which keeps steering acknowledgements (sent from
+the connection's reader) in sequence with the events the coroutine builds.
 
 `_Run.end` is the one exit: whatever ended the response (completion, a flag, a backend
 failure, a shutdown, a bug), its usage is committed and then its one terminal event is sent.
@@ -69,12 +88,21 @@ from ._postinfer import PostJob
 from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
 from ._state import ResponseState
+from ._steer import Steering
 from ._suspend import Rollout
 
 if TYPE_CHECKING:
     from ._services import ConnectionScope
 
-__all__ = ["MAX_HOSTED_ROUNDS", "SERVER_ERROR", "Emit", "Prepared", "Rollout", "run_response"]
+__all__ = [
+    "MAX_HOSTED_ROUNDS",
+    "SERVER_ERROR",
+    "Emit",
+    "Prepared",
+    "Rollout",
+    "run_response",
+    "steering_unsupported",
+]
 
 Emit = Callable[[ServerEvent], Awaitable[None]]
 _Terminal = ResponseCompleted | ResponseIncomplete
@@ -117,10 +145,12 @@ async def run_response(
     request: ResponseCreate,
     emit: Emit,
     rollout: Rollout | None,
+    steering: Steering | None = None,
 ) -> ResponseState | None:
     """Run one response whose pre-inference is done (`Session.prepare`); its events go to
-    `emit`. Returns the final state (None when it failed)."""
-    run = _Run(session, request, emit, rollout, prepared)
+    `emit` (through `steering`, which takes its steering input). Returns the final state
+    (None when it failed)."""
+    run = _Run(session, request, emit, rollout, prepared, steering)
     await run.start()
     try:
         return await run.drive()
@@ -151,11 +181,13 @@ class _Run:
         emit: Emit,
         rollout: Rollout | None,
         prepared: Prepared,
+        steering: Steering | None = None,
     ) -> None:
         self.session = session
         self.engine = session.engine
         self.request = request
-        self.emit = emit
+        self.steering = steering or Steering(emit, unsupported=steering_unsupported(request))
+        self.emit: Emit = self.steering.emit
         self.rollout = rollout
         self.prepared = prepared
         self.response = _new_response(request, self.engine.now())
@@ -174,6 +206,8 @@ class _Run:
             # Named before `response.created` goes out: a client may answer that event at once
             # (an early append must get `rollout_not_suspended`, not `rollout_not_found`).
             self.rollout.response_id = self.response_id
+            self.rollout._done = False  # a successor's rollout reuses its parent's handle
+        self.steering.open(self.stream, self.response_id)
         for event in self.stream.start():
             await self.emit(event)
 
@@ -183,6 +217,7 @@ class _Run:
             return await self.fail(_flagged(prepared.flags[0], appended=False), None, evict=True)
         state = prepared.state
         if not prepared.generate:  # a warm-up: pre-inference only
+            self.steering.close()
             completed = self.stream.complete(usage=Usage(), completed_at=self.engine.now())
             return await self.finish(state, completed)
         state, cached = await self._compact_if_over(state)
@@ -202,10 +237,12 @@ class _Run:
         the terminal event (not yet sent)."""
         hosted_rounds = 0
         while True:
+            if self.steering.requested:  # the boundary between sampling steps
+                return state, await self._incomplete("steered")
             before = state.context_tokens
             step = await self.sample(state, cached)
             state = step.state
-            if step.finish == "max_output_tokens":
+            if step.finish in ("max_output_tokens", "steered"):
                 return await self._cut_short(state, step)
             if step.hosted and not state.open_calls and hosted_rounds < MAX_HOSTED_ROUNDS:
                 hosted_rounds += 1  # the hosted tools' results are in: sample again
@@ -218,6 +255,7 @@ class _Run:
                     return state, await self._incomplete("rollout_timeout")
                 state = resumed
                 continue
+            self.steering.close()
             completed = self.stream.complete(usage=self.total, completed_at=self.engine.now())
             return state, completed
 
@@ -225,7 +263,14 @@ class _Run:
         self.progress = Progress()
         try:
             step = await sample_turn(
-                self.engine, state, self.request, self.stream, self.emit, cached, self.progress
+                self.engine,
+                state,
+                self.request,
+                self.stream,
+                self.emit,
+                cached,
+                self.progress,
+                self.steering,
             )
         except BackendError as exc:
             usage = self.total + usage_of(self.progress)
@@ -267,6 +312,7 @@ class _Run:
     async def fail(
         self, error: ResponseError, usage: Usage | None, *, evict: bool
     ) -> ResponseState | None:
+        self.steering.close()
         if self.records:
             await self.engine.post.commit(PostJob(records=self.records))
         self.committed = True
@@ -276,6 +322,7 @@ class _Run:
 
     async def abort(self, error: ResponseError) -> None:
         """Ended from outside the loop (a shutdown): the stream may be in any state."""
+        self.steering.close()
         await self.engine.post.commit(PostJob(records=self.records))
         self.committed = True
         failed = self.stream.abort(error=error, usage=self.total)
@@ -289,6 +336,7 @@ class _Run:
             log.info("response %s ended: its connection closed (%s)", self.response_id, exc)
         else:
             log.exception("response %s failed with an unexpected error", self.response_id)
+        self.steering.close()
         failed = self.stream.abort(error=SERVER_ERROR, usage=self.total + usage_of(self.progress))
         if not self.committed:
             self._close_step()
@@ -344,6 +392,7 @@ class _Run:
     def release(self) -> None:
         """Always, last: the rollout handle is done; usage never committed (a disconnect, a
         cancellation) goes to the post-inference writer without blocking."""
+        self.steering.close()
         if self.rollout is not None:
             self.rollout._finished()
         if not self.committed:
@@ -374,6 +423,7 @@ class _Run:
 
     async def _incomplete(self, reason: str) -> ResponseIncomplete:
         """Close what is open as incomplete and send that; the terminal event waits."""
+        self.steering.close()
         events = self.stream.incomplete(
             reason=reason, usage=self.total, completed_at=self.engine.now()
         )
@@ -384,9 +434,10 @@ class _Run:
         return terminal
 
     async def _cut_short(self, state: ResponseState, step: Step) -> tuple[ResponseState, _Terminal]:
-        """max_output_tokens: the open item closes incomplete and joins the state."""
+        """max_output_tokens, or steered inside a turn: the open item (a message; steering
+        never stops inside a tool call) closes incomplete and joins the state."""
         first = self.stream.output_count
-        terminal = await self._incomplete("max_output_tokens")
+        terminal = await self._incomplete(step.finish)
         outputs = step.pending_outputs + self.stream.output_since(first)
         return extend_state(self.engine.pipeline, state, outputs), terminal
 
@@ -416,6 +467,21 @@ class _Run:
             self.session.cache.discard_failed_parent(
                 self.prepared.parent.id, self.request.stream_id
             )
+
+
+def steering_unsupported(request: ResponseCreate) -> str | None:
+    """Why a response takes no steering input (`steering_not_supported`), or None: OpenAI
+    steers neither responses bound to a conversation (rollout refuses `conversation`) nor
+    those using automatic compaction, nor multi-agent ones; a warm-up samples nothing."""
+    if request.context_management:
+        return "responses using automatic compaction (context_management)"
+    if (request.multi_agent or {}).get("enabled") is True:
+        return "multi-agent responses"
+    if request.conversation is not None:
+        return "responses bound to a conversation"
+    if request.generate is False:
+        return "a warm-up (generate: false), which samples nothing"
+    return None
 
 
 def _flagged(flag: Flag, *, appended: bool) -> ResponseError:

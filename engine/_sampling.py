@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 from rollout.protocol import (
+    BuilderState,
     BuiltinTool,
     CallKind,
     Compaction,
@@ -36,6 +37,7 @@ from ._interfaces import (
     CallStart,
     Finish,
     HostedCall,
+    SampleEvent,
     SampleRequest,
     TextDelta,
     TextEnd,
@@ -45,9 +47,10 @@ from ._pipeline import Pipeline
 from ._state import ResponseState
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
     from ._services import EngineServices
+    from ._steer import Steering
 
     Emit = Callable[[ServerEvent], Awaitable[None]]
 
@@ -83,9 +86,12 @@ async def sample_turn(
     emit: Emit,
     cached: int,
     progress: Progress,
+    steering: Steering | None = None,
 ) -> Step:
     """Sample one turn from `state`, stream its events, and extend the state with the
-    output items (rendered and classified once, here)."""
+    output items (rendered and classified once, here). With `steering`, each wait for the
+    backend's next event is a safe point while no tool-call item is open and no client tool
+    call was made in the turn: steering input stops the turn there (finish `steered`)."""
     engine.counters.samplings += 1
     progress.started = True
     progress.input_tokens = state.context_tokens
@@ -96,8 +102,25 @@ async def sample_turn(
     ran_hosted = False
     finish = "stop"
     measured: Finish | None = None  # its token counts, when the backend measured them
+    called = False  # a client tool call was made in this turn: it runs to its end
     async with aclosing(state.route.backend.sample(sample_request)) as events:
-        async for ev in events:
+        while True:
+            safe = (
+                steering is not None
+                and hosted is None
+                and not called
+                and stream.state in _SAFE_STATES
+            )
+            if safe and steering is not None and steering.requested:
+                finish = "steered"
+                break
+            ev = await _next_event(events, steering if safe else None)
+            if ev is None:
+                break
+            if ev is _STEERED:
+                finish = "steered"
+                break
+            assert not isinstance(ev, _Steered)
             if isinstance(ev, TextDelta):
                 progress.output_tokens += ev.n_tokens
                 await emit(stream.text_delta(ev.text))
@@ -120,6 +143,7 @@ async def sample_turn(
                 finish = ev.reason
                 measured = ev
             else:
+                called = called or isinstance(ev, CallEnd)
                 for e in _item_boundary(stream, ev):
                     await emit(e)
     engine.counters.tokens_sampled += progress.output_tokens
@@ -127,11 +151,36 @@ async def sample_turn(
         _take_measured(progress, measured, cached, state.context_tokens)
     outputs = stream.output_since(first_output)
     usage = usage_of(progress)
-    if finish == "max_output_tokens":
+    if finish in ("max_output_tokens", "steered"):
         # The caller closes the open item as incomplete, then extends the state.
         return Step(state=state, finish=finish, usage=usage, pending_outputs=outputs)
     extended = extend_state(engine.pipeline, state, outputs)
     return Step(state=extended, finish=finish, usage=usage, hosted=ran_hosted)
+
+
+# Where a turn may be stopped by steering: between items, or inside a message (never inside
+# a tool call, whose item would be cut).
+_SAFE_STATES = frozenset({BuilderState.ACTIVE, BuilderState.IN_MESSAGE})
+
+
+class _Steered:
+    """The wait for the backend's next event was stopped by steering input."""
+
+
+_STEERED = _Steered()
+
+
+async def _next_event(
+    events: AsyncIterator[SampleEvent], steering: Steering | None
+) -> SampleEvent | _Steered | None:
+    """The backend's next event (None at its end); at a safe point (`steering` given) the
+    wait ends early, with `_STEERED`, when steering input is accepted meanwhile."""
+    if steering is None:
+        return await anext(events, None)
+    event: SampleEvent | None = None
+    with steering.safe_point() as scope:
+        event = await anext(events, None)
+    return _STEERED if scope.cancelled_caught else event
 
 
 def _item_boundary(

@@ -6,6 +6,10 @@ responses through the rollout coroutine (`_rollout.py`).
   and `compact` serve the HTTP API's other routes.
 - `prepare` is pre-inference, once per response: the parent, the input's references and
   compaction items, then the pipeline's validate / render / classify / route on the new items.
+- `steer` hands a `response.steer` to the running response it names (`_steer.Steering`);
+  after a response ends with steering input queued, `_respond` runs its successor (a create
+  continuing it with that input and its settings) through the same coroutine, or parks the
+  input for the client's continuation (`response.steer.pending`), which gets it prepended.
 - Hydration rebuilds a state from stored responses when the parent is not cached.
 """
 
@@ -25,6 +29,8 @@ from rollout.protocol import (
     RemoteProtocolError,
     Response,
     ResponseCreate,
+    ResponseSteer,
+    ResponseSteerFailed,
     ServerEvent,
     Usage,
     as_listed,
@@ -38,9 +44,10 @@ from ._errors import previous_response_not_found, server_error, shutting_down
 from ._ids import new_id
 from ._interfaces import StoredResponse
 from ._pipeline import Prepared as PipelinePrepared
-from ._rollout import Emit, Prepared, Rollout, run_response
+from ._rollout import Emit, Prepared, Rollout, run_response, steering_unsupported
 from ._segments import restore_segments
 from ._state import ResponseState
+from ._steer import ParkedSteers, QueuedSteer, Steering
 from ._validate import invalid, normalize_input
 
 if TYPE_CHECKING:
@@ -64,6 +71,8 @@ class Session:
         self.owner = owner
         self.cache = cache
         self.last_timings: dict[str, float] = {}
+        self.steerable: dict[str, Steering] = {}  # the running responses, by id
+        self.parked = ParkedSteers()  # steering input waiting for a continuation
 
     # --- parents ---
     async def resolve(
@@ -260,17 +269,79 @@ class Session:
         rollout: Rollout | None,
         timings: dict[str, float] | None = None,
     ) -> ResponseState | None:
-        """Pre-inference here, then the rollout coroutine (which never calls back up)."""
+        """Pre-inference here, then the rollout coroutine (which never calls back up); then,
+        while the response ended with steering input queued, its successor."""
         prepared = await self.prepare(request, timings)
-        return await run_response(self, prepared, request, emit, rollout)
+        while True:
+            steering = Steering(
+                emit,
+                unsupported=steering_unsupported(request),
+                stream_id=request.stream_id,
+                registry=self.steerable,
+                counters=self.engine.counters,
+            )
+            state = await run_response(self, prepared, request, emit, rollout, steering)
+            if not steering.queued:
+                return state
+            successor = await self._after_steered(request, state, steering)
+            if successor is None:
+                return state
+            request, prepared = successor
+
+    async def _after_steered(
+        self, request: ResponseCreate, state: ResponseState | None, steering: Steering
+    ) -> tuple[ResponseCreate, Prepared] | None:
+        """A response ended with steering input queued: its successor, prepared (the
+        commit point is its `response.created`); or None when the input was answered
+        otherwise: `response.steer.pending` (parked) when the response owes client tool
+        results, a failure when it failed or the successor can't be created."""
+        if state is None:
+            await steering.fail_queued(
+                "response_not_active", "The response failed; its steering input was not applied."
+            )
+            return None
+        if state.open_calls:
+            self.parked.park(state.id, await steering.report_pending(state))
+            return None
+        successor = attrs.evolve(
+            request,
+            previous_response_id=state.id,
+            input=[item for q in steering.queued for item in q.items],
+            generate=None,
+        )
+        try:
+            prepared = await self.prepare(successor, None, steers=())
+        except RemoteProtocolError as exc:
+            self.cache.put(state)  # a failed successor does not evict the steered response
+            await steering.fail_queued(
+                "successor_creation_failed",
+                f"The successor response could not be created: {exc.body.message}",
+            )
+            return None
+        self.engine.counters.steer_successors += 1
+        return successor, prepared
+
+    async def steer(self, event: ResponseSteer) -> ResponseSteerFailed | None:
+        """Hand a steer to the running response it names; returns the failure to send (out of
+        any stream) when that response takes no more steering input."""
+        steering = self.steerable.get(event.previous_response_id)
+        if steering is None:
+            steering = Steering(_discard)  # not accepting: answers response_not_active
+        return await steering.submit(event)
 
     # --- pre-inference ---
     async def prepare(
-        self, request: ResponseCreate, timings: dict[str, float] | None = None
+        self,
+        request: ResponseCreate,
+        timings: dict[str, float] | None = None,
+        *,
+        steers: tuple[QueuedSteer, ...] | None = None,
     ) -> Prepared:
         """Pre-inference, once per response: resolve the parent (the cache, else the store),
         resolve the input (item references, compaction items), then validate, render, classify
-        the new items and route. Request errors raise `RemoteProtocolError`; a failed
+        the new items and route. Steering input parked for the parent (`steers`: by default
+        what `parked` holds) is prepended to the new items, in submission order. Request
+        errors raise `RemoteProtocolError` (the parked input stays parked); a failed
         continuation evicts its parent from the cache."""
         engine = self.engine
         if engine.draining:
@@ -281,23 +352,35 @@ class Session:
         parent: ResponseState | None = None
         generate = _generates(request)
         hydrated = False
+        parent_id = request.previous_response_id
+        if steers is None:
+            steers = tuple(self.parked.take(parent_id)) if parent_id is not None else ()
         try:
-            if request.previous_response_id is not None:
-                hydrated = request.previous_response_id not in self.cache
-                parent = await self.resolve(
-                    request.previous_response_id, timings, lane=request.stream_id
-                )
+            if parent_id is not None:
+                hydrated = parent_id not in self.cache
+                parent = await self.resolve(parent_id, timings, lane=request.stream_id)
             threshold = _compact_threshold(request)
             resolved = await self._resolve_inputs(request, parent)
+            if steers:
+                steered = [item for q in steers for item in q.items]
+                resolved = _Input(
+                    base=resolved.base,
+                    items=steered + resolved.items,
+                    offset=resolved.offset - len(steered),  # errors name the request's input
+                )
             prepared = self._prepare_input(request, parent, resolved, timings, generate)
         except RemoteProtocolError:
             engine.counters.request_errors += 1
             if parent is not None:
                 self.cache.discard_failed_parent(parent.id, request.stream_id)
+            if steers and parent_id is not None:
+                self.parked.restore(parent_id, list(steers))
             raise
         except Exception:
             log.exception("a request failed before its response started")
             engine.counters.request_errors += 1
+            if steers and parent_id is not None:
+                self.parked.restore(parent_id, list(steers))
             raise server_error() from None
         return Prepared(
             state=prepared.state,

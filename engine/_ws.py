@@ -6,7 +6,8 @@ suspended rollout), says which create to answer next (`start_next`: the oldest w
 whose lane is free, while fewer than `max_in_flight` responses run), and encodes every event
 after checking it against its lane's response grammar. This wrapper is thin and mechanical
 (after trio-websocket): a reader task feeds frames to it and either queues a
-`response.create` or delivers a `response.append` to its rollout; each create the connection
+`response.create`, delivers a `response.append` to its rollout, or a `response.steer` to the
+running response it names (`Session.steer`, which answers it in that response's stream); each create the connection
 starts runs through the session in a task of its own (one per busy lane), with an emitter that
 puts its events on its lane (`stream_id`); a writer task sends the frames in order from a
 bounded outbox, so the lanes' events interleave there. Request-scoped errors are answered with
@@ -47,6 +48,8 @@ from rollout.protocol import (
     RemoteProtocolError,
     ResponseAppend,
     ResponseCreate,
+    ResponseSteer,
+    ResponseSteerFailed,
     ServerConnection,
     ServerEvent,
 )
@@ -297,9 +300,13 @@ class WebSocketConnection:
                 if event.error.code != "too_many_queued_requests":  # (a 429 is not one)
                     self.session.engine.counters.request_errors += 1
                 await self.send_event(event)
+            elif isinstance(event, ResponseSteerFailed):  # refused by the connection
+                await self.send_event(event)
             elif isinstance(event, ResponseCreate):
                 self._decode_timings[id(event)] = timings
                 self._dispatch()
+            elif isinstance(event, ResponseSteer):
+                await self._steer(event)
             else:
                 await self._append(event, timings)
 
@@ -331,6 +338,23 @@ class WebSocketConnection:
         except Exception:  # a bug: this append fails, the rollout and the socket live on
             log.exception("response.append failed unexpectedly")
             await self._answer_error(server_error(), stream_id=lane)
+
+    async def _steer(self, event: ResponseSteer) -> None:
+        """Deliver a steer the connection let through to the running response it names,
+        which answers it in its stream (on its lane); a response that is ending answers out of
+        any stream, on its lane."""
+        try:
+            failed = await self.session.steer(event)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise  # the connection is going away
+        except Exception:  # a bug: this steer fails, the response and the socket live on
+            log.exception("response.steer failed unexpectedly")
+            await self._answer_error(
+                server_error(), stream_id=self.protocol.lane_of(event.previous_response_id)
+            )
+            return
+        if failed is not None:
+            await self.send_about(event.previous_response_id, failed)
 
     # --- the lanes ---
     def _dispatch(self) -> None:

@@ -170,6 +170,13 @@ def sdk_event(obj: Any, adapter: pydantic.TypeAdapter[Any]) -> list[str]:
         and "created_at" not in response
     ):
         return []  # a resumed rollout's: it names its response (the schema covers it, RX-2.3)
+    steer = obj.get("steer")
+    if kind == "response.steer.failed" and isinstance(steer, dict):
+        error = obj.get("error")
+        if isinstance(error, dict) and error.get("code") == "invalid_input":
+            # A failure returns the input as the client sent it: for invalid_input, whatever it
+            # was, which the SDK's input type need not admit (the schema checks the rest).
+            obj = {**obj, "steer": {**steer, "input": ""}}
     details = (obj.get("response") or {}).get("incomplete_details") if kind else None
     if isinstance(details, dict) and details.get("reason") == "rollout_timeout":
         obj = {**obj, "response": {**obj["response"], "incomplete_details": {"reason": None}}}

@@ -1,0 +1,570 @@
+"""Steering (`response.steer`) in the engine, on trio's mock clock, every event checked by
+both sides of the sans-IO protocol (`ServerConnection.send` checks what the engine emits,
+`ClientConnection` follows it) and validated by the `openai` SDK's own types:
+
+- a steer accepted while a message streams stops the response at that point (the message
+  closes `incomplete`, `response.incomplete` with reason `steered`); a successor response
+  continues from it with the steering input and its settings, pre-inference of only the
+  new input;
+- never inside a tool-call item: a steer accepted while a call's arguments stream lets the
+  turn end; the response completes owing the call and each submission is answered once with
+  `response.steer.pending` naming the owed output; the client's continuation gets the input
+  prepended, in submission order;
+- a steered rollout that is suspended stays suspended until its outputs arrive, then stops at
+  the boundary before its next turn; its successor is a rollout;
+- every failure code: `invalid_input` (with the original input, no steer id),
+  `response_not_found`, `response_already_completed`, `response_not_active` (a failed
+  response: also for input it had accepted), `too_many_pending_steers`,
+  `steering_not_supported` (automatic compaction), `successor_creation_failed`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+from openai.types.responses.responses_server_event import ResponsesServerEvent
+from pydantic import TypeAdapter
+from rollout import protocol as p
+from rollout.engine import (
+    ModelRegistry,
+    ModelSpec,
+    Rollout,
+    Session,
+    open_engine,
+)
+from rollout.engine._errors import BackendError
+from rollout.engine._interfaces import ArgsDelta, CallStart, SampleEvent, SampleRequest
+from rollout.engine._sim import SimBackend
+from rollout.engine._steer import MAX_PENDING_STEERS
+
+DEADLINE = 60
+SDK_EVENT: TypeAdapter[ResponsesServerEvent] = TypeAdapter(ResponsesServerEvent)
+
+TOOLS: list[p.Tool] = [
+    p.FunctionTool(
+        name="read_file",
+        parameters={
+            "type": "object",
+            "properties": {"path": {"type": "string"}},
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+    )
+]
+# A long answer at 100 tokens/s: 4 s of mock time to steer it in.
+SLOW_TEXT = "sim:tokens=400,tps=100"
+# One tool call whose arguments stream at 5 tokens/s, then a text answer.
+SLOW_CALL = "sim:steps=1,tps=5"
+
+
+class Wire:
+    """One WebSocket-mode connection without the socket: events pass `ServerConnection.send`
+    and `ClientConnection.receive_text`, as they would over the wire."""
+
+    def __init__(self) -> None:
+        self.server = p.ServerConnection()
+        self.client = p.ClientConnection()
+        self.events: list[p.ServerEvent] = []
+        self.times: list[float] = []  # when each event went out
+        self._changed = trio.Event()
+
+    async def emit(self, event: p.ServerEvent) -> None:
+        text = self.server.send(event)
+        self.client.receive_text(text)
+        if not isinstance(event, p.ResponseDone) and not (
+            isinstance(event, p.ResponseSteerFailed) and event.error.code == "invalid_input"
+        ):
+            # The SDK's own types (it has none for the rollout extension's response.done; an
+            # invalid input is returned as sent).
+            SDK_EVENT.validate_json(text)
+        self.events.append(event)
+        self.times.append(trio.current_time())
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def accept(self, request: p.ResponseCreate) -> p.ResponseCreate:
+        [queued] = self.server.receive_text(self.client.send(request))
+        assert isinstance(queued, p.ResponseCreate)
+        self.server.start(queued)
+        return queued
+
+    async def create(self, session: Session, request: p.ResponseCreate) -> None:
+        await session.create(self.accept(request), self.emit)
+
+    async def rollout(self, session: Session, request: p.ResponseCreate, handle: Rollout) -> None:
+        await session.run_rollout(self.accept(request), self.emit, handle)
+
+    async def steer(self, session: Session, target: str, value: Any) -> None:
+        """Send a steer as a client would; the answer is among `events`."""
+        text = self.client.send(p.ResponseSteer(previous_response_id=target, input=value))
+        await self.steer_raw(session, text)
+
+    async def steer_raw(self, session: Session, text: str) -> None:
+        [routed] = self.server.receive_text(text)
+        if isinstance(routed, p.ResponseSteer):
+            failed = await session.steer(routed)
+            if failed is not None:
+                await self.emit(failed)
+        else:
+            assert isinstance(routed, p.ResponseSteerFailed)
+            await self.emit(routed)
+
+    async def until(self, predicate: Callable[[p.ServerEvent], bool], count: int = 1) -> None:
+        while sum(map(predicate, self.events)) < count:
+            await self._changed.wait()
+
+    def of_type(self, cls: type[Any]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, cls)]
+
+
+def response_id(event: p.ServerEvent) -> str:
+    response = p.response_of(event)
+    assert response is not None
+    return response.id
+
+
+def text_of(item: p.Item) -> str:
+    assert isinstance(item, p.Message) and isinstance(item.content, list)
+    return "".join(getattr(part, "text", "") for part in item.content)
+
+
+def new_items(session: Session, rid: str) -> list[p.Item]:
+    """The items a response added to its conversation (input, then output)."""
+    state = session.cache.get(rid)
+    assert state is not None
+    return list(state.lineage.items[state.first_new_item : state.n_items])
+
+
+# --- the boundary ---------------------------------------------------------------------------
+
+
+async def test_steer_stops_a_message_and_a_successor_continues(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            session = engine.session()
+            wire = Wire()
+            request = p.ResponseCreate(
+                model=SLOW_TEXT, input="write an essay", store=False, metadata={"k": "v"}
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wire.create, session, request)
+                await wire.until(lambda e: isinstance(e, p.OutputTextDelta), 5)
+                first = response_id(wire.events[0])
+                validated = engine.counters.items_validated
+                hits = engine.counters.cache_hits
+                steered_at = trio.current_time()
+                await wire.steer(session, first, "Stop. Answer in one word.")
+        [accepted] = wire.of_type(p.ResponseSteerAccepted)
+        assert accepted.steer.previous_response_id == first
+        assert accepted.steer.id.startswith("steer_")
+        [incomplete] = wire.of_type(p.ResponseIncomplete)
+        assert incomplete.response.id == first
+        assert incomplete.response.incomplete_details is not None
+        assert incomplete.response.incomplete_details.reason == "steered"
+        [message] = incomplete.response.output
+        assert isinstance(message, p.Message) and message.status == "incomplete"
+        deltas = [
+            e.delta
+            for e in wire.events[: wire.events.index(incomplete)]
+            if isinstance(e, p.OutputTextDelta)
+        ]
+        assert text_of(message) == "".join(deltas)
+        assert 5 <= len(deltas) < 400  # stopped mid-message, not at its end
+        # The successor: created right after, continuing the steered response, inheriting
+        # its settings, and completing.
+        created = wire.of_type(p.ResponseCreated)
+        assert [c.response.previous_response_id for c in created] == [None, first]
+        successor = created[1].response
+        assert wire.events[wire.events.index(incomplete) + 1] is created[1]
+        assert (successor.model, successor.store, successor.metadata) == (
+            SLOW_TEXT,
+            False,
+            {"k": "v"},
+        )
+        [completed] = wire.of_type(p.ResponseCompleted)
+        assert completed.response.id == successor.id
+        # Pre-inference of only the new input: one item validated, the parent from the cache.
+        assert engine.counters.items_validated - validated == 1
+        assert engine.counters.cache_hits - hits == 1
+        assert (engine.counters.steers_accepted, engine.counters.steer_successors) == (1, 1)
+        items = new_items(session, successor.id)
+        assert isinstance(items[0], p.Message) and items[0].role == "user"
+        assert items[0].content == "Stop. Answer in one word."
+        assert completed.response.output == items[1:]
+        # The steer applied at once, not at the end of the message (4 s of tokens).
+        assert wire.times[wire.events.index(incomplete)] - steered_at < 0.05
+        assert not wire.client.awaiting
+
+
+async def test_a_steer_never_cuts_a_tool_call_and_pending_names_the_owed_output(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            session = engine.session()
+            wire = Wire()
+            request = p.ResponseCreate(model=SLOW_CALL, input="read it", tools=TOOLS, store=False)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wire.create, session, request)
+                await wire.until(lambda e: isinstance(e, p.FunctionCallArgumentsDelta))
+                first = response_id(wire.events[0])
+                await wire.steer(session, first, "Use the other file.")
+                await wire.steer(session, first, [{"role": "user", "content": "And be brief."}])
+            kinds = [e.type for e in wire.events]
+            assert kinds.count("response.steer.accepted") == 2
+            # The call completed, then the response: the calls are owed.
+            [call] = [
+                e.item for e in wire.of_type(p.OutputItemDone) if isinstance(e.item, p.FunctionCall)
+            ]
+            assert call.status == "completed"
+            [completed] = wire.of_type(p.ResponseCompleted)
+            assert completed.response.status == "completed"
+            end = wire.events.index(completed)
+            pending = wire.events[end + 1 :]
+            assert [e.type for e in pending] == ["response.steer.pending"] * 2  # once each
+            accepted = wire.of_type(p.ResponseSteerAccepted)
+            assert [e.steer.id for e in pending] == [a.steer.id for a in accepted]
+            for event in pending:
+                assert isinstance(event, p.ResponseSteerPending)
+                assert event.reason == "waiting_for_required_input"
+                assert event.required_input == [
+                    p.RequiredInput(
+                        type="function_call_output", call_id=call.call_id, name="read_file"
+                    )
+                ]
+            assert not wire.client.awaiting
+            # The client's continuation gets the steering input prepended, in order.
+            output = p.FunctionCallOutput(call_id=call.call_id, output="contents")
+            follow = p.ResponseCreate(
+                model=SLOW_CALL, input=[output], previous_response_id=first, store=False
+            )
+            wire.events.clear()
+            await wire.create(session, follow)
+            [done] = wire.of_type(p.ResponseCompleted)
+            items = new_items(session, done.response.id)
+            assert [type(i).__name__ for i in items[:3]] == [
+                "Message",
+                "Message",
+                "FunctionCallOutput",
+            ]
+            assert [getattr(i, "content", None) for i in items[:2]] == [
+                "Use the other file.",
+                "And be brief.",
+            ]
+            assert len(session.parked) == 0
+
+
+async def test_a_refused_continuation_keeps_the_parked_input(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            session = engine.session()
+            wire = Wire()
+            request = p.ResponseCreate(model=SLOW_CALL, input="read it", tools=TOOLS, store=False)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wire.create, session, request)
+                await wire.until(lambda e: isinstance(e, p.FunctionCallArgumentsDelta))
+                first = response_id(wire.events[0])
+                await wire.steer(session, first, "Use the other file.")
+            call_id = wire.of_type(p.ResponseSteerPending)[0].required_input[0].call_id
+            assert call_id is not None
+            parent = session.cache.get(first)
+            assert parent is not None
+            # Without the owed output the create is refused; nothing was committed.
+            bad = p.ResponseCreate(
+                model=SLOW_CALL, input="hi", previous_response_id=first, store=False
+            )
+            with pytest.raises(p.RemoteProtocolError):
+                await session.create(bad)
+            assert len(session.parked) == 1
+            session.cache.put(parent)  # (the refusal evicted it: OpenAI's rule)
+            output = p.FunctionCallOutput(call_id=call_id, output="x")
+            state = await session.create(attrs.evolve(bad, input=[output]))
+            assert state is not None
+            assert [getattr(i, "content", None) for i in new_items(session, state.id)[:1]] == [
+                "Use the other file."
+            ]
+            assert len(session.parked) == 0
+
+
+async def test_a_suspended_rollout_waits_for_its_outputs_then_stops_steered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            session = engine.session()
+            wire = Wire()
+            handle = Rollout(session)
+            request = p.ResponseCreate(
+                model="sim:steps=2,tps=200", input="go", tools=TOOLS, rollout=True, store=False
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wire.rollout, session, request, handle)
+                await wire.until(lambda e: isinstance(e, p.ResponseDone))
+                first = response_id(wire.events[0])
+                await wire.steer(session, first, "Now summarise.")
+                await trio.sleep(5)
+                assert handle.suspended  # still waiting for its outputs
+                assert wire.events[-1].type == "response.steer.accepted"
+                handle.append(
+                    [p.FunctionCallOutput(call_id=c, output="ok") for c, _ in handle.pending_calls]
+                )
+                await wire.until(lambda e: isinstance(e, p.ResponseIncomplete))
+                while not wire.of_type(p.ResponseCompleted):  # the successor runs to its end
+                    if handle.suspended:
+                        calls = handle.pending_calls
+                        handle.append(
+                            [p.FunctionCallOutput(call_id=c, output="ok") for c, _ in calls]
+                        )
+                    await trio.sleep(0.5)
+        [incomplete] = wire.of_type(p.ResponseIncomplete)
+        assert incomplete.response.incomplete_details is not None
+        assert incomplete.response.incomplete_details.reason == "steered"
+        # The outputs joined the steered response; its successor is a rollout continuing it.
+        kinds = [e.type for e in wire.events]
+        resumed = kinds.index("response.in_progress", 2)
+        assert kinds[resumed + 1 : resumed + 3] == ["response.incomplete", "response.created"]
+        successor = wire.of_type(p.ResponseCreated)[1].response
+        assert successor.previous_response_id == first
+        items = new_items(session, successor.id)
+        assert isinstance(items[0], p.Message) and items[0].content == "Now summarise."
+        [completed] = wire.of_type(p.ResponseCompleted)
+        assert completed.response.id == successor.id
+        assert not wire.client.awaiting
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("steer", "why"),
+    [
+        (
+            {"previous_response_id": "resp_1", "input": "x", "stream_id": "a"},
+            "Unknown parameter: 'stream_id'",
+        ),
+        ({"previous_response_id": "resp_1", "input": []}, "non-empty array"),
+        ({"previous_response_id": "resp_1"}, "non-empty array"),
+        ({"previous_response_id": 7, "input": "x"}, "previous_response_id"),
+        (
+            {"previous_response_id": "resp_1", "input": [{"role": "system", "content": "x"}]},
+            "user role",
+        ),
+        (
+            {
+                "previous_response_id": "resp_1",
+                "input": [{"type": "function_call_output", "call_id": "c", "output": "x"}],
+            },
+            "only user messages",
+        ),
+        (
+            {
+                "previous_response_id": "resp_1",
+                "input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}],
+            },
+            "input_text, input_image or input_file",
+        ),
+        (
+            {"previous_response_id": "resp_1", "input": [{"role": "user", "content": 3}]},
+            "input[0]",
+        ),
+        (
+            {"previous_response_id": "resp_1", "input": [{"role": "user", "content": "x", "n": 1}]},
+            "Unknown parameter: 'input[0].n'",
+        ),
+    ],
+)
+def test_invalid_steers_fail_with_their_original_input(steer: dict[str, Any], why: str) -> None:
+    server = p.ServerConnection()
+    [answer] = server.receive_text(json.dumps({"type": "response.steer", **steer}))
+    assert isinstance(answer, p.ResponseSteerFailed)
+    assert (answer.error.code, answer.error.type) == ("invalid_input", "invalid_request_error")
+    assert why in answer.error.message
+    assert answer.steer.id is None and answer.sequence_number == p.OUT_OF_STREAM
+    assert answer.steer.input == steer.get("input", "")
+    wire = json.loads(server.send(answer))
+    assert "id" not in wire["steer"] and "stream_id" not in wire
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "plain text",
+        [{"role": "user", "content": "x"}],
+        [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}],
+                "id": "msg_1",
+                "status": "completed",
+            }
+        ],
+    ],
+)
+def test_valid_steers_reach_the_running_response(value: Any) -> None:
+    server = p.ServerConnection()
+    steer = {"type": "response.steer", "previous_response_id": "resp_1", "input": value}
+    [answer] = server.receive_text(json.dumps(steer))
+    assert isinstance(answer, p.ResponseSteerFailed)
+    assert answer.error.code == "response_not_found"  # valid, but nothing runs
+    assert answer.steer.input == value
+    assert p.steer_items(value)
+
+
+async def test_unknown_ended_and_failed_targets(autojump_clock: trio.testing.MockClock) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine(registry=_registry()) as engine:
+            session = engine.session()
+            wire = Wire()
+            await wire.steer(session, "resp_unknown", "x")
+            await wire.create(session, p.ResponseCreate(model="sim", input="hi", store=False))
+            done = response_id(wire.of_type(p.ResponseCompleted)[0])
+            await wire.steer(session, done, "x")
+            await wire.create(session, p.ResponseCreate(model="broken", input="hi", store=False))
+            failed = response_id(wire.of_type(p.ResponseFailed)[0])
+            await wire.steer(session, failed, "x")
+        codes = [
+            (e.error.code, e.steer.previous_response_id, e.sequence_number)
+            for e in wire.of_type(p.ResponseSteerFailed)
+        ]
+        assert codes == [
+            ("response_not_found", "resp_unknown", 0),
+            ("response_already_completed", done, 0),
+            ("response_not_active", failed, 0),
+        ]
+        assert not wire.client.awaiting
+
+
+async def test_accepted_input_of_a_response_that_fails_is_returned(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine(registry=_registry()) as engine:
+            session = engine.session()
+            wire = Wire()
+            request = p.ResponseCreate(model="broken", input="go", tools=TOOLS, store=False)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wire.create, session, request)
+                await wire.until(lambda e: isinstance(e, p.FunctionCallArgumentsDelta))
+                first = response_id(wire.events[0])
+                await wire.steer(session, first, ["not", "a", "message"])  # invalid
+                await wire.steer(session, first, "keep this")
+        [accepted] = wire.of_type(p.ResponseSteerAccepted)
+        failed = wire.of_type(p.ResponseSteerFailed)
+        assert [(f.error.code, f.steer.id) for f in failed] == [
+            ("invalid_input", None),
+            ("response_not_active", accepted.steer.id),
+        ]
+        assert failed[1].steer.input == "keep this"
+        assert wire.events[-2].type == "response.failed"
+        assert failed[1].sequence_number == wire.events[-2].sequence_number + 1
+        assert not wire.client.awaiting
+
+
+async def test_too_many_pending_steers(autojump_clock: trio.testing.MockClock) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            session = engine.session()
+            wire = Wire()
+            request = p.ResponseCreate(model=SLOW_CALL, input="read", tools=TOOLS, store=False)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wire.create, session, request)
+                await wire.until(lambda e: isinstance(e, p.FunctionCallArgumentsDelta))
+                first = response_id(wire.events[0])
+                for n in range(MAX_PENDING_STEERS + 1):
+                    await wire.steer(session, first, f"steer {n}")
+        answers = [e for e in wire.events if e.type.startswith("response.steer.")]
+        assert [e.type for e in answers[: MAX_PENDING_STEERS + 1]] == [
+            "response.steer.accepted"
+        ] * MAX_PENDING_STEERS + ["response.steer.failed"]
+        refused = answers[MAX_PENDING_STEERS]
+        assert isinstance(refused, p.ResponseSteerFailed)
+        assert refused.error.code == "too_many_pending_steers" and refused.steer.id is None
+        assert refused.steer.input == f"steer {MAX_PENDING_STEERS}"
+        assert len(wire.of_type(p.ResponseSteerPending)) == MAX_PENDING_STEERS
+
+
+async def test_compaction_bound_responses_take_no_steering(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            session = engine.session()
+            wire = Wire()
+            request = p.ResponseCreate(
+                model=SLOW_TEXT,
+                input="write",
+                store=False,
+                context_management=[{"type": "compaction", "compact_threshold": 100_000}],
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wire.create, session, request)
+                await wire.until(lambda e: isinstance(e, p.OutputTextDelta))
+                await wire.steer(session, response_id(wire.events[0]), "x")
+        [failed] = wire.of_type(p.ResponseSteerFailed)
+        assert failed.error.code == "steering_not_supported"
+        assert "automatic compaction" in failed.error.message
+        assert failed.steer.id is None and failed.sequence_number > 0  # in the stream
+        assert wire.of_type(p.ResponseCompleted)  # the response went on
+        assert len(wire.of_type(p.ResponseCreated)) == 1
+
+
+async def test_a_successor_that_cannot_be_created_returns_the_input(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine(registry=_registry()) as engine:
+            session = engine.session()
+            wire = Wire()
+            request = p.ResponseCreate(model="small", input="write", store=False)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wire.create, session, request)
+                await wire.until(lambda e: isinstance(e, p.OutputTextDelta))
+                first = response_id(wire.events[0])
+                await wire.steer(session, first, "word " * 2000)  # past the context window
+        [accepted] = wire.of_type(p.ResponseSteerAccepted)
+        [failed] = wire.of_type(p.ResponseSteerFailed)
+        assert failed.error.code == "successor_creation_failed"
+        assert "context window" in failed.error.message
+        assert failed.steer.id == accepted.steer.id
+        assert len(wire.of_type(p.ResponseCreated)) == 1
+        assert session.cache.get(first) is not None  # the steered response stays continuable
+        assert not wire.client.awaiting
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+class BrokenBackend:
+    """Starts a function call, streams a little of it, then fails (after 1 s)."""
+
+    async def sample(self, request: SampleRequest) -> AsyncGenerator[SampleEvent, None]:
+        yield CallStart("read_file", None, "function")
+        yield ArgsDelta('{"pa', 1)
+        await trio.sleep(1)
+        raise BackendError("the model fell over")
+
+
+def _registry() -> ModelRegistry:
+    return ModelRegistry(
+        [
+            ModelSpec(name="sim", backend=SimBackend(), accepts_params=True),
+            ModelSpec(name="broken", backend=BrokenBackend()),
+            ModelSpec(
+                name="small",
+                backend=SimBackend(),
+                context_window=1000,
+                params={"tokens": "400", "tps": "100"},
+            ),
+        ]
+    )
