@@ -10,6 +10,7 @@ from ._checks_http import checks as http
 from ._checks_lanes import checks as lanes
 from ._checks_rollout import checks as rollout
 from ._checks_schema import checks as schema
+from ._checks_steer import checks as steer
 from ._checks_ws import checks as ws
 from ._context import CheckFn, CheckSet
 from ._probes import FEATURE_PROBES
@@ -26,4 +27,4 @@ def _gather(*sets: CheckSet) -> dict[str, CheckFn]:
     return every.by_id
 
 
-CHECKS: dict[str, CheckFn] = _gather(http, ws, lanes, events, chain, rollout, schema, errors)
+CHECKS: dict[str, CheckFn] = _gather(http, ws, lanes, events, chain, rollout, steer, schema, errors)

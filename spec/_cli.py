@@ -24,7 +24,7 @@ skipped. Exit status: 0 when every required check passed, 1 otherwise, 2 for usa
 
 examples:
   rollout conform http://127.0.0.1:8000/v1
-  rollout conform http://127.0.0.1:8000/v1 --slow-model 'sim:ttft_ms=300' \\
+  rollout conform http://127.0.0.1:8000/v1 --slow-model 'sim:ttft_ms=300,tps=200' \\
       --age-limit-seconds 3 --max-message-size 65536 --json report.json
   rollout conform https://api.example.com/v1 --api-key "$KEY" --model gpt-x --filter 'ws.*'
 """
@@ -55,8 +55,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--slow-model",
         metavar="MODEL",
-        help="a model whose first output takes >= 0.2 s, for checks that act while a response "
-        "is sampling (queueing, early appends); default --model. For rollout: 'sim:ttft_ms=300'",
+        help="a model whose first output takes >= 0.2 s and that streams at a bounded rate, for "
+        "checks that act while a response is sampling (queueing, early appends, steering); "
+        "default --model. For rollout: 'sim:ttft_ms=300,tps=200'",
     )
     p.add_argument(
         "--filter",

@@ -1,7 +1,8 @@
-"""What the server supports, probed once per run: the rollout extension and lanes (features:
-their checks are skipped without them) and whether the model is deterministic (the same
-requests twice give equal outputs modulo ids). With a deterministic model, outputs that must be
-equal are compared modulo ids, otherwise their structure is compared (`compare_outputs`)."""
+"""What the server supports, probed once per run: the rollout extension, lanes and steering
+(features: their checks are skipped without them), and whether the model is deterministic (the
+same requests twice give equal outputs modulo ids). With a deterministic model, outputs that
+must be equal are compared modulo ids, otherwise their structure is compared
+(`compare_outputs`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from ._analysis import as_dict, first_difference, shape
 from ._client import CheckFailed, describe_value
 from ._context import Context
-from ._requests import text_body, tool_body
+from ._requests import text_body, tool_body, unknown_id
 from ._steps import completed, first_event
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "probe_deterministic",
     "probe_lanes",
     "probe_rollout",
+    "probe_steer",
     "sum_tokens",
 ]
 
@@ -135,4 +137,22 @@ async def probe_lanes(ctx: Context) -> str | None:
     )
 
 
-FEATURE_PROBES = {"rollout": probe_rollout, "lanes": probe_lanes}
+async def probe_steer(ctx: Context) -> str | None:
+    """None when the server answers a `response.steer` (of an unknown response) with a
+    steering event, else why steering is absent: an `error` (the event type is unknown to
+    it) skips the steering checks."""
+    async with ctx.ws() as ws:
+        probe = {"type": "response.steer", "previous_response_id": unknown_id(), "input": "?"}
+        event = await first_event(ctx, ws, probe)
+    if str(event["type"]).startswith("response.steer."):
+        return None
+    if event["type"] == "error":
+        error = as_dict(event.get("error"))
+        return (
+            f"the server answers response.steer with error {describe_value(error.get('code'))}: "
+            "steering is not supported"
+        )
+    raise CheckFailed(f"a response.steer was answered with {event['type']}")
+
+
+FEATURE_PROBES = {"rollout": probe_rollout, "lanes": probe_lanes, "steer": probe_steer}

@@ -40,7 +40,7 @@ AGE_LIMIT = 3.0
 MAX_MESSAGE_SIZE = 64 * 1024
 SUSPEND_LIMIT = 1.0
 MAX_QUEUED = 2
-SLOW_MODEL = "sim:ttft_ms=400"
+SLOW_MODEL = "sim:ttft_ms=400,tps=200"
 
 
 def server_config(**overrides: Any) -> ServerConfig:
@@ -176,7 +176,7 @@ def test_case_list_fields() -> None:
     known_needs = {"api_key", "age_limit_seconds", "max_message_size", "max_queued_creates",
                    "rollout_suspend_limit"}  # fmt: skip
     for case in spec.load_cases():
-        assert case.feature in {"http", "websocket", "auth", "limits", "rollout", "lanes"}
+        assert case.feature in {"http", "websocket", "auth", "limits", "rollout", "lanes", "steer"}
         assert set(case.needs) <= known_needs
         assert case.title
 
@@ -274,17 +274,20 @@ def not_passed(results: Any) -> dict[str, str]:
 async def test_rollout_server_passes_every_check() -> None:
     with trio.fail_after(60):
         async with serving() as url:
-            report = await spec.run_conformance(url, harness_options(require=("rollout",)))
+            options = harness_options(require=("rollout", "steer"))
+            report = await spec.run_conformance(url, options)
     failed = not_passed(report.results)
     assert not failed, failed
     assert len(report.results) >= 40
     assert (report.ok and report.exit_code == 0) or schema_failures_tolerated()
-    assert report.features == {"rollout": True, "lanes": True, "deterministic": True}
+    assert report.features == {"rollout": True, "lanes": True, "steer": True, "deterministic": True}
     lanes_checks = [r for r in report.results if r.feature == "lanes"]
     assert len(lanes_checks) >= 8 and not not_passed(lanes_checks)
     rollout_checks = [r for r in report.results if r.feature == "rollout"]
     assert len(rollout_checks) >= 10
     assert not not_passed(rollout_checks)
+    steer_checks = [r for r in report.results if r.feature == "steer"]
+    assert len(steer_checks) == 4 and not not_passed(steer_checks)
 
 
 async def test_cli_report_and_exit_status(tmp_path: Path) -> None:
@@ -385,11 +388,16 @@ async def test_nondeterministic_model_is_compared_by_structure() -> None:
     )
     with trio.fail_after(60):
         async with serving(registry=registry) as url:
-            options = harness_options(model="noisy", slow_model="noisy:ttft_ms=300")
+            options = harness_options(model="noisy", slow_model="noisy:ttft_ms=300,tps=200")
             report = await spec.run_conformance(url, options)
     failed = not_passed(report.results)
     assert not failed, failed
-    assert report.features == {"rollout": True, "lanes": True, "deterministic": False}
+    assert report.features == {
+        "rollout": True,
+        "lanes": True,
+        "steer": True,
+        "deterministic": False,
+    }
 
 
 # --- servers that are down, refuse the upgrade, or never answer ----------------------------

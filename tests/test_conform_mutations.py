@@ -293,6 +293,59 @@ def row_reasons(
 # --- the variants ------------------------------------------------------------------------------
 
 
+def _steer(event: dict[str, Any]) -> bool:
+    return event.get("type") == "response.steer"
+
+
+class SteerAcceptedWithoutId(Mutant):
+    """Acceptances name no steering submission."""
+
+    breaks = ("steer.accepted",)
+    reason = "response.steer.accepted carries steer.id"
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event.get("type") == "response.steer.accepted":
+            event["steer"].pop("id", None)
+        return [text(event)]
+
+
+class SteerAcceptsAnything(Mutant):
+    """A gateway that drops the fields and roles it does not like before the server sees the
+    steer: malformed steers are accepted."""
+
+    breaks = ("steer.invalid_input",)
+    reason = "answered with response.steer.accepted, expected response.steer.failed"
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _steer(event):
+            event.pop("stream_id", None)
+        return event
+
+
+class SteerTargetsConfused(Mutant):
+    """Unknown and completed targets are reported as invalid input."""
+
+    breaks = ("steer.unknown_or_completed",)
+    reason = "response.steer.failed has code 'invalid_input'"
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event.get("type") == "response.steer.failed":
+            event["error"]["code"] = "invalid_input"
+        return [text(event)]
+
+
+class SteerPendingNamesNothing(Mutant):
+    """`response.steer.pending` comes, but without the stubs of the owed outputs."""
+
+    breaks = ("steer.pending",)
+    reason = "required_input is [], expected"
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event.get("type") == "response.steer.pending":
+            event["required_input"] = []
+        return [text(event)]
+
+
 class RequireBetaHeader(Mutant):
     breaks = ("ws.upgrade_minimal",)
     reason = "upgrade was refused with HTTP 400"
@@ -1451,6 +1504,10 @@ MUTANTS: tuple[type[Mutant], ...] = (
     NullWsErrorCode,
     PendingCallUnknown,
     NegativeOutputIndex,
+    SteerAcceptedWithoutId,
+    SteerAcceptsAnything,
+    SteerTargetsConfused,
+    SteerPendingNamesNothing,
 )
 # Variants run at once (each with its own server and a harness run of its checks).
 PARALLEL_VARIANTS = 4
@@ -1568,3 +1625,26 @@ async def test_lanes_checks_are_skipped_when_the_server_refuses_stream_id() -> N
         assert "refuses `stream_id` (unsupported_parameter)" in result.reason
     assert report.ok
     assert not required.ok and required.exit_code == 1
+
+
+class WithoutSteering(Mutant):
+    """A server without steering: `response.steer` is an unknown client event to it. Not a
+    broken variant: its steering checks must be skipped, never passed or failed."""
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _steer(event):
+            await conn.emit([ws_error("invalid_value", "type")])
+            return None
+        return event
+
+
+async def test_steer_checks_are_skipped_when_the_server_lacks_steering() -> None:
+    with trio.fail_after(60):
+        async with serving(app_wrapper=WithoutSteering) as url:
+            report = await spec.run_conformance(url, harness_options(filter=("steer",)))
+    assert report.features["steer"] is False
+    assert len(report.results) == 4
+    for result in report.results:
+        assert result.outcome is spec.Outcome.SKIPPED, (result.id, result.reason)
+        assert "steering is not supported" in result.reason
+    assert report.ok
