@@ -49,6 +49,21 @@ EXPECTED_PROTOCOL_NAMES = {
     "from_wire",
     "make_converter",
     "to_wire",
+    # steering (response.steer and its answers)
+    "OUT_OF_STREAM",
+    "STEER_EVENT_TYPES",
+    "InvalidSteer",
+    "RequiredInput",
+    "ResponseSteer",
+    "ResponseSteerAccepted",
+    "ResponseSteerFailed",
+    "ResponseSteerPending",
+    "SteerAck",
+    "SteerError",
+    "SteerRef",
+    "SteerSubmission",
+    "steer_failed",
+    "steer_items",
     # errors
     "ErrorBody",
     "LocalProtocolError",
@@ -194,7 +209,7 @@ def test_protocol_star_import() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["_builder", "_codec", "_errors", "_events", "_items", "_response", "_validate"],
+    ["_builder", "_codec", "_errors", "_events", "_items", "_response", "_steer", "_validate"],
 )
 def test_private_modules_declare_their_names(module: str) -> None:
     mod = importlib.import_module(f"rollout.protocol.{module}")

@@ -72,6 +72,10 @@ def outcome(decoder: Decoder, data: Any) -> Any:
     except p.RemoteProtocolError as exc:
         check_error_event(exc)
         return None
+    if isinstance(event, p.InvalidSteer):  # a malformed steer: answered, not an error
+        failed = p.steer_failed(event, "invalid_input", event.message)
+        assert p.decode_server_event(p.encode_json(failed)) == failed
+        return None
     assert isinstance(event, CLIENT_CLASSES + SERVER_CLASSES)
     check_reencodes(event)
     return event
