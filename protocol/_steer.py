@@ -141,12 +141,22 @@ def steer_failed(
     stream_id: str | None = None,
 ) -> ResponseSteerFailed:
     """`response.steer.failed` returning `steer`'s original input (out of any stream unless
-    a `sequence_number` is given)."""
+    a `sequence_number` is given): a malformed steer's as sent, a valid one's with each
+    message's `type` ("message", optional on input, which the SDK's type requires)."""
+    given = steer.input
+    if isinstance(steer, ResponseSteer) and isinstance(given, list):
+        given = [_typed(message) for message in given]
     return ResponseSteerFailed(
         sequence_number=sequence_number,
         error=SteerError(code=code, message=message),
         steer=SteerSubmission(
-            input=steer.input, previous_response_id=steer.previous_response_id, id=steer_id
+            input=given, previous_response_id=steer.previous_response_id, id=steer_id
         ),
         stream_id=stream_id,
     )
+
+
+def _typed(message: Any) -> Any:
+    if isinstance(message, dict) and "type" not in message:
+        return {"type": "message", **message}
+    return message

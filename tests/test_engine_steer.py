@@ -417,7 +417,9 @@ def test_valid_steers_reach_the_running_response(value: Any) -> None:
     [answer] = server.receive_text(json.dumps(steer))
     assert isinstance(answer, p.ResponseSteerFailed)
     assert answer.error.code == "response_not_found"  # valid, but nothing runs
-    assert answer.steer.input == value
+    typed = [{"type": "message", **m} for m in value] if isinstance(value, list) else value
+    assert answer.steer.input == typed  # as sent, each message typed (as the SDK requires)
+    SDK_EVENT.validate_json(p.encode_json(answer))
     assert p.steer_items(value)
 
 
