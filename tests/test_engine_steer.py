@@ -41,7 +41,7 @@ from rollout.engine import (
 from rollout.engine._errors import BackendError
 from rollout.engine._interfaces import ArgsDelta, CallStart, SampleEvent, SampleRequest
 from rollout.engine._sim import SimBackend
-from rollout.engine._steer import MAX_PENDING_STEERS
+from rollout.engine._steer import MAX_PENDING_STEERS, Steering
 
 DEADLINE = 60
 SDK_EVENT: TypeAdapter[ResponsesServerEvent] = TypeAdapter(ResponsesServerEvent)
@@ -342,6 +342,67 @@ async def test_a_suspended_rollout_waits_for_its_outputs_then_stops_steered(
         assert not wire.client.awaiting
 
 
+# --- ordering ---------------------------------------------------------------------------------
+
+
+async def test_an_answer_waits_for_the_events_already_built(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An acknowledgement is numbered after every event the coroutine built, and sent after
+    them, even while one of them is held up (a full outbox)."""
+    sent: list[p.ServerEvent] = []
+    release = trio.Event()
+
+    async def emit(event: p.ServerEvent) -> None:
+        if isinstance(event, p.OutputTextDelta):
+            await release.wait()  # the client is slow to read
+        sent.append(event)
+
+    steering = Steering(emit)
+    stream = p.ResponseStream(p.Response(id="resp_1", created_at=0, model="m"))
+    steering.open(stream, "resp_1")
+    with trio.fail_after(DEADLINE):
+        for event in stream.start():
+            await steering.emit(event)
+        async with trio.open_nursery() as nursery:
+            for event in stream.begin_message("msg_1"):
+                await steering.emit(event)
+
+            async def stream_text() -> None:
+                await steering.emit(stream.text_delta("a"))  # built now, then held up
+                await steering.emit(stream.text_delta("b"))
+
+            nursery.start_soon(stream_text)
+            await trio.sleep(1)
+            steer = p.ResponseSteer(previous_response_id="resp_1", input="x")
+            nursery.start_soon(steering.submit, steer)
+            await trio.sleep(1)
+            assert not any(e.type == "response.steer.accepted" for e in sent)
+            release.set()
+    numbers = [e.sequence_number for e in sent]
+    assert numbers == list(range(len(numbers)))  # in order, no gap
+    # The coroutine's events go first (the second delta was built as the first went out).
+    assert [e.type for e in sent][-3:] == [
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.steer.accepted",
+    ]
+
+
+async def test_a_response_that_is_ending_takes_no_more_input() -> None:
+    steering = Steering(_ignore)
+    steering.open(p.ResponseStream(p.Response(id="resp_1", created_at=0, model="m")), "resp_1")
+    steering.close()  # the end is decided
+    failed = await steering.submit(p.ResponseSteer(previous_response_id="resp_1", input="x"))
+    assert failed is not None
+    assert (failed.error.code, failed.sequence_number, failed.steer.id) == (
+        "response_not_active",
+        0,
+        None,
+    )
+    assert not steering.queued
+
+
 # --- failures ---------------------------------------------------------------------------------
 
 
@@ -570,3 +631,7 @@ def _registry() -> ModelRegistry:
             ),
         ]
     )
+
+
+async def _ignore(event: p.ServerEvent) -> None:
+    return None
