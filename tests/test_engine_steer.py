@@ -28,6 +28,8 @@ import attrs
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types.responses.responses_server_event import ResponsesServerEvent
 from pydantic import TypeAdapter
 from rollout import protocol as p
@@ -162,6 +164,16 @@ async def test_steer_stops_a_message_and_a_successor_continues(
                 hits = engine.counters.cache_hits
                 steered_at = trio.current_time()
                 await wire.steer(session, first, "Stop. Answer in one word.")
+            work = (
+                engine.counters.items_validated - validated,
+                engine.counters.cache_hits - hits,
+                engine.counters.steers_accepted,
+                engine.counters.steer_successors,
+            )
+            # The same continuation sent by a client: the successor is exactly that.
+            again = await session.respond(
+                attrs.evolve(request, input="Stop. Answer in one word.", previous_response_id=first)
+            )
         [accepted] = wire.of_type(p.ResponseSteerAccepted)
         assert accepted.steer.previous_response_id == first
         assert accepted.steer.id.startswith("steer_")
@@ -192,13 +204,13 @@ async def test_steer_stops_a_message_and_a_successor_continues(
         [completed] = wire.of_type(p.ResponseCompleted)
         assert completed.response.id == successor.id
         # Pre-inference of only the new input: one item validated, the parent from the cache.
-        assert engine.counters.items_validated - validated == 1
-        assert engine.counters.cache_hits - hits == 1
-        assert (engine.counters.steers_accepted, engine.counters.steer_successors) == (1, 1)
+        assert work == (1, 1, 1, 1)
         items = new_items(session, successor.id)
         assert isinstance(items[0], p.Message) and items[0].role == "user"
         assert items[0].content == "Stop. Answer in one word."
         assert completed.response.output == items[1:]
+        assert [_no_ids(i) for i in again.output] == [_no_ids(i) for i in completed.response.output]
+        assert again.usage == completed.response.usage
         # The steer applied at once, not at the end of the message (4 s of tokens).
         assert wire.times[wire.events.index(incomplete)] == steered_at  # no token waited for
         assert not wire.client.awaiting
@@ -340,6 +352,86 @@ async def test_a_suspended_rollout_waits_for_its_outputs_then_stops_steered(
         [completed] = wire.of_type(p.ResponseCompleted)
         assert completed.response.id == successor.id
         assert not wire.client.awaiting
+
+
+# --- any moment ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    tools=st.booleans(),
+    rollout=st.booleans(),
+    steer_at=st.integers(0, 2000),  # ms after response.created
+    n_steers=st.integers(1, 3),
+)
+def test_steering_at_any_moment_keeps_every_rule(
+    tools: bool, rollout: bool, steer_at: int, n_steers: int
+) -> None:
+    """Whenever steers arrive (while text or a call streams, while suspended, after the end):
+    both ends of the protocol accept every event, no tool call is cut, and every accepted
+    submission is answered once: committed by a successor, pending, or failed."""
+    wire = trio.run(
+        _steer_at,
+        tools,
+        rollout,
+        steer_at / 1000,
+        n_steers,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    assert not wire.client.awaiting
+    for event in wire.of_type(p.OutputItemDone):
+        if isinstance(event.item, p.FunctionCall):
+            assert event.item.status == "completed"  # never cut by steering
+    accepted = {
+        e.steer.id: e.steer.previous_response_id for e in wire.of_type(p.ResponseSteerAccepted)
+    }
+    answered: dict[str, str] = {}
+    for event in wire.events:
+        if isinstance(event, p.ResponseSteerPending | p.ResponseSteerFailed) and event.steer.id:
+            assert event.steer.id not in answered
+            answered[event.steer.id] = event.type
+        if isinstance(event, p.ResponseCreated) and event.response.previous_response_id:
+            for sid, target in accepted.items():
+                if target == event.response.previous_response_id and sid not in answered:
+                    answered[sid] = "committed"
+    assert set(answered) == set(accepted)
+
+
+async def _steer_at(tools: bool, rollout: bool, delay: float, n_steers: int) -> Wire:
+    model = "sim:steps=2,tokens=60,tps=50"
+    request = p.ResponseCreate(
+        model=model, input="go", tools=TOOLS if tools else None, rollout=rollout, store=False
+    )
+    wire = Wire()
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            session = engine.session()
+            handle = Rollout(session)
+            finished = trio.Event()
+
+            async def run() -> None:
+                if rollout:
+                    await wire.rollout(session, request, handle)
+                else:
+                    await wire.create(session, request)
+                finished.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                await wire.until(lambda e: isinstance(e, p.ResponseCreated))
+                await trio.sleep(delay)
+                target = response_id(wire.of_type(p.ResponseCreated)[-1])
+                for n in range(n_steers):
+                    await wire.steer(session, target, f"steer {n}")
+                while not finished.is_set():
+                    if handle.suspended:
+                        outputs = [
+                            p.FunctionCallOutput(call_id=c, output="ok")
+                            for c, _ in handle.pending_calls
+                        ]
+                        handle.append(outputs)
+                    await trio.sleep(0.05)
+    return wire
 
 
 # --- ordering ---------------------------------------------------------------------------------
@@ -635,3 +727,9 @@ def _registry() -> ModelRegistry:
 
 async def _ignore(event: p.ServerEvent) -> None:
     return None
+
+
+def _no_ids(item: p.Item) -> dict[str, Any]:
+    wire = p.to_wire(item)
+    wire.pop("id", None)
+    return dict(wire)
