@@ -7,8 +7,9 @@ whose lane is free, while fewer than `max_in_flight` responses run), and encodes
 after checking it against its lane's response grammar. This wrapper is thin and mechanical
 (after trio-websocket): a reader task feeds frames to it and either queues a
 `response.create`, delivers a `response.append` to its rollout, or a `response.steer` to the
-running response it names (`Session.steer`, which answers it in that response's stream); each create the connection
-starts runs through the session in a task of its own (one per busy lane), with an emitter that
+running response it names (`Session.steer`, which answers it in that response's stream); each
+create the connection starts runs through the session in a task of its own (one per busy
+lane; a steered response's successor runs in the same task), with an emitter that
 puts its events on its lane (`stream_id`); a writer task sends the frames in order from a
 bounded outbox, so the lanes' events interleave there. Request-scoped errors are answered with
 the nested `error` event (on the request's lane) and never close the socket. A connection

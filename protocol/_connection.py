@@ -554,7 +554,7 @@ class _ClientLane(Lane):
     def awaiting(self) -> bool:
         if self.creates or self.phase in (Phase.QUEUED, Phase.CREATED, Phase.RUNNING):
             return True
-        if not self.free:  # accepted steering input is answered after the end
+        if self.phase is Phase.IDLE and not self.free:  # steering input answered after the end
             return True
         return self.suspended and not self.pending_call_ids
 

@@ -42,7 +42,6 @@ __all__ = [
 OUT_OF_STREAM = 0
 
 
-
 @attrs.frozen(kw_only=True)
 class ResponseSteer:
     """`response.steer`: queue `input` for the running response `previous_response_id`.

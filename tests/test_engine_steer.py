@@ -79,11 +79,15 @@ class Wire:
     async def emit(self, event: p.ServerEvent) -> None:
         text = self.server.send(event)
         self.client.receive_text(text)
-        if not isinstance(event, p.ResponseDone) and not (
+        rollout_only = isinstance(event, p.ResponseDone) or (
+            isinstance(event, p.ResponseInProgress) and isinstance(event.response, p.ResponseRef)
+        )
+        if not rollout_only and not (
             isinstance(event, p.ResponseSteerFailed) and event.error.code == "invalid_input"
         ):
-            # The SDK's own types (it has none for the rollout extension's response.done; an
-            # invalid input is returned as sent).
+            # The SDK's own types (it has none for the rollout extension's suspension events,
+            # response.done and the resumed response.in_progress; an invalid input is returned
+            # as sent).
             SDK_EVENT.validate_json(text)
         self.events.append(event)
         self.times.append(trio.current_time())
@@ -93,7 +97,8 @@ class Wire:
     def accept(self, request: p.ResponseCreate) -> p.ResponseCreate:
         [queued] = self.server.receive_text(self.client.send(request))
         assert isinstance(queued, p.ResponseCreate)
-        self.server.start(queued)
+        started = self.server.start_next()
+        assert started is queued
         return queued
 
     async def create(self, session: Session, request: p.ResponseCreate) -> None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -40,7 +41,7 @@ class Pair:
     def create(self) -> None:
         [event] = self.server.receive_text(self.client.send(p.ResponseCreate(model="m")))
         assert isinstance(event, p.ResponseCreate)
-        self.server.start(event)
+        assert self.server.start_next() is event
 
     def steer(self, rid: str) -> Any:
         [routed] = self.server.receive_text(
@@ -167,3 +168,41 @@ def attrs_evolve(event: Any, **changes: Any) -> Any:
     import attrs
 
     return attrs.evolve(event, **changes)
+
+
+def test_a_lane_stays_busy_until_its_ended_response_answers_its_steering() -> None:
+    """On a lane, the next create waits while the ended response still owes answers to the
+    input it accepted (its pending, or its successor, comes first); the answers carry the
+    lane."""
+    server, client = p.ServerConnection(), p.ClientConnection()
+
+    def create() -> None:
+        [event] = server.receive_text(client.send(p.ResponseCreate(model="m", stream_id="a")))
+        assert isinstance(event, p.ResponseCreate)
+
+    def send(event: Any) -> None:
+        client.receive_text(server.send(event, stream_id="a"))
+
+    create()
+    assert server.start_next() is not None
+    send(p.ResponseCreated(sequence_number=0, response=_response("resp_1")))
+    send(p.ResponseInProgress(sequence_number=1, response=_response("resp_1")))
+    [steer] = server.receive_text(
+        client.send(p.ResponseSteer(previous_response_id="resp_1", input="x"))
+    )
+    assert isinstance(steer, p.ResponseSteer)
+    send(p.ResponseSteerAccepted(sequence_number=2, steer=_ref("resp_1")))
+    send(p.ResponseCompleted(sequence_number=3, response=_response("resp_1", "completed")))
+    create()  # the next turn on the lane
+    assert server.start_next() is None  # the lane owes the pending answer first
+    stub = p.RequiredInput(type="function_call_output", call_id="c", name="f")
+    pending = p.ResponseSteerPending(sequence_number=4, required_input=[stub], steer=_ref("resp_1"))
+    text = server.send(pending, stream_id="a")
+    assert json.loads(text)["stream_id"] == "a"
+    client.receive_text(text)
+    assert server.start_next() is not None  # now it may start
+    # A steer of the ended response is refused on its lane.
+    [late] = server.receive_text(
+        client.send(p.ResponseSteer(previous_response_id="resp_1", input="x"))
+    )
+    assert isinstance(late, p.ResponseSteerFailed) and late.stream_id == "a"
