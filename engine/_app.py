@@ -37,7 +37,7 @@ from typing import Any
 
 import attrs
 import trio
-from rollout.protocol import DEFAULT_MAX_MESSAGE_SIZE, RemoteProtocolError, to_wire
+from rollout.protocol import DEFAULT_MAX_MESSAGE_SIZE, RemoteProtocolError, betas_of, to_wire
 
 from ._asgi import (
     HttpError,
@@ -187,6 +187,11 @@ class RolloutApp:
             limits=self.config.ws_limits,
             timing=headers.get("x-rollout-timing", "").lower() in ("1", "true", "yes"),
             shutting_down=self.shutting_down,
+            betas=betas_of(
+                value.decode("latin-1")
+                for name, value in scope.get("headers", [])
+                if name.lower() == b"openai-beta"
+            ),
         )
         try:
             await connection.run()

@@ -33,6 +33,8 @@ class Counters:
     tokens_rendered: int = 0
     chars_classified: int = 0  # characters the classifiers examined (as they report)
     route_resolutions: int = 0
+    pre_inference_runs: int = 0  # responses prepared (Session.prepare): one per response
+    injects_committed: int = 0  # response.inject events committed to a waiting response
     cache_hits: int = 0
     cache_misses: int = 0
     hydrations: int = 0

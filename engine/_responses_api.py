@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 from rollout.protocol import (
+    MULTI_AGENT_BETA,
     Item,
     RemoteProtocolError,
     Response,
@@ -19,6 +20,7 @@ from rollout.protocol import (
     ServerEvent,
     as_listed,
     decode_create_body,
+    multi_agent_enabled,
     response_of,
     to_wire,
 )
@@ -187,6 +189,13 @@ def _refuse_websocket_only(request: ResponseCreate) -> None:
             "The rollout extension needs a WebSocket connection.",
             code="unsupported_parameter",
             param="rollout",
+        )
+    if multi_agent_enabled(request):
+        raise RemoteProtocolError.invalid(
+            "A multi-agent response waits for response.inject, which needs a WebSocket "
+            f"connection opened with the header 'OpenAI-Beta: {MULTI_AGENT_BETA}'.",
+            code="unsupported_parameter",
+            param="multi_agent",
         )
     if request.generate is not None or request.stream_id is not None:
         param = "generate" if request.generate is not None else "stream_id"

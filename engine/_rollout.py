@@ -11,9 +11,12 @@
                             made yet in the turn) stops it there: the open message closes
                             `incomplete`, then response.incomplete `steered`
       hosted tools ran      their results are in the output: sample again
-      tool calls, rollout   suspend: response.done, then wait until `Rollout.append` has
-                            delivered every output; resume: response.in_progress, and sample
-                            again, in the same response
+      tool calls, rollout   suspend until `Rollout.append` has delivered every output, then
+                            sample again, in the same response; two doors to one suspension:
+        the extension         response.done with the pending call ids; response.append;
+                              resumed with response.in_progress
+        multi-agent beta      no event; each queued response.inject goes through the same
+                              `append` and is acknowledged (response.inject.created) in order
       otherwise             the response is complete (or incomplete: max_output_tokens)
     post-inference, once    usage (and, with store: true, the response) committed; only then
                             the terminal event goes out
@@ -29,13 +32,17 @@ its pending call ids and the output indices of the step, and the resumed `respon
 names the response; the items already went out as `response.output_item.done`, and only the
 terminal event carries the whole response (PROTOCOL.md RX-2.2, RX-2.3). The embedded handle
 (`Rollout.response`) still shows the response so far at each suspension, built only when it is
-iterated.
+iterated. Through the multi-agent door a suspension sends nothing; each inject costs one
+constant-size acknowledgement.
 
 Every mode runs this coroutine. A create (stateless or with `previous_response_id`) never
 suspends: its tool calls end the response, and the client continues with a new create. A
-rollout (the extension, `rollout: true`) suspends at them, so pre- and post-inference happen
-once for the whole agent loop. That is the only difference, which is what makes the modes
-equal.
+rollout (the extension, `rollout: true`, or a multi-agent response, `multi_agent: {enabled:
+true}` on a beta connection) suspends at them, so pre- and post-inference happen once for the
+whole agent loop. That is the only difference, which is what makes the modes equal: the
+items, the rendered context and the usage are the same whichever door a client uses (a
+property test proves it). A multi-agent response's events go out through `RootAgentView`,
+which attributes its items to the root agent on the wire only.
 
 A response runs on its request's lane (`request.stream_id`, the default lane without one): the
 WebSocket server runs one response per busy lane at once, each in this coroutine, and the
@@ -68,12 +75,14 @@ import attrs
 import trio
 from rollout.protocol import (
     ReasoningConfig,
+    RemoteProtocolError,
     Response,
     ResponseCompleted,
     ResponseCreate,
     ResponseError,
     ResponseIncomplete,
     ResponseStream,
+    RootAgentView,
     ServerEvent,
     TextConfig,
     Usage,
@@ -150,6 +159,8 @@ async def run_response(
     """Run one response whose pre-inference is done (`Session.prepare`); its events go to
     `emit` (through `steering`, which takes its steering input). Returns the final state
     (None when it failed)."""
+    if rollout is not None and rollout.multi_agent:
+        emit = _root_agent(emit)
     run = _Run(session, request, emit, rollout, prepared, steering)
     await run.start()
     try:
@@ -282,22 +293,37 @@ class _Run:
         return step
 
     async def suspend(self, state: ResponseState) -> ResponseState | None:
-        """Suspend at the pending tool calls; the state with the appended input once every
-        call has its output, or None when the suspend limit passed."""
+        """Suspend at the pending tool calls; the state with the appended (or injected) input
+        once every call has its output, or None when the suspend limit passed."""
         assert self.rollout is not None
         rollout = self.rollout
+        limit = self.engine.rollout_suspend_limit
         rollout._suspend(state, self.stream.snapshot)  # appends are accepted from here on
-        await self.emit(self.stream.suspend([cid for cid, _ in state.open_calls]))
-        self.engine.counters.rollout_suspensions += 1
-        resumed = await rollout._wait_resume(self.engine.rollout_suspend_limit)
+        if rollout.multi_agent:
+            resumed = await rollout._wait_injected(limit, self._answer_inject)
+        else:
+            await self.emit(self.stream.suspend([cid for cid, _ in state.open_calls]))
+            self.engine.counters.rollout_suspensions += 1
+            resumed = await rollout._wait_resume(limit)
         self.session.last_timings = rollout.timings
         if resumed is None:
             return None
         state, flags = resumed
         if flags:
             raise _Fail(_flagged(flags[0], appended=True), self.total, evict=False)
-        await self.emit(self.stream.resume())
+        if not rollout.multi_agent:
+            await self.emit(self.stream.resume())
         return state
+
+    async def _answer_inject(self, error: RemoteProtocolError | None) -> None:
+        """An inject was committed (acknowledged in the response's sequence, on its lane) or
+        refused (a request error: its input answers no pending call, ...)."""
+        if error is not None:
+            self.engine.counters.request_errors += 1
+            await self.emit(error.error_event())
+        else:
+            self.engine.counters.injects_committed += 1
+            await self.emit(self.stream.inject_created(stream_id=self.request.stream_id))
 
     # --- the one exit: post-inference once, then the terminal event ---------------------------
 
@@ -482,6 +508,17 @@ def steering_unsupported(request: ResponseCreate) -> str | None:
     if request.generate is False:
         return "a warm-up (generate: false), which samples nothing"
     return None
+
+
+def _root_agent(emit: Emit) -> Emit:
+    """The emitter of a multi-agent response: its events as the beta shows them."""
+    view = RootAgentView()
+
+    async def emit_viewed(event: ServerEvent) -> None:
+        for viewed in view.events(event):
+            await emit(viewed)
+
+    return emit_viewed
 
 
 def _flagged(flag: Flag, *, appended: bool) -> ResponseError:

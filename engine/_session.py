@@ -34,6 +34,7 @@ from rollout.protocol import (
     ServerEvent,
     Usage,
     as_listed,
+    multi_agent_enabled,
     response_of,
     to_wire,
 )
@@ -172,6 +173,13 @@ class Session:
                 "Use open_rollout() (or the WebSocket transport) for rollout mode.",
                 param="rollout",
             )
+        if multi_agent_enabled(request):
+            raise invalid(
+                "A multi-agent response waits for response.inject: run it over the WebSocket "
+                "transport, on a connection opened with the multi-agent beta.",
+                code="unsupported_parameter",
+                param="multi_agent",
+            )
         return await self._respond(request, emit or _discard, None, timings)
 
     async def respond(self, request: ResponseCreate) -> Response:
@@ -189,9 +197,12 @@ class Session:
     @asynccontextmanager
     async def open_rollout(self, request: ResponseCreate) -> AsyncIterator[Rollout]:
         """Run `request` as a rollout: iterate the Rollout for events up to each suspension,
-        `append` the tool outputs, iterate again, until `rollout.response` is final."""
+        `append` the tool outputs, iterate again, until `rollout.response` is final. A
+        multi-agent request (`multi_agent: {enabled: true}`) is the beta's door instead:
+        iterate to the end, and `inject` each call's output (at any time: it is taken when
+        the response waits, and acknowledged in the events)."""
         send, recv = trio.open_memory_channel[ServerEvent](ROLLOUT_EVENT_BUFFER)
-        rollout = Rollout(self, recv)
+        rollout = Rollout(self, recv, multi_agent=multi_agent_enabled(request))
         async with trio.open_nursery() as nursery:
 
             async def body() -> None:
@@ -382,6 +393,7 @@ class Session:
             if steers and parent_id is not None:
                 self.parked.restore(parent_id, list(steers))
             raise server_error() from None
+        engine.counters.pre_inference_runs += 1
         return Prepared(
             state=prepared.state,
             flags=prepared.flags,

@@ -5,12 +5,19 @@ in `_wait_resume`; `Rollout.append` stages the client's tool outputs onto that s
 (validated, rendered and classified once, as they arrive) and wakes the coroutine when every
 pending call has its output. The embedded API iterates the handle for events; the WebSocket
 handler routes `response.append` to it.
+
+The multi-agent beta is the other door to the same suspension: the WebSocket handler queues
+each `response.inject` on the handle (`inject`, at any time while the response runs), and
+the suspended coroutine takes them in order (`_next_inject`), commits each through the same
+`append` and acknowledges it in the response's stream. Injects the response never took
+(it ended first) are answered `response_already_completed` by the handler (`_unanswered`).
 """
 
 from __future__ import annotations
 
+import collections
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -19,6 +26,7 @@ from rollout.protocol import (
     RemoteProtocolError,
     Response,
     ResponseAppend,
+    ResponseInject,
     ServerEvent,
     call_of,
     response_of,
@@ -30,24 +38,43 @@ from ._validate import invalid
 if TYPE_CHECKING:
     from ._services import ConnectionScope
 
-__all__ = ["Rollout"]
+__all__ = ["DEFAULT_MAX_QUEUED_INJECTS", "Rollout"]
+
+# Injects a multi-agent response holds until its coroutine takes them (they may arrive while
+# it samples; it takes them when it waits): the Agents SDK sends one per pending call, and a
+# turn's parallel calls are a handful. Each is bounded by the message size.
+DEFAULT_MAX_QUEUED_INJECTS = 32
 
 _ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
 
 
 class Rollout:
-    """A rollout in flight (the extension). Iterate it for events up to the next suspension
-    or the end; `pending_calls` names the calls whose outputs resume it; `append` delivers
-    outputs. Missing outputs are waited for: a partial append is accepted, and the rollout
-    resumes when every pending call has its output.
+    """A rollout in flight. Through the extension's door: iterate it for events up to the
+    next suspension or the end; `pending_calls` names the calls whose outputs resume it;
+    `append` delivers outputs. Missing outputs are waited for: a partial append is accepted,
+    and the rollout resumes when every pending call has its output. Through the multi-agent
+    beta's door (`multi_agent=True`): iterate it to the end, and `inject` outputs at any time;
+    each is committed (by `append`) and acknowledged among the events when the response
+    waits.
 
     `response` is the response as of the last event iterated: at a suspension, the response
     so far (`response.done` itself only names it: RX-2.2), then the terminal response."""
 
     def __init__(
-        self, session: ConnectionScope, events: trio.MemoryReceiveChannel[ServerEvent] | None = None
+        self,
+        session: ConnectionScope,
+        events: trio.MemoryReceiveChannel[ServerEvent] | None = None,
+        *,
+        multi_agent: bool = False,
+        max_queued_injects: int = DEFAULT_MAX_QUEUED_INJECTS,
     ) -> None:
         self.session = session
+        # The door: False, the extension (response.done, response.append, resume); True,
+        # the multi-agent beta (no response.done; response.inject, acknowledged).
+        self.multi_agent = multi_agent
+        self.max_queued_injects = max_queued_injects
+        self._injects: collections.deque[ResponseInject] = collections.deque()
+        self._inject_ready = trio.Event()
         self.response_id: str | None = None
         self.error: RemoteProtocolError | None = None
         self.response: Response | None = None
@@ -89,10 +116,14 @@ class Rollout:
                 self.response = response
             elif event.type == "response.done" and self._snapshot is not None:
                 self.response = self._snapshot()
-            if event.type in _ENDS:
+            # (A multi-agent response answers a refused inject with an error and goes on.)
+            ends = event.type in _ENDS and not (
+                self.multi_agent and event.type == "error" and self.response is not None
+            )
+            if ends:
                 self.ended = True
             yield event
-            if event.type in _ENDS or event.type == "response.done":
+            if ends or event.type == "response.done":
                 return
 
     def append(self, items: Sequence[Item] | ResponseAppend) -> None:
@@ -120,13 +151,39 @@ class Rollout:
         )
         if any(call_of(i) is not None for i in items):
             raise invalid(
-                "response.append carries tool outputs and messages, not tool calls.",
+                "Input for a suspended response carries tool outputs and messages, not tool calls.",
                 param="input",
             )
         self._state = engine.pipeline.commit(state, staged)
         self._flags += staged.flags
         if not self._state.open_calls or self._flags:
             self._wake.set()
+
+    def inject(self, event: ResponseInject) -> None:
+        """Queue an inject (multi-agent beta) for the coroutine, which commits it at its next
+        wait, in order (the caller answers an inject for a rollout that is `done`). Raises
+        `RemoteProtocolError` when the queue is full."""
+        if len(self._injects) >= self.max_queued_injects:
+            raise RemoteProtocolError.invalid(
+                f"Too many injects waiting for this response (the limit is "
+                f"{self.max_queued_injects}); wait for their acknowledgements.",
+                code="too_many_queued_requests",
+                status=429,
+            )
+        self._injects.append(event)
+        self._inject_ready.set()
+
+    async def _next_inject(self) -> ResponseInject:
+        """The oldest queued inject, waiting for one."""
+        while not self._injects:
+            self._inject_ready = trio.Event()
+            await self._inject_ready.wait()
+        return self._injects.popleft()
+
+    def _unanswered(self) -> list[ResponseInject]:
+        """Injects queued and never taken (the response ended first), oldest first."""
+        taken, self._injects = list(self._injects), collections.deque()
+        return taken
 
     def _suspend(self, state: ResponseState, snapshot: Callable[[], Response]) -> None:
         self._state = state
@@ -139,6 +196,28 @@ class Rollout:
         try:
             with trio.move_on_after(limit if math.isfinite(limit) else math.inf):
                 await self._wake.wait()
+                assert self._state is not None
+                return self._state, self._flags
+            return None
+        finally:
+            self._state = None
+
+    async def _wait_injected(
+        self, limit: float, answer: Callable[[RemoteProtocolError | None], Awaitable[None]]
+    ) -> tuple[ResponseState, tuple[Any, ...]] | None:
+        """Multi-agent: take queued injects in order, each committed by `append` (atomically:
+        all its items or none) and answered (`answer(None)`, or the error that refused it),
+        until no call is owed; like `_wait_resume` otherwise."""
+        try:
+            with trio.move_on_after(limit if math.isfinite(limit) else math.inf):
+                while not self._wake.is_set():
+                    event = await self._next_inject()
+                    try:
+                        self.append(event.input)
+                    except RemoteProtocolError as exc:
+                        await answer(exc)
+                        continue
+                    await answer(None)
                 assert self._state is not None
                 return self._state, self._flags
             return None

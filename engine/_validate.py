@@ -23,6 +23,7 @@ from rollout.protocol import (
     RemoteProtocolError,
     ResponseCreate,
     call_of,
+    check_multi_agent,
     output_of,
 )
 
@@ -124,12 +125,7 @@ class ConversationValidator:
                 code="unsupported_parameter",
                 param="background",
             )
-        if request.multi_agent is not None and request.multi_agent.get("enabled"):
-            raise invalid(
-                "Multi-agent responses are not supported by this server yet.",
-                code="unsupported_parameter",
-                param="multi_agent",
-            )
+        check_multi_agent(request.multi_agent)
         check_tools(
             request.tools or (),
             request.tool_choice,

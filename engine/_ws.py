@@ -16,6 +16,14 @@ the nested `error` event (on the request's lane) and never close the socket. A c
 older than its age limit answers every create it starts with
 `websocket_connection_limit_reached`, and closes cleanly (1000) once no response runs.
 
+On a connection opened with the multi-agent beta (`OpenAI-Beta: responses_multi_agent=v1`), a
+create with `multi_agent: {enabled: true}` runs as a rollout through the beta's door (the
+`Rollout` handle with `multi_agent=True`), and the reader queues each `response.inject` the
+connection lets through on that handle; the coroutine commits and acknowledges them on the
+response's lane. An inject the response never took (it ended first) is answered
+`response.inject.failed` (`response_already_completed`, its input returned) once the response
+has ended.
+
 Backpressure: the outbox holds at most `max_buffered_bytes` of encoded frames. A client that
 reads slower than the server writes pauses the responses (their sampling waits on the outbox);
 one that stops reading for `send_stall_limit` seconds is a slow consumer: its responses are
@@ -49,10 +57,14 @@ from rollout.protocol import (
     RemoteProtocolError,
     ResponseAppend,
     ResponseCreate,
+    ResponseInject,
+    ResponseInjectFailed,
     ResponseSteer,
     ResponseSteerFailed,
     ServerConnection,
     ServerEvent,
+    inject_failed,
+    multi_agent_enabled,
 )
 
 from ._engine import Rollout, Session, server_error
@@ -109,6 +121,7 @@ class WebSocketConnection:
         limits: WebSocketLimits,
         timing: bool = False,
         shutting_down: trio.Event | None = None,
+        betas: frozenset[str] = frozenset(),
     ) -> None:
         self.session = session
         self._send = send
@@ -130,6 +143,7 @@ class WebSocketConnection:
             max_queued_creates=limits.max_queued_creates,
             max_lanes=limits.max_lanes,
             max_in_flight=limits.max_in_flight,
+            betas=betas,
         )
         # The decode timings of each waiting create (by its id(); as many as the connection
         # lets wait), handed to its response when it starts.
@@ -303,6 +317,10 @@ class WebSocketConnection:
                 await self.send_event(event)
             elif isinstance(event, ResponseSteerFailed):  # refused by the connection
                 await self.send_event(event)
+            elif isinstance(event, ResponseInjectFailed):
+                await self.send_event(event)  # on the lane the failure names
+            elif isinstance(event, ResponseInject):
+                await self._inject(event)
             elif isinstance(event, ResponseCreate):
                 self._decode_timings[id(event)] = timings
                 self._dispatch()
@@ -356,6 +374,21 @@ class WebSocketConnection:
             return
         if failed is not None:
             await self.send_about(event.previous_response_id, failed)
+
+    async def _inject(self, event: ResponseInject) -> None:
+        """Queue an inject the connection let through (to a running multi-agent response) on
+        that response's handle; the coroutine commits and acknowledges it."""
+        lane = self.protocol.lane_of(event.response_id)
+        rollout = self._rollouts.get(lane)
+        if rollout is None or rollout.done or rollout.response_id != event.response_id:
+            # The response ended as the inject arrived.
+            failed = inject_failed(event, "response_already_completed", stream_id=lane)
+            await self.send_event(failed)
+            return
+        try:
+            rollout.inject(event)
+        except RemoteProtocolError as exc:
+            await self._answer_error(exc, stream_id=lane)
 
     # --- the lanes ---
     def _dispatch(self) -> None:
@@ -416,7 +449,12 @@ class WebSocketConnection:
     async def _run_one(self, request: ResponseCreate, timings: dict[str, float]) -> None:
         """Run one create (`timings`: its decode's) on its lane."""
         lane = request.stream_id
-        rollout = Rollout(self.session) if request.rollout else None
+        multi_agent = multi_agent_enabled(request)  # (the connection checked the beta)
+        rollout = (
+            Rollout(self.session, multi_agent=multi_agent)
+            if request.rollout or multi_agent
+            else None
+        )
         emit = self._emitter(lane, timings, rollout)
         try:
             if rollout is not None:
@@ -429,6 +467,10 @@ class WebSocketConnection:
             await self._refuse(lane, exc)
         finally:
             self._rollouts.pop(lane, None)
+        if rollout is not None:
+            for event in rollout._unanswered():  # the response ended before taking them
+                failed = inject_failed(event, "response_already_completed", stream_id=lane)
+                await self.send_event(failed)
 
     async def _refuse(self, lane: str | None, error: RemoteProtocolError | ErrorEvent) -> None:
         """Answer the started create of `lane` with a request error (the connection checks

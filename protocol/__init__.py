@@ -1,6 +1,7 @@
 """rollout's wire layer, sans-IO: the Responses API types, codec and event builders, the
 WebSocket-mode connections (`ServerConnection`, `ClientConnection`, over the state table of
-`_state.py`) and the server-sent-events codec (`encode_sse_event`, `SseDecoder`)."""
+`_state.py`), the multi-agent beta's header, field and view (`_multi_agent.py`) and the
+server-sent-events codec (`encode_sse_event`, `SseDecoder`)."""
 
 from ._builder import BuilderState, InvalidToolPayload, ResponseStream, iter_chunks
 from ._codec import (
@@ -21,6 +22,7 @@ from ._connection import (
     ClientConnection,
     Lane,
     ServerConnection,
+    inject_failed,
 )
 from ._errors import ErrorBody, LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._events import (
@@ -35,6 +37,7 @@ from ._events import (
     ErrorEvent,
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
+    InjectError,
     OutputItemAdded,
     OutputItemDone,
     OutputTextDelta,
@@ -47,6 +50,9 @@ from ._events import (
     ResponseEvent,
     ResponseFailed,
     ResponseIncomplete,
+    ResponseInject,
+    ResponseInjectCreated,
+    ResponseInjectFailed,
     ResponseInProgress,
     ResponseQueued,
     ServerEvent,
@@ -55,6 +61,7 @@ from ._events import (
 )
 from ._items import (
     CALL_KINDS,
+    AgentRef,
     ApplyPatchCall,
     ApplyPatchCallOutput,
     ApplyPatchOperation,
@@ -94,6 +101,14 @@ from ._items import (
     output_of,
 )
 from ._lanes import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
+from ._multi_agent import (
+    MULTI_AGENT_BETA,
+    ROOT_AGENT,
+    RootAgentView,
+    betas_of,
+    check_multi_agent,
+    multi_agent_enabled,
+)
 from ._response import (
     RESPONSE_ERROR_CODES,
     IncompleteDetails,
@@ -161,11 +176,14 @@ __all__ = [
     "DEFAULT_MAX_REMEMBERED_RESPONSES",
     "DEFAULT_MAX_SSE_EVENT_SIZE",
     "MAX_STREAM_ID_CHARS",
+    "MULTI_AGENT_BETA",
     "OUT_OF_STREAM",
     "RESPONSE_ERROR_CODES",
+    "ROOT_AGENT",
     "SERVER_EVENT_TYPES",
     "STEER_EVENT_TYPES",
     "TERMINAL_EVENT_TYPES",
+    "AgentRef",
     "ApplyPatchCall",
     "ApplyPatchCallOutput",
     "ApplyPatchOperation",
@@ -195,6 +213,7 @@ __all__ = [
     "FunctionCallOutput",
     "FunctionTool",
     "IncompleteDetails",
+    "InjectError",
     "InputFile",
     "InputImage",
     "InputText",
@@ -237,6 +256,9 @@ __all__ = [
     "ResponseFailed",
     "ResponseInProgress",
     "ResponseIncomplete",
+    "ResponseInject",
+    "ResponseInjectCreated",
+    "ResponseInjectFailed",
     "ResponseQueued",
     "ResponseRef",
     "ResponseSteer",
@@ -244,6 +266,7 @@ __all__ = [
     "ResponseSteerFailed",
     "ResponseSteerPending",
     "ResponseStream",
+    "RootAgentView",
     "ServerConnection",
     "ServerEvent",
     "ServerSentEvent",
@@ -270,8 +293,10 @@ __all__ = [
     "ToolOutput",
     "Usage",
     "as_listed",
+    "betas_of",
     "builtin_call_kind",
     "call_of",
+    "check_multi_agent",
     "check_tool",
     "decode_client_event",
     "decode_create_body",
@@ -282,8 +307,10 @@ __all__ = [
     "encode_sse",
     "encode_sse_event",
     "from_wire",
+    "inject_failed",
     "iter_chunks",
     "make_converter",
+    "multi_agent_enabled",
     "output_of",
     "response_of",
     "sequence_problem",

@@ -52,6 +52,7 @@ from ._events import (
     ResponseDone,
     ResponseFailed,
     ResponseIncomplete,
+    ResponseInjectCreated,
     ResponseInProgress,
     ServerEvent,
 )
@@ -110,6 +111,9 @@ _TRANSITIONS: dict[str, dict[BuilderState, BuilderState]] = {
     "add_item": {BuilderState.ACTIVE: BuilderState.ACTIVE},
     "suspend": {BuilderState.ACTIVE: BuilderState.SUSPENDED},
     "resume": {BuilderState.SUSPENDED: BuilderState.ACTIVE},
+    # Multi-agent beta: a response waiting for injected outputs stays ACTIVE (no
+    # response.done); each inject it commits is acknowledged in its sequence.
+    "inject_created": {BuilderState.ACTIVE: BuilderState.ACTIVE},
     "complete": {BuilderState.ACTIVE: BuilderState.DONE},
     "incomplete": {
         s: BuilderState.DONE
@@ -455,6 +459,13 @@ class ResponseStream:
 
     def _ref(self) -> ResponseRef:
         return ResponseRef(id=self._base.id, status="in_progress")
+
+    def inject_created(self, *, stream_id: str | None = None) -> ResponseInjectCreated:
+        """Multi-agent beta: an inject was committed to this response (between items)."""
+        self._transition("inject_created")
+        return ResponseInjectCreated(
+            sequence_number=self._next_sequence(), response_id=self._base.id, stream_id=stream_id
+        )
 
     def complete(self, *, usage: Usage, completed_at: int) -> ResponseCompleted:
         self._transition("complete")

@@ -29,7 +29,11 @@ is let through only to a suspended rollout of this connection (else `rollout_not
 `response_already_completed` or `rollout_not_suspended`), a steer only to the running response
 it names (else `response.steer.failed`, out of any stream and on the target's lane when it is
 known: `invalid_input` for a malformed one, `response_not_found`, `response_already_completed`,
-or `response_not_active` for a response that failed). `send` encodes each event of a
+or `response_not_active` for a response that failed). The multi-agent beta: a create asking
+for `multi_agent` without the beta in the handshake (`betas`) is refused (`beta_required`); an
+inject is let through only to a running multi-agent response of this connection (else
+`response.inject.failed`: `response_already_completed` or `response_not_found`, with its
+input, on the response's lane). `send` encodes each event of a
 response (on its lane, `stream_id=`) after checking it against the response grammar: a server
 that breaks it raises `LocalProtocolError`, and the connection refuses further use.
 
@@ -50,7 +54,11 @@ the input it accepted), or out of any stream (sequence number 0, like an `error`
 steer gets one first answer (accepted, or failed without a steer id); `awaiting` counts steers
 still unanswered and accepted input an ended response has not answered yet.
 
-Request errors (`error` events) answer one message and carry no sequence number. Which
+Request errors (`error` events) answer one message and carry no sequence number. An inject
+acknowledgement (`response.inject.created`) is an event of the response it names, numbered in
+its sequence on its lane; a `response.inject.failed` answers an inject for a response that is
+not running (ended, or unknown): it belongs to no response's stream (`sequence_number` 0) and
+goes out like an error, on the lane of the response it names. Which
 message a client cannot always tell (an accepted append is silent), so the client
 attributes an error, on the lane it names, first to a message the server could only refuse
 (sent raw: not JSON, an unknown type, an invalid lane, an append with nothing suspended),
@@ -63,20 +71,24 @@ from __future__ import annotations
 import collections
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from ._codec import DEFAULT_MAX_MESSAGE_SIZE, decode_client_event, decode_server_event, encode_json
 from ._errors import ErrorBody, LocalProtocolError, RemoteProtocolError
 from ._events import (
     ClientEvent,
     ErrorEvent,
+    InjectError,
     ResponseAppend,
     ResponseCreate,
+    ResponseInject,
+    ResponseInjectFailed,
     ServerEvent,
     SseErrorEvent,
 )
 from ._items import output_of
 from ._lanes import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
+from ._multi_agent import MULTI_AGENT_BETA, multi_agent_enabled
 from ._state import Move, Phase, ResponseTracker
 from ._steer import (
     OUT_OF_STREAM,
@@ -93,6 +105,7 @@ __all__ = [
     "ClientConnection",
     "Lane",
     "ServerConnection",
+    "inject_failed",
 ]
 
 # Creates that may wait, across a connection's lanes, for their lane or for a place among the
@@ -106,10 +119,20 @@ DEFAULT_MAX_QUEUED_CREATES = 32
 # connection that lives an hour and runs many short responses.
 DEFAULT_MAX_REMEMBERED_RESPONSES = 1024
 # Server event types that answer a client message rather than extend a response's stream: they
-# may go out at any time, on the lane of what they answer, and move no lane's grammar. (So do
+# may go out at any time, on the lane of what they answer, and move no lane's grammar: a
+# request error, and an inject's failure (for a response that is not running). (So do
 # steering answers out of any stream, sequence number 0; those in a response's stream are
-# events of that response: `_state.Move.STEER`.)
-ANSWER_EVENT_TYPES = frozenset({"error"})
+# events of that response: `_state.Move.STEER`. An inject's `response.inject.created` is an
+# event of the running response, numbered in its sequence.)
+ANSWER_EVENT_TYPES = frozenset({"error", "response.inject.failed"})
+# What the server answers a client message with, instead of acting on it.
+Answer = ErrorEvent | ResponseInjectFailed
+_INJECT_ACKS = frozenset({"response.inject.created", "response.inject.failed"})
+_INJECT_FAILURES = {
+    "response_already_completed": "Response '{}' has already completed; send the input in a "
+    "new response that continues it (previous_response_id).",
+    "response_not_found": "No response with id '{}' is running on this connection.",
+}
 
 
 def _refusal(
@@ -122,6 +145,34 @@ def _refusal(
 ) -> ErrorEvent:
     return ErrorEvent(
         status=status, error=ErrorBody(code=code, message=message, param=param), stream_id=stream_id
+    )
+
+
+def inject_failed(
+    event: ResponseInject,
+    code: Literal["response_already_completed", "response_not_found"],
+    *,
+    stream_id: str | None = None,
+) -> ResponseInjectFailed:
+    """`response.inject.failed` for a response that is not running (outside any response's
+    sequence: `sequence_number` 0), returning the inject's input uncommitted; `stream_id`:
+    the lane of the response it names."""
+    return ResponseInjectFailed(
+        sequence_number=0,
+        response_id=event.response_id,
+        error=InjectError(code=code, message=_INJECT_FAILURES[code].format(event.response_id)),
+        input=list(event.input),
+        stream_id=stream_id,
+    )
+
+
+def _beta_required(what: str, param: str, stream_id: str | None = None) -> ErrorEvent:
+    return _refusal(
+        f"{what} is part of the multi-agent beta: open the WebSocket with the header "
+        f"'OpenAI-Beta: {MULTI_AGENT_BETA}'.",
+        code="beta_required",
+        param=param,
+        stream_id=stream_id,
     )
 
 
@@ -220,6 +271,7 @@ class _ServerLane(Lane):
     def __init__(self, stream_id: str | None) -> None:
         super().__init__(stream_id)
         self.waiting: collections.deque[ResponseCreate] = collections.deque()
+        self.multi_agent = False  # the running response takes `response.inject`
 
     @property
     def queued(self) -> int:
@@ -265,8 +317,29 @@ def _queue_rule(conn: ServerConnection, create: ResponseCreate) -> ErrorEvent | 
     )
 
 
+def _multi_agent_rule(conn: ServerConnection, create: ResponseCreate) -> ErrorEvent | None:
+    if not multi_agent_enabled(create):
+        return None
+    if not conn.multi_agent:
+        return _beta_required("'multi_agent'", "multi_agent", create.stream_id)
+    if create.rollout:
+        return _refusal(
+            "'rollout' and 'multi_agent' are two ways to wait for tool outputs in one response "
+            "(response.append and response.inject): send one of them.",
+            code="unsupported_parameter",
+            param="rollout",
+            stream_id=create.stream_id,
+        )
+    return None
+
+
 # The rules a create must pass to be queued, in order: the first that objects refuses it.
-_ADMISSION: tuple[Admission, ...] = (_stream_id_rule, _lane_limit_rule, _queue_rule)
+_ADMISSION: tuple[Admission, ...] = (
+    _stream_id_rule,
+    _lane_limit_rule,
+    _multi_agent_rule,
+    _queue_rule,
+)
 
 
 class ServerConnection(_Connection):
@@ -280,9 +353,11 @@ class ServerConnection(_Connection):
         max_remembered_responses: int = DEFAULT_MAX_REMEMBERED_RESPONSES,
         max_lanes: int = DEFAULT_MAX_LANES,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        betas: frozenset[str] = frozenset(),
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
+        self.betas = betas  # of the handshake's `OpenAI-Beta` header (`betas_of`)
         self.max_message_size = max_message_size
         self.max_queued_creates = max_queued_creates
         self.max_lanes = max_lanes
@@ -294,6 +369,11 @@ class ServerConnection(_Connection):
         self._broken = False
 
     # --- state ---
+    @property
+    def multi_agent(self) -> bool:
+        """Whether the handshake opted in to the multi-agent beta."""
+        return MULTI_AGENT_BETA in self.betas
+
     @property
     def queued(self) -> int:
         """Creates received and not started, on every lane."""
@@ -334,11 +414,12 @@ class ServerConnection(_Connection):
 
     def receive_text(
         self, data: str | bytes
-    ) -> list[ClientEvent | ErrorEvent | ResponseSteerFailed]:
+    ) -> list[ClientEvent | ErrorEvent | ResponseSteerFailed | ResponseInjectFailed]:
         """A client message -> what to act on: a create (queued on its lane: `start_next`
         says when to answer it), an append to deliver to the suspended rollout, a steer to
-        deliver to the running response, or the `error` event (for a steer,
-        `response.steer.failed`) to answer with."""
+        deliver to the running response, an inject to deliver to the running multi-agent
+        response, or the `error` event (for a steer, `response.steer.failed`; for an inject,
+        `response.inject.failed`) to answer with."""
         try:
             event = self.decode(data)
         except RemoteProtocolError as exc:
@@ -347,12 +428,14 @@ class ServerConnection(_Connection):
 
     def receive_event(
         self, event: ClientEvent | InvalidSteer
-    ) -> list[ClientEvent | ErrorEvent | ResponseSteerFailed]:
+    ) -> list[ClientEvent | ErrorEvent | ResponseSteerFailed | ResponseInjectFailed]:
         """The connection rules for an already decoded client event (see `receive_text`)."""
         if isinstance(event, ResponseCreate):
             return [self._queue(event)]
         if isinstance(event, ResponseAppend):
             return [self._route_append(event)]
+        if isinstance(event, ResponseInject):
+            return [self._route_inject(event)]
         return [self._route_steer(event)]
 
     def _route_steer(
@@ -424,6 +507,28 @@ class ServerConnection(_Connection):
             param="response_id",
         )
 
+    def _route_inject(self, event: ResponseInject) -> ResponseInject | Answer:
+        if not self.multi_agent:
+            return _beta_required("response.inject", "type")
+        lane = self._in_flight.get(event.response_id)
+        if lane is not None:
+            if lane.multi_agent:
+                return event
+            return _refusal(
+                f"Response '{event.response_id}' was not created with multi_agent enabled: it "
+                "takes no injected input.",
+                code="multi_agent_not_enabled",
+                param="response_id",
+                stream_id=lane.stream_id,
+            )
+        if event.response_id in self._ended:
+            return inject_failed(
+                event,
+                "response_already_completed",
+                stream_id=self._ended.lane_of(event.response_id),
+            )
+        return inject_failed(event, "response_not_found")
+
     # --- sending ---
     def start_next(self) -> ResponseCreate | None:
         """The create to answer now, taken off its lane's queue (its lane is then busy until
@@ -438,6 +543,7 @@ class ServerConnection(_Connection):
         self._arrivals.remove(lane)  # its first entry: lanes are FIFO
         request = lane.waiting.popleft()
         self._guard(lambda: lane.tracker.start(rollout=bool(request.rollout)))
+        lane.multi_agent = self.multi_agent and multi_agent_enabled(request)
         return request
 
     def refuse(
@@ -589,6 +695,8 @@ class ClientConnection(_Connection):
         self._lanes: dict[str | None, _ClientLane] = {None: _ClientLane(None)}
         # Raw messages sent that the server can only refuse, by the lane its error will name.
         self._refusable: dict[str | None, int] = {}
+        # Injects sent and not yet acknowledged (or refused), by the lane of their response.
+        self._injects: dict[str | None, int] = {}
         self._ended = _Remembered(max_remembered_responses)
         self._broken = False
         self._steers = 0  # steers sent and not yet accepted or refused
@@ -615,7 +723,7 @@ class ClientConnection(_Connection):
         refuse awaits its error."""
         if self._broken:
             return False
-        if self._refusable or self._steers:
+        if self._refusable or self._steers or self._injects:
             return True
         return any(lane.awaiting for lane in self._lanes.values())
 
@@ -629,6 +737,8 @@ class ClientConnection(_Connection):
             lane.appends.append(answered)
         elif isinstance(event, ResponseSteer):
             self._steers += 1
+        elif isinstance(event, ResponseInject):
+            self._sent_inject(event.response_id)  # (a response that ended answers it failed)
         else:
             self._check_lane(event.stream_id)
             self._open(event.stream_id).creates.append(bool(event.rollout))
@@ -656,6 +766,8 @@ class ClientConnection(_Connection):
                 self._open(stream_id).creates.append(bool(value.get("rollout")))
         elif kind == "response.steer":  # answered by a steering event, whatever it holds
             self._steers += 1
+        elif kind == "response.inject":
+            self._sent_inject(value.get("response_id"))
         elif kind == "response.append":
             response_id = value.get("response_id")
             lane = self._running(response_id)
@@ -671,6 +783,30 @@ class ClientConnection(_Connection):
                 self._expect_refusal(None)
         else:  # not a message the server can accept: it owes an error for it
             self._expect_refusal(None)
+
+    def _sent_inject(self, response_id: object) -> None:
+        """An inject is answered on the lane of the response it names."""
+        lane = self._running(response_id)
+        if lane is not None:
+            stream_id = lane.stream_id
+        elif isinstance(response_id, str) and response_id in self._ended:
+            stream_id = self._ended.lane_of(response_id)
+        else:
+            stream_id = None
+        self._injects[stream_id] = self._injects.get(stream_id, 0) + 1
+
+    def _take_inject(self, stream_id: str | None) -> bool:
+        """An inject's answer arrived on lane `stream_id` (else, any lane's inject)."""
+        if stream_id not in self._injects:
+            if not self._injects:
+                return False
+            stream_id = next(iter(self._injects))
+        left = self._injects[stream_id] - 1
+        if left:
+            self._injects[stream_id] = left
+        else:
+            del self._injects[stream_id]
+        return True
 
     def _expect_refusal(self, stream_id: str | None) -> None:
         self._refusable[stream_id] = self._refusable.get(stream_id, 0) + 1
@@ -802,6 +938,8 @@ class ClientConnection(_Connection):
         previous_response_id: str | None = None,
         steer_id: str | None = None,
     ) -> None:
+        if kind in _INJECT_ACKS:
+            self._take_inject(stream_id)
         if kind in ANSWER_EVENT_TYPES:
             if kind == "error":
                 self._request_error(stream_id)
@@ -870,6 +1008,9 @@ class ClientConnection(_Connection):
         on the lane it names, else, from a server that names no lane, to any."""
         if self._refusable.get(stream_id):
             self._take_refusable(stream_id)
+            return
+        if self._injects.get(stream_id):
+            self._take_inject(stream_id)  # an inject refused (its input is not committed)
             return
         lane = self._lanes.get(stream_id)
         if lane is not None and lane.take_error():

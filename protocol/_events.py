@@ -1,12 +1,13 @@
 """Client and server events: one immutable class per wire `type`.
 
 Client events are what a peer sends us over WebSocket (`response.create`, `response.steer`,
-and the rollout extension's `response.append`); the HTTP create body is a `ResponseCreate`
-without `type`. Server events are the Responses streaming events, the steering
-acknowledgements (`_steer.py`), the nested WebSocket `error`, the flat SSE `error`, and the
-rollout extension's `response.done`. Every WebSocket server event has an optional
-`stream_id`: the lane of the response it belongs to (`_lanes.py`), absent on the default
-lane; the server connection writes it (`ServerConnection.send`).
+the rollout extension's `response.append`, and the multi-agent beta's `response.inject`); the
+HTTP create body is a `ResponseCreate` without `type`. Server events are the Responses
+streaming events, the steering acknowledgements (`_steer.py`), the nested WebSocket `error`,
+the flat SSE `error`, the rollout extension's `response.done`, and the beta's inject
+acknowledgements (`response.inject.created` / `.failed`). Every WebSocket server event has an
+optional `stream_id`: the lane of the response it belongs to (`_lanes.py`), absent on the
+default lane; the server connection writes it (`ServerConnection.send`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "ErrorEvent",
     "FunctionCallArgumentsDelta",
     "FunctionCallArgumentsDone",
+    "InjectError",
     "OutputItemAdded",
     "OutputItemDone",
     "OutputTextDelta",
@@ -60,6 +62,9 @@ __all__ = [
     "ResponseFailed",
     "ResponseInProgress",
     "ResponseIncomplete",
+    "ResponseInject",
+    "ResponseInjectCreated",
+    "ResponseInjectFailed",
     "ResponseQueued",
     "ServerEvent",
     "SseErrorEvent",
@@ -216,11 +221,22 @@ class ResponseAppend:
     input: list[Item]
 
 
-ClientEvent: TypeAlias = ResponseCreate | ResponseAppend | ResponseSteer
+@attrs.frozen(kw_only=True)
+class ResponseInject:
+    """`response.inject` (multi-agent beta): input items, committed atomically, for a running
+    multi-agent response that waits for its client-owned calls' outputs."""
+
+    type: Literal["response.inject"] = "response.inject"
+    response_id: str
+    input: list[Item]
+
+
+ClientEvent: TypeAlias = ResponseCreate | ResponseAppend | ResponseSteer | ResponseInject
 CLIENT_EVENT_TYPES: dict[str, type[Any]] = {
     "response.create": ResponseCreate,
     "response.append": ResponseAppend,
     "response.steer": ResponseSteer,
+    "response.inject": ResponseInject,
 }
 
 
@@ -292,6 +308,36 @@ class ResponseDone:
     response: ResponseRef
     pending_call_ids: list[str]
     output_indices: list[int]
+    stream_id: str | None = stream_id_field()
+
+
+@attrs.frozen(kw_only=True)
+class ResponseInjectCreated:
+    """Multi-agent beta: an inject's items were validated and committed to the response
+    (numbered in that response's sequence)."""
+
+    type: Literal["response.inject.created"] = "response.inject.created"
+    sequence_number: int
+    response_id: str
+    stream_id: str | None = stream_id_field()
+
+
+@attrs.frozen(kw_only=True)
+class InjectError:
+    code: Literal["response_already_completed", "response_not_found"]
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class ResponseInjectFailed:
+    """Multi-agent beta: an inject's items were not committed; `input` returns them as they
+    came, for the client to send in another response."""
+
+    type: Literal["response.inject.failed"] = "response.inject.failed"
+    sequence_number: int
+    response_id: str
+    error: InjectError
+    input: list[Item]
     stream_id: str | None = stream_id_field()
 
 
@@ -439,6 +485,8 @@ ServerEvent: TypeAlias = (
     | ResponseSteerAccepted
     | ResponseSteerPending
     | ResponseSteerFailed
+    | ResponseInjectCreated
+    | ResponseInjectFailed
     | ErrorEvent
 )
 
@@ -483,6 +531,8 @@ SERVER_EVENT_TYPES: dict[str, type[Any]] = {
         ResponseSteerAccepted,
         ResponseSteerPending,
         ResponseSteerFailed,
+        ResponseInjectCreated,
+        ResponseInjectFailed,
         ErrorEvent,
     )
 }

@@ -32,6 +32,7 @@ __all__ = [
     "ITEM_TYPES",
     "OUTPUT_PART_TYPES",
     "WIRE_NAME",
+    "AgentRef",
     "ApplyPatchCall",
     "ApplyPatchCallOutput",
     "ApplyPatchOperation",
@@ -164,6 +165,15 @@ CONTENT_PART_TYPES: dict[str, type[Any]] = {**INPUT_PART_TYPES, **OUTPUT_PART_TY
 
 
 @attrs.frozen(kw_only=True)
+class AgentRef:
+    """The multi-agent beta's attribution of an item to the agent that produced it (`agent`
+    on items and events; the root agent is `/root`). Kept as given on input; rollout's own
+    items carry it only on a multi-agent stream (`_multi_agent.py`)."""
+
+    agent_name: str
+
+
+@attrs.frozen(kw_only=True)
 class Message:
     """A message. On input the short form `{"role": ..., "content": "..."}` (no `type`) is
     accepted; user/system/developer content takes input parts, assistant content output parts."""
@@ -174,6 +184,7 @@ class Message:
     id: str | None = None
     status: ItemStatus | None = None
     phase: Phase | None = None
+    agent: AgentRef | None = None
 
     @content.validator
     def _check_parts(self, _attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -232,6 +243,7 @@ class FunctionCall:
     namespace: str | None = None
     caller: JSONObject | None = None
     async_: bool | None = attrs.field(default=None, metadata=_wire("async"))
+    agent: AgentRef | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -248,6 +260,7 @@ class FunctionCallOutput:
     namespace: str | None = None
     caller: JSONObject | None = None
     created_by: str | None = None
+    agent: AgentRef | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -264,6 +277,7 @@ class CustomToolCall:
     namespace: str | None = None
     caller: JSONObject | None = None
     async_: bool | None = attrs.field(default=None, metadata=_wire("async"))
+    agent: AgentRef | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -275,6 +289,7 @@ class CustomToolCallOutput:
     status: ItemStatus | None = None
     caller: JSONObject | None = None
     created_by: str | None = None
+    agent: AgentRef | None = None
 
 
 @attrs.frozen(kw_only=True)

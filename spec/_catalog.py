@@ -7,13 +7,15 @@ from ._checks_chain import checks as chain
 from ._checks_errors import checks as errors
 from ._checks_events import checks as events
 from ._checks_http import checks as http
+from ._checks_inject import checks as inject
+from ._checks_inject import probe_multi_agent
 from ._checks_lanes import checks as lanes
 from ._checks_rollout import checks as rollout
 from ._checks_schema import checks as schema
 from ._checks_steer import checks as steer
 from ._checks_ws import checks as ws
 from ._context import CheckFn, CheckSet
-from ._probes import FEATURE_PROBES
+from ._probes import FEATURE_PROBES as _PROBES
 
 __all__ = ["CHECKS", "FEATURE_PROBES"]
 
@@ -27,4 +29,9 @@ def _gather(*sets: CheckSet) -> dict[str, CheckFn]:
     return every.by_id
 
 
-CHECKS: dict[str, CheckFn] = _gather(http, ws, lanes, events, chain, rollout, steer, schema, errors)
+CHECKS: dict[str, CheckFn] = _gather(
+    http, ws, lanes, events, chain, rollout, steer, inject, schema, errors
+)
+# Each optional feature's probe: None when the server supports it, else why not (its checks
+# are then skipped).
+FEATURE_PROBES = {**_PROBES, "multi_agent": probe_multi_agent}

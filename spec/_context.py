@@ -127,7 +127,12 @@ class Probes:
     def known(self) -> dict[str, bool | None]:
         """What was found: a feature probe's value is None (supported) or why not (a string);
         other probes answer a bool. None here: not probed, or the probe failed."""
-        out: dict[str, bool | None] = {"rollout": None, "lanes": None, "deterministic": None}
+        out: dict[str, bool | None] = {
+            "rollout": None,
+            "lanes": None,
+            "multi_agent": None,
+            "deterministic": None,
+        }
         for name, (value, error) in self._results.items():
             if error is not None:
                 out[name] = None

@@ -36,6 +36,7 @@ import attrs
 import pydantic
 import pytest
 from hypothesis import settings
+from openai.types.beta.beta_responses_server_event import BetaResponsesServerEvent
 from openai.types.responses import Response as SdkResponse
 from openai.types.responses import ResponseStreamEvent
 from openai.types.responses.responses_server_event import ResponsesServerEvent
@@ -74,6 +75,9 @@ def tagged(union: Any) -> pydantic.TypeAdapter[Any]:
 
 SSE_EVENT = tagged(ResponseStreamEvent)
 WS_EVENT = tagged(ResponsesServerEvent)
+# The multi-agent beta's events (inject acknowledgements), in the SDK's beta union.
+BETA_WS_EVENT = tagged(BetaResponsesServerEvent)
+BETA_ONLY_EVENTS = frozenset({"response.inject.created", "response.inject.failed"})
 
 Message = dict[str, Any]
 Send = Callable[[Message], Awaitable[None]]
@@ -163,6 +167,8 @@ def sdk_event(obj: Any, adapter: pydantic.TypeAdapter[Any]) -> list[str]:
     kind = obj.get("type")
     if kind in ROLLOUT_ONLY_EVENTS:
         return []
+    if kind in BETA_ONLY_EVENTS:
+        adapter = BETA_WS_EVENT
     response = obj.get("response")
     if (
         kind == "response.in_progress"

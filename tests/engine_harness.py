@@ -266,6 +266,54 @@ async def run_rollout(engine: Engine, script: Script) -> Run:
     return run
 
 
+async def run_inject(engine: Engine, script: Script) -> Run:
+    """The multi-agent beta's door: one long-lived response per user turn, each call's output
+    injected as soon as its item is done (as the Agents SDK does), taken when it waits."""
+    session = engine.session()
+    run = Run()
+    prev: str | None = None
+    n = 0
+    for text in script.user_turns:
+        request = script.create(
+            input=[p.Message(role="user", content=text)],
+            previous_response_id=prev,
+            multi_agent={"enabled": True},
+            store=False,
+        )
+        async with session.open_rollout(request) as rollout:
+            async for event in rollout:
+                run.events.append(event)
+                done = event.item if isinstance(event, p.OutputItemDone) else None
+                if p.call_of(done) is not None and getattr(done, "status", None) == "completed":
+                    assert rollout.response_id is not None
+                    call = typing.cast(p.ToolCall, done)
+                    answer = script.answer(call, n)
+                    n += 1
+                    rollout.inject(
+                        p.ResponseInject(response_id=rollout.response_id, input=[answer])
+                    )
+        response = rollout.response
+        assert response is not None and rollout.response_id is not None
+        state = session.cache.get(rollout.response_id)
+        assert state is not None
+        run.states.append(state)
+        run.responses.append(response)
+        run.outputs.extend(unattributed(i) for i in response.output if p.output_of(i) is None)
+        prev = response.id
+    return run
+
+
+def unattributed(item: p.Item) -> p.Item:
+    """An item of a multi-agent response without the root agent's attribution (`agent`, and
+    an assistant message's `phase`), which the beta adds on the wire only."""
+    changes: dict[str, Any] = {}
+    if getattr(item, "agent", None) is not None:
+        changes["agent"] = None
+    if isinstance(item, p.Message) and item.role == "assistant":
+        changes["phase"] = None
+    return typing.cast(p.Item, attrs.evolve(typing.cast(Any, item), **changes))
+
+
 # --- strategies ------------------------------------------------------------------------------
 
 names = st.from_regex(r"[a-z][a-z0-9_]{0,15}", fullmatch=True)

@@ -508,12 +508,16 @@ steer_messages = st.builds(
 )
 steer_inputs = texts | st.lists(steer_messages, min_size=1, max_size=3)
 response_steers = st.builds(p.ResponseSteer, previous_response_id=ids, input=steer_inputs)
+response_injects = st.builds(p.ResponseInject, response_id=ids, input=st.lists(items, max_size=4))
 CLIENT_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
     "response.create": response_creates,
     "response.append": response_appends,
     "response.steer": response_steers,
+    "response.inject": response_injects,
 }
-client_events: Strategy[p.ClientEvent] = response_creates | response_appends | response_steers
+client_events: Strategy[p.ClientEvent] = (
+    response_creates | response_appends | response_steers | response_injects
+)
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -785,6 +789,21 @@ SERVER_EVENT_STRATEGIES: dict[str, Strategy[Any]] = {
         item_id=ids,
         output_index=counts,
         arguments=texts,
+    ),
+    "response.inject.created": st.builds(
+        p.ResponseInjectCreated, sequence_number=counts, response_id=ids, stream_id=opt(ids)
+    ),
+    "response.inject.failed": st.builds(
+        p.ResponseInjectFailed,
+        sequence_number=counts,
+        response_id=ids,
+        error=st.builds(
+            p.InjectError,
+            code=st.sampled_from(["response_already_completed", "response_not_found"]),
+            message=texts,
+        ),
+        input=st.lists(items, max_size=3),
+        stream_id=opt(ids),
     ),
     "error": st.builds(
         p.ErrorEvent,

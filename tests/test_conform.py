@@ -176,7 +176,16 @@ def test_case_list_fields() -> None:
     known_needs = {"api_key", "age_limit_seconds", "max_message_size", "max_queued_creates",
                    "rollout_suspend_limit"}  # fmt: skip
     for case in spec.load_cases():
-        assert case.feature in {"http", "websocket", "auth", "limits", "rollout", "lanes", "steer"}
+        assert case.feature in {
+            "http",
+            "websocket",
+            "auth",
+            "limits",
+            "rollout",
+            "lanes",
+            "steer",
+            "multi_agent",
+        }
         assert set(case.needs) <= known_needs
         assert case.title
 
@@ -280,7 +289,13 @@ async def test_rollout_server_passes_every_check() -> None:
     assert not failed, failed
     assert len(report.results) >= 40
     assert (report.ok and report.exit_code == 0) or schema_failures_tolerated()
-    assert report.features == {"rollout": True, "lanes": True, "steer": True, "deterministic": True}
+    assert report.features == {
+        "rollout": True,
+        "lanes": True,
+        "steer": True,
+        "multi_agent": True,
+        "deterministic": True,
+    }
     lanes_checks = [r for r in report.results if r.feature == "lanes"]
     assert len(lanes_checks) >= 8 and not not_passed(lanes_checks)
     rollout_checks = [r for r in report.results if r.feature == "rollout"]
@@ -396,6 +411,7 @@ async def test_nondeterministic_model_is_compared_by_structure() -> None:
         "rollout": True,
         "lanes": True,
         "steer": True,
+        "multi_agent": True,
         "deterministic": False,
     }
 

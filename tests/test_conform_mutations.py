@@ -1445,6 +1445,62 @@ class NegativeOutputIndex(ResponseEdit):
             event["output_indices"] = [-1]
 
 
+class IgnoreMultiAgent(Mutant):
+    """Drops `multi_agent` from every create: a multi-agent response completes at its tool
+    call like a plain one (its inject is then too late), and the beta needs no header."""
+
+    breaks = ("inject.resume", "inject.beta_required")
+    reason: ClassVar[Mapping[str, str]] = {
+        "inject.resume": "acknowledged with response.inject.created",
+        "inject.beta_required": "it was not refused",
+    }
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event):
+            event.pop("multi_agent", None)
+        return event
+
+
+class InjectAcksUnnumbered(Mutant):
+    """Acknowledges injects outside the response's sequence (sequence_number 0)."""
+
+    breaks = ("inject.resume",)
+    reason = "response.inject.created has sequence_number 0, expected"
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.inject.created":
+            event["sequence_number"] = 0
+        return [text(event)]
+
+
+class InjectFailuresConfused(Mutant):
+    """Swaps the two inject failure codes."""
+
+    breaks = ("inject.completed", "inject.unknown_response")
+    reason = "response.inject.failed has error.code"
+    SWAP: ClassVar[dict[str, str]] = {
+        "response_already_completed": "response_not_found",
+        "response_not_found": "response_already_completed",
+    }
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.inject.failed":
+            event["error"]["code"] = self.SWAP.get(event["error"]["code"], "mutant")
+        return [text(event)]
+
+
+class InjectInputLost(Mutant):
+    """A failed inject does not return its input."""
+
+    breaks = ("inject.completed", "inject.unknown_response")
+    reason = "expected the uncommitted input unchanged"
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] == "response.inject.failed":
+            event["input"] = []
+        return [text(event)]
+
+
 MUTANTS: tuple[type[Mutant], ...] = (
     RequireBetaHeader,
     RejectSdkHeaders,
@@ -1508,6 +1564,10 @@ MUTANTS: tuple[type[Mutant], ...] = (
     SteerAcceptsAnything,
     SteerTargetsConfused,
     SteerPendingNamesNothing,
+    IgnoreMultiAgent,
+    InjectAcksUnnumbered,
+    InjectFailuresConfused,
+    InjectInputLost,
 )
 # Variants run at once (each with its own server and a harness run of its checks).
 PARALLEL_VARIANTS = 4
@@ -1647,4 +1707,27 @@ async def test_steer_checks_are_skipped_when_the_server_lacks_steering() -> None
     for result in report.results:
         assert result.outcome is spec.Outcome.SKIPPED, (result.id, result.reason)
         assert "steering is not supported" in result.reason
+    assert report.ok
+
+
+class WithoutMultiAgent(Mutant):
+    """A server without the multi-agent beta: it rejects `multi_agent` like an unknown
+    parameter. Not a broken variant: its injection checks must be skipped, never passed."""
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event) and "multi_agent" in event:
+            await conn.emit([ws_error("unknown_parameter", "multi_agent")])
+            return None
+        return event
+
+
+async def test_inject_checks_are_skipped_when_the_server_lacks_the_beta() -> None:
+    with trio.fail_after(60):
+        async with serving(app_wrapper=WithoutMultiAgent) as url:
+            report = await spec.run_conformance(url, harness_options(filter=("multi_agent",)))
+    assert report.features["multi_agent"] is False
+    assert len(report.results) == 4
+    for result in report.results:
+        assert result.outcome is spec.Outcome.SKIPPED, (result.id, result.reason)
+        assert "the multi-agent beta (response.inject) is not supported" in result.reason
     assert report.ok

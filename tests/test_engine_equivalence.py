@@ -1,12 +1,14 @@
-"""The three ways of running a rollout are the same rollout.
+"""The ways of running a rollout are the same rollout.
 
 Over generated agent scripts (random tools of every kind a client runs: function tools with
 random JSON schemas, custom tools with text, regex and lark formats, shell, local shell,
 apply_patch and computer; unicode user text, random `steps`/`parallel`, random tool
 outputs), the stateless mode (whole history per request), the previous_response_id chain and
-the rollout coroutine produce the same output items in the same order (equal modulo
-generated ids), the same final rendered context and the same usage totals; and their work
-counters show the point of the design.
+the rollout coroutine through both its doors (the extension's `response.append`, and the
+multi-agent beta's `response.inject`, each output injected as soon as its call is done)
+produce the same output items in the same order (equal modulo generated ids, and modulo the
+beta's root-agent attribution on the wire), the same final rendered context and the same
+usage totals; and their work counters show the point of the design.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tests.engine_harness import (
     conversation_chars,
     echo_bare,
     run_chain,
+    run_inject,
     run_rollout,
     run_stateless,
     same_items,
@@ -74,6 +77,8 @@ async def check_three_modes(script: Script) -> set[str]:
             final_chars = conversation_chars(engine, chain.final)
         async with open_engine() as engine:
             rollout, rollout_work = await _measured(engine, run_rollout(engine, script))
+        async with open_engine() as engine:
+            injected, inject_work = await _measured(engine, run_inject(engine, script))
 
     n_calls = sum(1 for i in chain.outputs if p.call_of(i) is not None)
     event(f"tool calls: {min(n_calls, 5)}{'+' if n_calls > 5 else ''}")
@@ -82,22 +87,23 @@ async def check_three_modes(script: Script) -> set[str]:
     event(f"responses in chain: {min(len(chain.responses), 5)}")
 
     # Same output items, in the same order, modulo ids.
-    for other in (uncached, stateless, bare, rollout):
+    for other in (uncached, stateless, bare, rollout, injected):
         assert same_items(other.outputs, chain.outputs)
     check_arguments(script, chain.outputs)
 
     # Same final rendered context.
     final = chain.final.context()
-    for other in (uncached, stateless, bare, rollout):
+    for other in (uncached, stateless, bare, rollout, injected):
         assert other.final.context() == final
 
     # Same usage totals (input, output, total).
-    assert uncached.usage() == stateless.usage() == bare.usage() == chain.usage() == rollout.usage()
+    assert uncached.usage() == stateless.usage() == bare.usage() == chain.usage()
+    assert chain.usage() == rollout.usage() == injected.usage()
 
     # Work counters: every way but the uncached baseline renders and classifies each context
     # token exactly once (the stateless ones through the render cache); the baseline renders
     # every prefix of the conversation again.
-    for work in (stateless_work, bare_work, chain_work, rollout_work):
+    for work in (stateless_work, bare_work, chain_work, rollout_work, inject_work):
         assert work.tokens_rendered == len(final)
         assert work.chars_classified == final_chars
     assert uncached_work.tokens_rendered == sum(s.context_tokens for s in uncached.states)
@@ -105,6 +111,10 @@ async def check_three_modes(script: Script) -> set[str]:
     # The rollout runs post-inference once per rollout (one per user turn here), the chain
     # once per response.
     assert rollout_work.post_inference_runs == len(script.user_turns)
+    assert inject_work.post_inference_runs == len(script.user_turns)
+    assert (
+        rollout_work.pre_inference_runs == inject_work.pre_inference_runs == len(script.user_turns)
+    )
     assert chain_work.post_inference_runs == len(chain.responses)
     # Routing is resolved once per chain and per rollout, every time for stateless.
     assert chain_work.route_resolutions == 1

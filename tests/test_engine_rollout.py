@@ -492,7 +492,7 @@ _OUR_FILES = ("/engine/", "/protocol/")
 
 def _ours(obj: object) -> bool:
     module = type(obj).__module__ or ""
-    if module.startswith(("engine", "protocol")):
+    if module.startswith(("engine", "protocol", "rollout.engine", "rollout.protocol")):
         return True
     if isinstance(obj, trio.lowlevel.Task):
         return True
@@ -505,6 +505,8 @@ def _ours(obj: object) -> bool:
         code = obj.ag_code
     elif isinstance(obj, types.GeneratorType):
         code = obj.gi_code
+    elif isinstance(obj, types.FunctionType):
+        code = obj.__code__
     return code is not None and any(part in code.co_filename for part in _OUR_FILES)
 
 
