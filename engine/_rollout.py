@@ -159,8 +159,6 @@ async def run_response(
     """Run one response whose pre-inference is done (`Session.prepare`); its events go to
     `emit` (through `steering`, which takes its steering input). Returns the final state
     (None when it failed)."""
-    if rollout is not None and rollout.multi_agent:
-        emit = _root_agent(emit)
     run = _Run(session, request, emit, rollout, prepared, steering)
     await run.start()
     try:
@@ -199,6 +197,8 @@ class _Run:
         self.request = request
         self.steering = steering or Steering(emit, unsupported=steering_unsupported(request))
         self.emit: Emit = self.steering.emit
+        if rollout is not None and rollout.multi_agent:  # (a multi-agent response is not steered)
+            self.emit = _root_agent(self.emit)
         self.rollout = rollout
         self.prepared = prepared
         self.response = _new_response(request, self.engine.now())
