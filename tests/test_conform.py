@@ -305,6 +305,24 @@ async def test_rollout_server_passes_every_check() -> None:
     assert len(steer_checks) == 4 and not not_passed(steer_checks)
 
 
+async def test_steering_checks_against_a_fast_model_skip_not_fail() -> None:
+    """Without --slow-model the steer usually reaches a response that is already ending: the
+    server refuses it (`response_not_active`, or `response_already_completed` after the end),
+    and the checks that need a running response say so (SKIPPED), never fail or hang."""
+    with trio.fail_after(60):
+        async with serving() as url:
+            options = harness_options(slow_model=None, filter=("steer.*",))
+            report = await spec.run_conformance(url, options)
+    outcomes = {r.id: r.outcome.value for r in report.results}
+    assert set(outcomes) == {
+        "steer.accepted",
+        "steer.invalid_input",
+        "steer.unknown_or_completed",
+        "steer.pending",
+    }
+    assert "failed" not in outcomes.values(), [(r.id, r.reason) for r in report.results]
+
+
 async def test_cli_report_and_exit_status(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     async with serving() as url:
