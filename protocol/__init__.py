@@ -4,6 +4,7 @@ WebSocket-mode connections (`ServerConnection`, `ClientConnection`, over the sta
 server-sent-events codec (`encode_sse_event`, `SseDecoder`)."""
 
 from ._builder import BuilderState, InvalidToolPayload, ResponseStream, iter_chunks
+from ._client_connection import ClientConnection
 from ._codec import (
     DEFAULT_MAX_MESSAGE_SIZE,
     decode_client_event,
@@ -19,7 +20,6 @@ from ._codec import (
 from ._connection import (
     DEFAULT_MAX_QUEUED_CREATES,
     DEFAULT_MAX_REMEMBERED_RESPONSES,
-    ClientConnection,
     Lane,
     ServerConnection,
     inject_failed,
