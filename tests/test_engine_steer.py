@@ -112,6 +112,19 @@ class Wire:
         text = self.client.send(p.ResponseSteer(previous_response_id=target, input=value))
         await self.steer_raw(session, text)
 
+    async def steer_during_call(
+        self, session: Session, request: p.ResponseCreate, *inputs: Any
+    ) -> str:
+        """Run `request` until its first call's arguments stream, steer it with each of
+        `inputs` then, and let it end; returns the steered response's id."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.create, session, request)
+            await self.until(lambda e: isinstance(e, p.FunctionCallArgumentsDelta))
+            first = response_id(self.events[0])
+            for value in inputs:
+                await self.steer(session, first, value)
+        return first
+
     async def steer_raw(self, session: Session, text: str) -> None:
         [routed] = self.server.receive_text(text)
         if isinstance(routed, p.ResponseSteer):
@@ -229,12 +242,12 @@ async def test_a_steer_never_cuts_a_tool_call_and_pending_names_the_owed_output(
             session = engine.session()
             wire = Wire()
             request = p.ResponseCreate(model=SLOW_CALL, input="read it", tools=TOOLS, store=False)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(wire.create, session, request)
-                await wire.until(lambda e: isinstance(e, p.FunctionCallArgumentsDelta))
-                first = response_id(wire.events[0])
-                await wire.steer(session, first, "Use the other file.")
-                await wire.steer(session, first, [{"role": "user", "content": "And be brief."}])
+            first = await wire.steer_during_call(
+                session,
+                request,
+                "Use the other file.",
+                [{"role": "user", "content": "And be brief."}],
+            )
             kinds = [e.type for e in wire.events]
             assert kinds.count("response.steer.accepted") == 2
             # The call completed, then the response: the calls are owed.
@@ -287,11 +300,7 @@ async def test_a_refused_continuation_keeps_the_parked_input(
             session = engine.session()
             wire = Wire()
             request = p.ResponseCreate(model=SLOW_CALL, input="read it", tools=TOOLS, store=False)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(wire.create, session, request)
-                await wire.until(lambda e: isinstance(e, p.FunctionCallArgumentsDelta))
-                first = response_id(wire.events[0])
-                await wire.steer(session, first, "Use the other file.")
+            first = await wire.steer_during_call(session, request, "Use the other file.")
             call_id = wire.of_type(p.ResponseSteerPending)[0].required_input[0].call_id
             assert call_id is not None
             parent = session.cache.get(first)
@@ -613,12 +622,8 @@ async def test_accepted_input_of_a_response_that_fails_is_returned(
             session = engine.session()
             wire = Wire()
             request = p.ResponseCreate(model="broken", input="go", tools=TOOLS, store=False)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(wire.create, session, request)
-                await wire.until(lambda e: isinstance(e, p.FunctionCallArgumentsDelta))
-                first = response_id(wire.events[0])
-                await wire.steer(session, first, ["not", "a", "message"])  # invalid
-                await wire.steer(session, first, "keep this")
+            invalid = ["not", "a", "message"]
+            await wire.steer_during_call(session, request, invalid, "keep this")
         [accepted] = wire.of_type(p.ResponseSteerAccepted)
         failed = wire.of_type(p.ResponseSteerFailed)
         assert [(f.error.code, f.steer.id) for f in failed] == [
