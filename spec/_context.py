@@ -173,10 +173,16 @@ class Context:
         self.probes = probes
         self.case = case
         self.step = ""
+        # Why the check could only verify structure (`weaken`): its outcome is then WEAK.
+        self.weak: list[str] = []
         self.deadline_scope: trio.CancelScope | None = None
         self._http = http
 
     # --- options ---
+    def weaken(self, why: str) -> None:
+        """This check could only verify structure (`why`): it ends WEAK, never PASSED."""
+        self.weak.append(why)
+
     @property
     def model(self) -> str:
         return self.options.model

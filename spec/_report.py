@@ -20,6 +20,10 @@ class Outcome(enum.Enum):
     PASSED = "passed"
     FAILED = "failed"
     SKIPPED = "skipped"
+    # Ran without a failure, but could only check structure (e.g. outputs compared by kind
+    # because the model is not deterministic): not evidence of the rule, so never PASSED;
+    # counted apart, and not a failure.
+    WEAK = "weak"
 
 
 @attrs.frozen(kw_only=True)
@@ -110,7 +114,12 @@ class Report:
             Path(path).write_text(text, encoding="utf-8")
 
 
-_STYLE = {Outcome.PASSED: "green", Outcome.FAILED: "bold red", Outcome.SKIPPED: "yellow"}
+_STYLE = {
+    Outcome.PASSED: "green",
+    Outcome.FAILED: "bold red",
+    Outcome.SKIPPED: "yellow",
+    Outcome.WEAK: "magenta",
+}
 
 
 def print_table(report: Report, console: Console) -> None:
@@ -130,9 +139,10 @@ def print_table(report: Report, console: Console) -> None:
         )
     console.print(table)
     counts = report.counts()
+    weak = f", {counts['weak']} weak (structure only)" if counts["weak"] else ""
     summary = (
-        f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
-        f"in {report.seconds:.1f}s"
+        f"{counts['passed']} passed{weak}, {counts['failed']} failed, {counts['skipped']} "
+        f"skipped in {report.seconds:.1f}s"
     )
     if report.failures:
         console.print(Text(f"NOT CONFORMANT: {summary}", style="bold red"))

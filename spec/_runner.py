@@ -120,6 +120,8 @@ async def _run_case(
             else:
                 outcome = Outcome.FAILED
                 reason = f"unexpected {type(leaf).__name__}: {leaf}"
+    if outcome is Outcome.PASSED and ctx.weak:
+        outcome, reason = Outcome.WEAK, "; ".join(dict.fromkeys(ctx.weak))
     if scope.cancelled_caught:
         outcome = Outcome.FAILED
         reason = f"timed out after {trio.current_time() - started:.1f}s"
