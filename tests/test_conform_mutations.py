@@ -1289,6 +1289,27 @@ class AlterAppendedOutputs(Mutant):
         return event
 
 
+class RolloutUsageOffByOne(Mutant):
+    """A rollout's usage aggregated wrong: its terminal event counts one input token more than
+    its sampling steps used (the chain's responses are left alone)."""
+
+    breaks = ("rollout.equals_chain",)
+    reason = "usage.input_tokens"
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event):
+            conn.state["rollout"] = bool(event.get("rollout"))
+        return event
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event["type"] in TERMINAL and conn.state.get("rollout"):
+            usage = (event.get("response") or {}).get("usage")
+            if isinstance(usage, dict):
+                usage["input_tokens"] += 1
+                usage["total_tokens"] += 1
+        return [text(event)]
+
+
 class BufferEarlyAppends(Mutant):
     """Holds an append that arrives while the rollout samples and delivers it once the rollout
     has suspended, instead of refusing it."""
@@ -1553,6 +1574,7 @@ MUTANTS: tuple[type[Mutant], ...] = (
     ErrorParamDropped,
     StatusFlattened,
     AlterAppendedOutputs,
+    RolloutUsageOffByOne,
     BufferEarlyAppends,
     NullVerbosity,
     UnstrictTools,
