@@ -216,8 +216,7 @@ class _Run:
         if self.rollout is not None:
             # Named before `response.created` goes out: a client may answer that event at once
             # (an early append must get `rollout_not_suspended`, not `rollout_not_found`).
-            self.rollout.response_id = self.response_id
-            self.rollout._done = False  # a successor's rollout reuses its parent's handle
+            self.rollout._begin(self.response_id)
         self.steering.open(self.stream, self.response_id)
         for event in self.stream.start():
             await self.emit(event)

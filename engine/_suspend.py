@@ -224,6 +224,12 @@ class Rollout:
         finally:
             self._state = None
 
+    def _begin(self, response_id: str) -> None:
+        """The coroutine starts a response on this handle (a steered rollout's successor
+        reuses its parent's handle: it is running again, under the successor's id)."""
+        self.response_id = response_id
+        self._done = False
+
     def _finished(self) -> None:
         self._done = True
         self._state = None
