@@ -15,11 +15,13 @@ import trio
 from ._analysis import (
     as_dict,
     call_items,
+    call_problems,
     completed_response,
     expect_error,
     order_problems,
     sequence_problems,
     shape,
+    text_problems,
 )
 from ._client import TERMINAL, CheckFailed, CheckSkipped, describe_value
 from ._context import CheckSet, Context
@@ -118,9 +120,15 @@ async def rollout_resume(ctx: Context) -> None:
         fail_on(named_only(after, response["id"]), "the resumed response.in_progress: ")
     if response["output"] != streamed:
         raise CheckFailed(
-            f"the final output is {shape(response['output'])}, expected every streamed item "
-            f"{shape(streamed)}"
+            f"the final output is {shape(response['output'])}, expected every streamed item in "
+            f"the order streamed {shape(streamed)}"
         )
+    # Each step, the resumed ones too, streams its items as WS-3.3 and WS-3.5 require: the
+    # deltas a client concatenates are the text and arguments reported done.
+    consistency = call_problems(all_events) if call_items(streamed) else []
+    if any(item.get("type") == "message" for item in streamed):
+        consistency += text_problems(all_events)
+    fail_on(consistency, "across the rollout (RX-2.3: every step streams as WS-3.3, WS-3.5): ")
 
 
 # Suspensions `rollout.suspension_size` compares, and how many bytes the suspension events may

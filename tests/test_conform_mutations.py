@@ -1310,6 +1310,57 @@ class RolloutUsageOffByOne(Mutant):
         return [text(event)]
 
 
+class DropResumedDeltas(Mutant):
+    """After a rollout resumes, every second `response.output_text.delta` is dropped and the
+    events after it renumbered (the numbering stays valid): the text a client assembles from a
+    resumed step is not the text the server reports done."""
+
+    breaks = ("rollout.resume",)
+    reason = "the deltas concatenate to"
+    EVERY = 2
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        state = conn.state
+        if event["type"] == "response.created":
+            state.update(resumed=False, deltas=0, dropped=0)
+        elif event["type"] == "response.in_progress" and "created_at" not in event["response"]:
+            state["resumed"] = True
+        elif event["type"] == "response.output_text.delta" and state.get("resumed"):
+            state["deltas"] += 1
+            if state["deltas"] % self.EVERY == 0:
+                state["dropped"] += 1
+                return []
+        if isinstance(event.get("sequence_number"), int):
+            event["sequence_number"] -= state.get("dropped", 0)
+        return [text(event)]
+
+
+class ReorderResumedOutput(Mutant):
+    """A rollout's terminal response lists the items of its last resumed step before those of
+    the steps before it: the stream was in order, the output a client keeps is not."""
+
+    breaks = ("rollout.resume", "rollout.equals_chain")
+    reason: ClassVar[Mapping[str, str]] = {
+        "rollout.resume": "expected every streamed item in the order streamed",
+        "rollout.equals_chain": "the model is deterministic but the outputs differ: item 0",
+    }
+
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        state = conn.state
+        if event["type"] == "response.created":
+            state.update(items=0, step_start=0)
+        elif event["type"] == "response.output_item.done":
+            state["items"] += 1
+        elif event["type"] == "response.in_progress" and "created_at" not in event["response"]:
+            state["step_start"] = state["items"]
+        elif event["type"] in TERMINAL and state.get("step_start"):
+            output = (event.get("response") or {}).get("output")
+            if isinstance(output, list):
+                start = state["step_start"]
+                event["response"]["output"] = output[start:] + output[:start]
+        return [text(event)]
+
+
 class BufferEarlyAppends(Mutant):
     """Holds an append that arrives while the rollout samples and delivers it once the rollout
     has suspended, instead of refusing it."""
@@ -1575,6 +1626,8 @@ MUTANTS: tuple[type[Mutant], ...] = (
     StatusFlattened,
     AlterAppendedOutputs,
     RolloutUsageOffByOne,
+    DropResumedDeltas,
+    ReorderResumedOutput,
     BufferEarlyAppends,
     NullVerbosity,
     UnstrictTools,
