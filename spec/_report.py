@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping
+import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["CheckResult", "Outcome", "Report", "print_table"]
+from ._context import Case
+
+__all__ = ["CheckResult", "Outcome", "Report", "print_cases", "print_table"]
 
 
 class Outcome(enum.Enum):
@@ -120,24 +123,71 @@ _STYLE = {
     Outcome.SKIPPED: "yellow",
     Outcome.WEAK: "magenta",
 }
+# The narrowest reason (or title) column a table is drawn with; a narrower terminal gets one
+# line per check with its reason on the lines below, so no value is split mid-word.
+MIN_TEXT_COLUMN = 40
+# What a table's borders and padding take besides its cells: 3 per column and 1.
+_TABLE_FRAME = 3 * 4 + 1
+
+
+def _label(r: CheckResult) -> str:
+    label = r.outcome.value
+    if r.outcome is Outcome.FAILED and not r.required:
+        label += " (optional)"
+    return label
+
+
+def _md(value: str) -> str:
+    """A Markdown table cell: one line, `|` escaped."""
+    return " ".join(value.split()).replace("|", "\\|")
+
+
+def _plain(console: Console, line: str) -> None:
+    """One line as is: no wrapping, no markup, no highlighting."""
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _fits(console: Console, *columns: list[str]) -> bool:
+    """Whether a table of these no-wrap columns leaves MIN_TEXT_COLUMN for the last one."""
+    widths = sum(max((len(v) for v in values), default=0) for values in columns)
+    return console.width >= widths + _TABLE_FRAME + MIN_TEXT_COLUMN
 
 
 def print_table(report: Report, console: Console) -> None:
-    title = Text(f"rollout conform {report.base_url} (model {report.model})")
-    table = Table(title=title, expand=True)
-    table.add_column("check", no_wrap=True)
-    table.add_column("rule", no_wrap=True)
-    table.add_column("result", no_wrap=True)
-    table.add_column("reason", ratio=1, overflow="fold")
-    for r in report.results:
-        label = r.outcome.value
-        if r.outcome is Outcome.FAILED and not r.required:
-            label += " (optional)"
-        # Text, not markup: reasons quote server data, which may hold `[...]`.
-        table.add_row(
-            Text(r.id), Text(r.rule), Text(label, style=_STYLE[r.outcome]), Text(r.reason)
-        )
-    console.print(table)
+    """The results: a table in a terminal wide enough, one line per check with its reason
+    below in a narrow one, a Markdown table when the output is not a terminal."""
+    title = f"rollout conform {report.base_url} (model {report.model})"
+    rows = [(r.id, r.rule, _label(r), r.reason, _STYLE[r.outcome]) for r in report.results]
+    if not console.is_terminal:
+        _plain(console, title)
+        _plain(console, "")
+        _plain(console, "| check | rule | result | reason |")
+        _plain(console, "|---|---|---|---|")
+        for check, rule, label, reason, _ in rows:
+            _plain(console, f"| {check} | {rule} | {label} | {_md(reason)} |")
+        _plain(console, "")
+    elif _fits(console, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]):
+        table = Table(title=Text(title), expand=True)
+        table.add_column("check", no_wrap=True)
+        table.add_column("rule", no_wrap=True)
+        table.add_column("result", no_wrap=True)
+        table.add_column("reason", ratio=1, overflow="fold")
+        for check, rule, label, reason, style in rows:
+            # Text, not markup: reasons quote server data, which may hold `[...]`.
+            table.add_row(Text(check), Text(rule), Text(label, style=style), Text(reason))
+        console.print(table)
+    else:
+        console.print(Text(title, style="bold"))
+        label_w, check_w = (max((len(r[n]) for r in rows), default=0) for n in (2, 0))
+        rule_w = max((len(r[1]) for r in rows), default=0)
+        if label_w + check_w + rule_w + 4 > console.width:
+            check_w = 0  # unaligned, but whole
+        for check, rule, label, reason, style in rows:
+            line = Text.assemble(
+                (label.ljust(label_w), style), "  ", check.ljust(check_w), "  ", (rule, "dim")
+            )
+            console.print(line)
+            _indented(console, reason)
     counts = report.counts()
     weak = f", {counts['weak']} weak (structure only)" if counts["weak"] else ""
     summary = (
@@ -148,3 +198,38 @@ def print_table(report: Report, console: Console) -> None:
         console.print(Text(f"NOT CONFORMANT: {summary}", style="bold red"))
     else:
         console.print(Text(f"conformant: {summary}", style="bold green"))
+
+
+def print_cases(cases: Sequence[Case], console: Console) -> None:
+    """The case list (`rollout conform --list`): a table in a terminal wide enough, each check
+    with its title on the line below in a narrow one, a Markdown table when not a terminal."""
+    rows = [(c.id, c.rule, "required" if c.required else "optional", c.title) for c in cases]
+    if not console.is_terminal:
+        _plain(console, "| check | rule | required | title |")
+        _plain(console, "|---|---|---|---|")
+        for check, rule, kind, title in rows:
+            _plain(console, f"| {check} | {rule} | {kind} | {_md(title)} |")
+    elif _fits(console, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]):
+        table = Table(expand=True)
+        for name in ("check", "rule", "required"):
+            table.add_column(name, no_wrap=True)
+        table.add_column("title", ratio=1)
+        for row in rows:
+            table.add_row(*(Text(v) for v in row))
+        console.print(table)
+    else:
+        for check, rule, kind, title in rows:
+            console.print(Text.assemble(check, "  ", (rule, "dim"), "  ", kind))
+            _indented(console, title)
+
+
+# The indent of a reason or title on the lines below its check, in the narrow layout.
+INDENT = 4
+
+
+def _indented(console: Console, text: str) -> None:
+    """`text` on lines of their own, indented, wrapped between words (a word longer than a
+    line is the only thing ever split)."""
+    width = max(console.width - INDENT, 20)
+    for line in textwrap.wrap(text, width, break_on_hyphens=False):
+        _plain(console, " " * INDENT + line)
