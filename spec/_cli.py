@@ -4,29 +4,45 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import urllib.parse
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from ._context import Case, Options
+    from ._preflight import Problem
     from ._report import CheckResult, Report
 
 __all__ = ["add_parser", "run"]
 
 _EPILOG = """\
-The defaults suit rollout's own server (`rollout serve`), whose simulated model is `sim`.
-Against any other server pass --model (a model that can call functions); the checks force
-tool calls with a named tool_choice and compare structure, not text. Options describing the
-server's configuration enable the checks that need them; without them those checks are
-skipped. Exit status: 0 when every required check passed, 1 otherwise, 2 for usage errors.
+The defaults suit rollout's own server (`rollout serve`), whose simulated model
+is `sim`. Against any other server pass --model (a model that can call
+functions): the checks force tool calls with a named tool_choice and compare
+structure, not text. Options describing the server's configuration enable the
+checks that need them; without them those checks are skipped. The URL, the API
+key and the models are probed first: a wrong one is a single message.
+
+exit status:
+  0    every required check passed
+  1    a required check failed (or a --require'd feature was skipped)
+  2    usage error
+  3    nothing, or no API, at BASE_URL
+  4    the server refuses the API key or a model
+  70   an unexpected error (--debug shows its traceback)
+  130  interrupted (the checks finished so far are reported)
 
 examples:
+  rollout conform --list
   rollout conform http://127.0.0.1:8000/v1
-  rollout conform http://127.0.0.1:8000/v1 --slow-model 'sim:ttft_ms=300,tps=200' \\
-      --age-limit-seconds 3 --max-message-size 65536 --json report.json
-  rollout conform https://api.example.com/v1 --api-key "$KEY" --model gpt-x --filter 'ws.*'
+  rollout conform http://127.0.0.1:8000/v1 \\
+      --slow-model 'sim:ttft_ms=300,tps=200' --age-limit-seconds 3 \\
+      --max-message-size 65536 --json report.json
+  rollout conform https://api.example.com/v1 --api-key "$KEY" --model gpt-x \\
+      --filter 'ws.*'
 """
 
 
@@ -35,17 +51,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     p = sub.add_parser(
         "conform",
+        usage="%(prog)s BASE_URL [options]  (or: %(prog)s --list)",
         help="check a server against rollout's WebSocket-mode and rollout-extension spec",
-        description="Run the conformance checks of spec/PROTOCOL.md against a server: HTTP and "
-        "server-sent events, WebSocket mode, and (when the server accepts it) the rollout "
-        "extension.",
+        description="Run the conformance checks of spec/PROTOCOL.md against a server: HTTP\n"
+        "and server-sent events, WebSocket mode, and (when the server accepts them)\n"
+        "the rollout extension, lanes, steering and the multi-agent beta.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "base_url", metavar="BASE_URL", help="the API base URL, e.g. http://127.0.0.1:8000/v1"
+        "base_url",
+        metavar="BASE_URL",
+        nargs="?",
+        help="the API base URL, e.g. http://127.0.0.1:8000/v1 (not needed with --list)",
     )
-    p.add_argument("--api-key", help="sent as Authorization: Bearer; enables the 401 checks")
+    p.add_argument(
+        "--api-key", metavar="KEY", help="sent as Authorization: Bearer; enables the 401 checks"
+    )
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -67,38 +89,48 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="run only these checks: ids, rule ids, features or globs (e.g. 'rollout', "
         "'ws.error_*', 'WS-3.*'); repeatable",
     )
-    p.add_argument("--json", metavar="PATH", help="write the JSON report here ('-' for stdout)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the JSON report here ('-' for stdout: the table then goes to stderr)",
+    )
     p.add_argument(
         "--timeout",
-        type=float,
+        metavar="S",
+        type=_positive(float),
         default=DEFAULT_TIMEOUT,
         help=f"deadline of each check in seconds (default {DEFAULT_TIMEOUT:g})",
     )
     p.add_argument(
         "--concurrency",
-        type=int,
+        metavar="N",
+        type=_positive(int),
         default=DEFAULT_CONCURRENCY,
         help=f"checks run at once (default {DEFAULT_CONCURRENCY})",
     )
     p.add_argument(
         "--age-limit-seconds",
-        type=float,
+        metavar="S",
+        type=_positive(float),
         help="the server's WebSocket connection age limit, if short enough to wait for "
         "(enables ws.connection_age_limit)",
     )
     p.add_argument(
         "--max-message-size",
-        type=int,
+        metavar="BYTES",
+        type=_positive(int),
         help="the server's largest accepted message / body in bytes (enables the oversize checks)",
     )
     p.add_argument(
         "--max-queued-creates",
-        type=int,
+        metavar="N",
+        type=_positive(int),
         help="the server's bound on creates queued per connection (enables ws.queue_limit)",
     )
     p.add_argument(
         "--rollout-suspend-limit",
-        type=float,
+        metavar="S",
+        type=_positive(float),
         help="seconds the server lets a rollout stay suspended (enables rollout.suspend_timeout)",
     )
     p.add_argument(
@@ -110,28 +142,80 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--quiet-seconds",
-        type=float,
+        metavar="S",
+        type=_positive(float),
         default=DEFAULT_QUIET_SECONDS,
         help="how long 'nothing arrives' is observed (default %(default)s)",
     )
-    p.add_argument("--list", action="store_true", help="list the checks and exit")
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="list the checks and exit (a table in a terminal, Markdown when piped)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no live progress view")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
+
+
+def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0, else a one-line usage error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole ' if kind is int else ''}number, got {text!r}"
+            ) from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+        return value
+
+    return parse
 
 
 def _split(values: list[str]) -> tuple[str, ...]:
     return tuple(v.strip() for value in values for v in value.split(",") if v.strip())
 
 
+# Exit status of an unexpected error in the harness itself (EX_SOFTWARE).
+INTERNAL_ERROR = 70
+# Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
+
+
 def run(args: argparse.Namespace) -> int:
-    import trio
+    """`rollout conform`: its exit status. An unexpected error is one line (its traceback
+    with --debug)."""
     from rich.console import Console
 
+    err = Console(stderr=True)
+    try:
+        return _run(args, Console(), err)
+    except Exception as exc:
+        if args.debug:
+            raise
+        err.print(
+            f"rollout conform: unexpected {type(exc).__name__}: {exc}\n"
+            "Run again with --debug for the traceback.",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return INTERNAL_ERROR
+
+
+def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
+    import trio
+
     from ._context import Options, load_cases
-    from ._report import print_table
+    from ._preflight import Problem
+    from ._report import print_cases, print_table
     from ._runner import select_cases
 
-    console = Console()
-    err = Console(stderr=True)
+    def fail(message: str, code: int = 2) -> int:
+        err.print(f"rollout conform: {message}", markup=False, highlight=False, soft_wrap=True)
+        return code
+
     try:
         options = Options(
             api_key=args.api_key,
@@ -149,36 +233,104 @@ def run(args: argparse.Namespace) -> int:
         )
         cases = select_cases(load_cases(), options.filter)
     except ValueError as exc:
-        err.print(f"rollout conform: {exc}", markup=False)
-        return 2
-    parts = urllib.parse.urlsplit(args.base_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        err.print(f"rollout conform: {args.base_url!r} is not an http(s) base URL", markup=False)
-        return 2
+        return fail(f"{exc}\nSee `rollout conform --list` for the check ids.")
     if args.list:
-        for case in cases:
-            kind = "required" if case.required else "optional"
-            line = f"{case.id:40} {case.rule:9} {kind:8} {case.title}"
-            console.print(line, markup=False, highlight=False)
+        print_cases(cases, console)
         return 0
+    if args.base_url is None:
+        return fail(
+            "BASE_URL is missing (e.g. http://127.0.0.1:8000/v1).\n"
+            "Usage: rollout conform BASE_URL [options], or rollout conform --list."
+        )
+    parts = urllib.parse.urlsplit(args.base_url)
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        return fail(f"{args.base_url!r} has an invalid port.\nCorrect BASE_URL.")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return fail(
+            f"{args.base_url!r} is not an http(s) base URL.\n"
+            "Give the API's base URL, e.g. http://127.0.0.1:8000/v1."
+        )
 
+    finished: list[CheckResult] = []
     show = not args.no_progress
-    report = trio.run(
-        functools.partial(_run_with_progress, args.base_url, options, console, len(cases), show)
-    )
+    try:
+        outcome = trio.run(
+            functools.partial(
+                _preflight_and_run, args.base_url, options, console, cases, show, finished
+            )
+        )
+    except KeyboardInterrupt:
+        outcome = None
+    except BaseExceptionGroup as group:
+        if group.subgroup(KeyboardInterrupt) is None:
+            raise
+        outcome = None
+    if outcome is None:  # interrupted: report what finished
+        from ._report import Report
+
+        report = Report(
+            base_url=args.base_url, model=options.model, results=tuple(finished), seconds=0.0
+        )
+        print_table(report, err if args.json == "-" else console)
+        err.print(
+            f"rollout conform: interrupted after {len(finished)} of {len(cases)} checks.",
+            markup=False,
+            highlight=False,
+        )
+        _write_json(report, args.json, err)
+        return INTERRUPTED
+    if isinstance(outcome, Problem):
+        return fail(outcome.lines(), outcome.exit_code)
     # With the JSON report on stdout, the table goes to stderr.
-    print_table(report, err if args.json == "-" else console)
-    if args.json:
-        try:
-            report.write_json(args.json)
-        except OSError as exc:
-            err.print(f"rollout conform: cannot write {args.json}: {exc}", markup=False)
-            return 2
-    return report.exit_code
+    print_table(outcome, err if args.json == "-" else console)
+    if not _write_json(outcome, args.json, err):
+        return 2
+    return outcome.exit_code
+
+
+def _write_json(report: Report, path: str | None, err: Console) -> bool:
+    if not path:
+        return True
+    try:
+        report.write_json(path)
+    except OSError as exc:
+        err.print(
+            f"rollout conform: cannot write {path}: {exc}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return False
+    return True
+
+
+async def _preflight_and_run(
+    base_url: str,
+    options: Options,
+    console: Console,
+    cases: list[Case],
+    progress: bool,
+    finished: list[CheckResult],
+) -> Report | Problem:
+    """The preflight's problem, or the run's report (each result also appended to
+    `finished`, which outlives an interrupted run)."""
+    from ._preflight import preflight
+
+    problem = await preflight(base_url, options)
+    if problem is not None:
+        return problem
+    return await _run_with_progress(base_url, options, console, len(cases), progress, finished)
 
 
 async def _run_with_progress(
-    base_url: str, options: Options, console: Console, total: int, progress: bool
+    base_url: str,
+    options: Options,
+    console: Console,
+    total: int,
+    progress: bool,
+    finished: list[CheckResult],
 ) -> Report:
     """The run, with a live progress bar when the console is a terminal."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -187,7 +339,7 @@ async def _run_with_progress(
     from ._runner import run_conformance
 
     if not (progress and console.is_terminal):
-        return await run_conformance(base_url, options)
+        return await run_conformance(base_url, options, on_result=finished.append)
     running: list[str] = []
     failed = 0
     with Progress(
@@ -212,6 +364,7 @@ async def _run_with_progress(
 
         def on_result(result: CheckResult) -> None:
             nonlocal failed
+            finished.append(result)
             if result.id in running:
                 running.remove(result.id)
             if result.outcome is Outcome.FAILED:

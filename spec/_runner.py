@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import urllib.parse
 from collections.abc import Callable, Sequence
 
 import httpx
@@ -19,12 +18,10 @@ import trio
 from ._catalog import CHECKS, FEATURE_PROBES
 from ._client import CheckFailed, CheckSkipped
 from ._context import OPTION_FLAGS, Case, Context, Options, Probes, load_cases
+from ._preflight import connect_problem
 from ._report import CheckResult, Outcome, Report
 
 __all__ = ["run_conformance", "run_conformance_sync", "select_cases"]
-
-# The longest wait for the preflight TCP connect, in seconds.
-PREFLIGHT_TIMEOUT = 10.0
 
 OnStart = Callable[[Case], None]
 OnResult = Callable[[CheckResult], None]
@@ -66,26 +63,6 @@ def _leaf(exc: BaseException) -> BaseException:
             if isinstance(leaf, kind):
                 return leaf
     return leaves[0] if leaves else exc
-
-
-async def _preflight(base_url: str) -> str | None:
-    """None when a TCP connection to the server opens, else why not."""
-    parts = urllib.parse.urlsplit(base_url)
-    host = parts.hostname
-    if not host or parts.scheme not in ("http", "https"):
-        return f"{base_url!r} is not an http(s) base URL"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        with trio.fail_after(PREFLIGHT_TIMEOUT):
-            stream = await trio.open_tcp_stream(host, port)
-    except trio.TooSlowError:
-        return (
-            f"the server at {host}:{port} did not accept a connection within {PREFLIGHT_TIMEOUT:g}s"
-        )
-    except OSError as exc:
-        return f"the server at {host}:{port} is unreachable: {exc.strerror or exc}"
-    await stream.aclose()
-    return None
 
 
 async def _run_case(
@@ -157,8 +134,9 @@ async def run_conformance(
     started = trio.current_time()
     results: dict[str, CheckResult] = {}
     probes = Probes()
-    unreachable = await _preflight(base_url)
-    if unreachable is not None:
+    problem = await connect_problem(base_url)
+    if problem is not None:
+        unreachable = problem.message
         for case in cases:
             result = CheckResult(
                 id=case.id,
