@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,17 +68,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the API base URL, e.g. http://127.0.0.1:8000/v1 (not needed with --list)",
     )
     p.add_argument(
-        "--api-key", metavar="KEY", help="sent as Authorization: Bearer; enables the 401 checks"
+        "--api-key",
+        metavar="KEY",
+        type=_nonempty,
+        help="sent as Authorization: Bearer; enables the 401 checks",
     )
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
+        type=_nonempty,
         help=f"model id for every check (default {DEFAULT_MODEL!r}, rollout's simulated model; "
         "other servers need their own)",
     )
     p.add_argument(
         "--slow-model",
         metavar="MODEL",
+        type=_nonempty,
         help="a model whose first output takes >= 0.2 s and that streams at a bounded rate, for "
         "checks that act while a response is sampling (queueing, early appends, steering); "
         "default --model. For rollout: 'sim:ttft_ms=300,tps=200'",
@@ -173,6 +180,14 @@ def _positive(kind: type[float] | type[int]) -> Callable[[str], float]:
     return parse
 
 
+def _nonempty(text: str) -> str:
+    """An argparse type: a value that is not empty (as `--api-key "$KEY"` is when KEY is
+    unset)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a value, got '' (is the variable unset?)")
+    return text
+
+
 def _split(values: list[str]) -> tuple[str, ...]:
     return tuple(v.strip() for value in values for v in value.split(",") if v.strip())
 
@@ -231,9 +246,16 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
             require=_split(args.require),
             quiet_seconds=args.quiet_seconds,
         )
-        cases = select_cases(load_cases(), options.filter)
+        every = load_cases()
+        cases = select_cases(every, options.filter)
     except ValueError as exc:
         return fail(f"{exc}\nSee `rollout conform --list` for the check ids.")
+    features = sorted({c.feature for c in every})
+    unknown = [f for f in options.require if f not in features]
+    if unknown:
+        return fail(
+            f"--require {unknown[0]!r} is not a feature.\nThe features: {', '.join(features)}."
+        )
     if args.list:
         print_cases(cases, console)
         return 0
@@ -247,10 +269,22 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
         parts.port  # noqa: B018 (raises on a port that is not a number)
     except ValueError:
         return fail(f"{args.base_url!r} has an invalid port.\nCorrect BASE_URL.")
+    if parts.scheme in ("ws", "wss") and parts.hostname:
+        http = parts._replace(scheme="http" if parts.scheme == "ws" else "https")
+        base = urllib.parse.urlunsplit(http).removesuffix("/").removesuffix("/responses")
+        return fail(
+            f"{args.base_url!r} is a WebSocket URL; BASE_URL is the API's http(s) base URL.\n"
+            f"Did you mean {base}?"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return fail(
             f"{args.base_url!r} is not an http(s) base URL.\n"
             "Give the API's base URL, e.g. http://127.0.0.1:8000/v1."
+        )
+    unwritable = _unwritable(args.json)
+    if unwritable:
+        return fail(
+            f"cannot write the report to {args.json}: {unwritable}.\nChoose another --json PATH."
         )
 
     finished: list[CheckResult] = []
@@ -288,6 +322,22 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     if not _write_json(outcome, args.json, err):
         return 2
     return outcome.exit_code
+
+
+def _unwritable(path: str | None) -> str | None:
+    """Why the report could not be written at `path` (checked before the run), or None."""
+    if not path or path == "-":
+        return None
+    target = Path(path)
+    if target.is_dir():
+        return "it is a folder"
+    if not target.parent.is_dir():
+        return f"the folder {str(target.parent)!r} does not exist"
+    if not os.access(target.parent, os.W_OK) or (
+        target.exists() and not os.access(target, os.W_OK)
+    ):
+        return "permission denied"
+    return None
 
 
 def _write_json(report: Report, path: str | None, err: Console) -> bool:

@@ -1,5 +1,5 @@
-"""Running the checks: select, gate (missing options, absent features), run with bounded
-concurrency and a deadline each, collect a `Report`.
+"""Running the checks: select, gate (missing options, absent features), run in the order of
+the case list with bounded concurrency and a deadline each, collect a `Report`.
 
 The run never hangs: every check has a deadline, every network operation inside it a
 timeout, and a server that cannot be reached at all fails every selected check at once
@@ -151,20 +151,25 @@ async def run_conformance(
             if on_result is not None:
                 on_result(result)
     else:
-        limiter = trio.CapacityLimiter(options.concurrency)
+        # Checks start in the order of the case list, at most `concurrency` at once: a slot is
+        # taken before a check starts and given back once its result is out.
+        slots = trio.Semaphore(options.concurrency)
         async with httpx.AsyncClient(timeout=options.timeout, follow_redirects=False) as http:
 
             async def one(case: Case) -> None:
-                async with limiter:
+                try:
                     if on_start is not None:
                         on_start(case)
                     result = await _run_case(case, base_url, options, http, probes)
-                results[case.id] = result
-                if on_result is not None:
-                    on_result(result)
+                    results[case.id] = result
+                    if on_result is not None:
+                        on_result(result)
+                finally:
+                    slots.release()
 
             async with trio.open_nursery() as nursery:
                 for case in cases:
+                    await slots.acquire()
                     nursery.start_soon(one, case)
     return Report(
         base_url=base_url,

@@ -200,6 +200,21 @@ USAGE = "usage: rollout conform BASE_URL [options]  (or: rollout conform --list)
             "Give the API's base URL, e.g. http://127.0.0.1:8000/v1.\n",
         ),
         (
+            ["ws://127.0.0.1:8000/v1/responses"],
+            "rollout conform: 'ws://127.0.0.1:8000/v1/responses' is a WebSocket URL; BASE_URL "
+            "is the API's http(s) base URL.\nDid you mean http://127.0.0.1:8000/v1?\n",
+        ),
+        (
+            ["http://127.0.0.1:1/v1", "--require", "rollouts"],
+            "rollout conform: --require 'rollouts' is not a feature.\nThe features: auth, "
+            "http, lanes, limits, multi_agent, rollout, steer, websocket.\n",
+        ),
+        (
+            ["http://127.0.0.1:1/v1", "--api-key", ""],
+            f"{USAGE}\nrollout conform: error: argument --api-key: expected a value, got '' "
+            "(is the variable unset?)\n",
+        ),
+        (
             ["http://127.0.0.1:80x/v1"],
             "rollout conform: 'http://127.0.0.1:80x/v1' has an invalid port.\nCorrect BASE_URL.\n",
         ),
@@ -238,12 +253,21 @@ async def test_usage_errors_are_two_lines_exit_2(args: list[str], expected: str)
     assert await conform(*args) == (2, "", expected)
 
 
-async def test_unwritable_report_is_one_line_exit_2(tmp_path: Path) -> None:
-    async with serving() as url:
-        args = [url, "--api-key", API_KEY, "--filter", "http.create", "--json", str(tmp_path)]
-        code, _, stderr = await conform(*args)
-    assert code == 2 and stderr.startswith(f"rollout conform: cannot write {tmp_path}: ")
-    assert len(stderr.splitlines()) == 1
+async def test_unwritable_report_is_refused_before_the_run(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{closed_port()}/v1"  # never reached
+    assert await conform(url, "--json", str(tmp_path)) == (
+        2,
+        "",
+        f"rollout conform: cannot write the report to {tmp_path}: it is a folder.\n"
+        "Choose another --json PATH.\n",
+    )
+    missing = tmp_path / "no-such-folder" / "report.json"
+    assert await conform(url, "--json", str(missing)) == (
+        2,
+        "",
+        f"rollout conform: cannot write the report to {missing}: the folder "
+        f"'{missing.parent}' does not exist.\nChoose another --json PATH.\n",
+    )
 
 
 def test_unexpected_error_is_two_lines_and_debug_shows_the_traceback(
@@ -434,8 +458,9 @@ class NoticeSuspension:
 
 
 async def test_ctrl_c_reports_the_checks_finished_so_far() -> None:
-    """SIGINT while the second of two checks waits (--concurrency 1: the first has ended):
-    exit 130, the first check's row, and one line saying how far the run got."""
+    """SIGINT while the second of two checks waits (checks start in the case list's order;
+    with --concurrency 1 the first has ended before the second's rollout suspends): exit 130,
+    the first check's row, and one line saying how far the run got."""
     NoticeSuspension.suspended = trio.Event()
     env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(SPEC_DIR.parent)}
     async with serving(app_wrapper=NoticeSuspension) as url:
