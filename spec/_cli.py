@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import attrs
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -157,9 +160,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--list",
         action="store_true",
-        help="list the checks and exit (a table in a terminal, Markdown when piped)",
+        help="list the checks and exit (a table in a terminal, Markdown when piped; with "
+        "--json, as JSON)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no live progress view")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no live progress bar (shown on stderr when it is a terminal)",
+    )
     p.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
 
 
@@ -257,7 +265,14 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
             f"--require {unknown[0]!r} is not a feature.\nThe features: {', '.join(features)}."
         )
     if args.list:
-        print_cases(cases, console)
+        if args.json:
+            text = json.dumps({"checks": [attrs.asdict(c) for c in cases]}, indent=2) + "\n"
+            try:
+                _write_text(args.json, text)
+            except OSError as exc:
+                return fail(f"cannot write {args.json}: {exc}")
+        if args.json != "-":
+            print_cases(cases, console)
         return 0
     if args.base_url is None:
         return fail(
@@ -292,7 +307,7 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     try:
         outcome = trio.run(
             functools.partial(
-                _preflight_and_run, args.base_url, options, console, cases, show, finished
+                _preflight_and_run, args.base_url, options, err, cases, show, finished
             )
         )
     except KeyboardInterrupt:
@@ -322,6 +337,13 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     if not _write_json(outcome, args.json, err):
         return 2
     return outcome.exit_code
+
+
+def _write_text(path: str, text: str) -> None:
+    if path == "-":
+        print(text, end="")
+    else:
+        Path(path).write_text(text, encoding="utf-8")
 
 
 def _unwritable(path: str | None) -> str | None:
@@ -382,7 +404,7 @@ async def _run_with_progress(
     progress: bool,
     finished: list[CheckResult],
 ) -> Report:
-    """The run, with a live progress bar when the console is a terminal."""
+    """The run, with a live progress bar when `console` (stderr) is a terminal."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ._report import Outcome

@@ -305,6 +305,12 @@ async def test_list_needs_no_url_and_pipes_one_markdown_line_per_check() -> None
     for case, line in zip(cases, lines[2:], strict=True):
         kind = "required" if case.required else "optional"
         assert line == f"| {case.id} | {case.rule} | {kind} | {case.title} |"
+    # As JSON (the fields of checks.json), alone on stdout with --json -.
+    code, stdout, _ = await conform("--list", "--json", "-")
+    assert code == 0
+    assert [
+        spec.Case(**{**c, "needs": tuple(c["needs"])}) for c in json.loads(stdout)["checks"]
+    ] == cases
     # A filter applies to the list too.
     code, stdout, _ = await conform("--list", "--filter", "rollout.*")
     assert code == 0 and len(stdout.splitlines()) == 2 + sum(
