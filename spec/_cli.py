@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import os
+import time
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
@@ -303,6 +304,7 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
         )
 
     finished: list[CheckResult] = []
+    started = time.monotonic()
     show = not args.no_progress
     try:
         outcome = trio.run(
@@ -320,7 +322,11 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
         from ._report import Report
 
         report = Report(
-            base_url=args.base_url, model=options.model, results=tuple(finished), seconds=0.0
+            base_url=args.base_url,
+            model=options.model,
+            results=tuple(finished),
+            seconds=time.monotonic() - started,
+            interrupted=True,
         )
         print_table(report, err if args.json == "-" else console)
         err.print(

@@ -68,10 +68,13 @@ class Report:
     features: Mapping[str, bool | None] = attrs.field(factory=dict)
     # Features the caller required (`--require`): their skipped checks count as failures.
     required_features: tuple[str, ...] = ()
+    # The run was stopped (Ctrl-C) before every selected check ended: `results` are those that
+    # did, and the run is not a verdict.
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.failures
+        return not self.failures and not self.interrupted
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -102,6 +105,7 @@ class Report:
             "base_url": self.base_url,
             "model": self.model,
             "ok": self.ok,
+            "interrupted": self.interrupted,
             "seconds": round(self.seconds, 3),
             "features": dict(self.features),
             "required_features": list(self.required_features),
@@ -194,7 +198,9 @@ def print_table(report: Report, console: Console) -> None:
         f"{counts['passed']} passed{weak}, {counts['failed']} failed, {counts['skipped']} "
         f"skipped in {report.seconds:.1f}s"
     )
-    if report.failures:
+    if report.interrupted:
+        console.print(Text(f"INTERRUPTED (no verdict): {summary}", style="bold yellow"))
+    elif report.failures:
         console.print(Text(f"NOT CONFORMANT: {summary}", style="bold red"))
     else:
         console.print(Text(f"conformant: {summary}", style="bold green"))

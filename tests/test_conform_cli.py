@@ -505,3 +505,8 @@ async def test_ctrl_c_reports_the_checks_finished_so_far() -> None:
     assert stderr.decode() == "rollout conform: interrupted after 1 of 2 checks.\n"
     rows = [line for line in stdout.decode().splitlines() if line.startswith("| http.")]
     assert rows == ["| http.create | HTTP-1.1 | passed |  |"]
+    assert (
+        stdout.decode()
+        .splitlines()[-1]
+        .startswith("INTERRUPTED (no verdict): 1 passed, 0 failed, 0 skipped in ")
+    )
