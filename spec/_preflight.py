@@ -25,7 +25,9 @@ __all__ = [
     "preflight",
 ]
 
-# The longest wait for the preflight's TCP connect and each of its requests, in seconds.
+# The longest wait for the preflight's TCP connect and each of its requests but a create
+# (which waits as long as a check), in seconds: a server that answers an HTTP request at all
+# answers a listing in far less.
 PREFLIGHT_TIMEOUT = 10.0
 # Exit statuses of `rollout conform` when the run cannot start (0, 1 and 2 are the run's
 # verdict and usage errors): nothing, or no Responses API, at the URL ...
@@ -161,10 +163,17 @@ async def _models(
 ) -> tuple[list[str] | None, Problem | None]:
     """The model ids GET /models lists (None when the server lists none), or the problem."""
     url = _join(base_url, "/models")
+    host, port = _host_port(base_url)
     try:
         response = await http.get(url)
+    except httpx.TimeoutException:
+        return None, Problem(
+            message=f"{host}:{port} accepts connections but did not answer GET {url} within "
+            f"{PREFLIGHT_TIMEOUT:g}s.",
+            hint="Check that BASE_URL is the server's API (and that the server is not stuck).",
+            exit_code=UNREACHABLE,
+        )
     except httpx.HTTPError as exc:
-        host, port = _host_port(base_url)
         return None, Problem(
             message=f"{host}:{port} accepts connections but GET {url} failed ({_describe(exc)}).",
             hint="Check the scheme (http or https) and the port of BASE_URL.",
@@ -214,7 +223,8 @@ async def _model_problem(
     url = _join(base_url, "/responses")
     body = {"model": model, "input": "Say OK.", "max_output_tokens": 16, "store": False}
     try:
-        response = await http.post(url, json=body)
+        # A model's first answer may take as long as a check's deadline.
+        response = await http.post(url, json=body, timeout=max(PREFLIGHT_TIMEOUT, options.timeout))
     except httpx.HTTPError:
         return None  # the checks will say what goes wrong
     problem = _auth_problem(response, options)
@@ -260,15 +270,15 @@ async def preflight(base_url: str, options: Options) -> Problem | None:
     if problem is not None:
         return problem
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-    limit = max(PREFLIGHT_TIMEOUT, options.timeout)
     models = [(options.model, "--model")]
     if options.slow_model and options.slow_model != options.model:
         models.append((options.slow_model, "--slow-model"))
-    # At most three requests (GET /models twice, then a create per model), each bounded.
-    deadline = limit * (2 + len(models))
+    # Each request is bounded (httpx's timeouts); all of them together too: GET /models at
+    # most three times, then a create per model.
+    deadline = 3 * PREFLIGHT_TIMEOUT + len(models) * max(PREFLIGHT_TIMEOUT, options.timeout)
     with trio.move_on_after(deadline):
         async with httpx.AsyncClient(
-            headers=headers, timeout=limit, follow_redirects=False
+            headers=headers, timeout=PREFLIGHT_TIMEOUT, follow_redirects=False
         ) as http:
             listed, problem = await _models(http, base_url, options)
             if problem is not None:

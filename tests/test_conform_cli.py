@@ -31,6 +31,7 @@ from rollout.engine import ModelRegistry, ModelSpec, SimBackend
 from rollout.engine._app import RolloutApp
 from rollout.spec import _cli as spec_cli
 from rollout.spec import _context as spec_context
+from rollout.spec import _preflight as spec_preflight
 from rollout.spec._report import print_cases, print_table
 
 from tests.test_conform import (
@@ -179,6 +180,43 @@ async def test_help_fits_80_columns() -> None:
     assert max(len(line) for line in stdout.splitlines()) <= 80
     for status in ("3    nothing, or no API, at BASE_URL", "4    the server refuses"):
         assert status in stdout
+
+
+async def test_silent_server_is_one_problem_within_the_preflight_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that accepts connections and never answers: one problem once the listing's
+    timeout has passed (shortened here), not every check timing out."""
+    monkeypatch.setattr(spec_preflight, "PREFLIGHT_TIMEOUT", 0.5)
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    accepted: list[trio.socket.SocketType] = []
+
+    async def accept_forever() -> None:
+        while True:
+            conn, _ = await listener.accept()
+            accepted.append(conn)
+
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(accept_forever)
+                problem = await spec_preflight.preflight(
+                    f"http://127.0.0.1:{port}/v1", spec.Options()
+                )
+                nursery.cancel_scope.cancel()
+    finally:
+        for conn in accepted:
+            conn.close()
+        listener.close()
+    assert problem is not None and problem.exit_code == spec_preflight.UNREACHABLE == 3
+    assert problem.lines() == (
+        f"127.0.0.1:{port} accepts connections but did not answer GET "
+        f"http://127.0.0.1:{port}/v1/models within 0.5s.\n"
+        "Check that BASE_URL is the server's API (and that the server is not stuck)."
+    )
 
 
 # --- usage errors: short, no traceback -------------------------------------------------------
