@@ -337,6 +337,14 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
         _write_json(report, args.json, err)
         return INTERRUPTED
     if isinstance(outcome, Problem):
+        if args.json:  # a report a script can read: no checks ran, and why
+            failed = {"base_url": args.base_url, "model": options.model, "ok": False}
+            failed["error"] = attrs.asdict(outcome)
+            failed["checks"] = []
+            try:
+                _write_text(args.json, json.dumps(failed, indent=2) + "\n")
+            except OSError as exc:
+                return fail(f"cannot write {args.json}: {exc}")
         return fail(outcome.lines(), outcome.exit_code)
     # With the JSON report on stdout, the table goes to stderr.
     print_table(outcome, err if args.json == "-" else console)

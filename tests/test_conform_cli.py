@@ -81,6 +81,23 @@ async def test_nothing_listening_is_one_message_exit_3() -> None:
     )
 
 
+async def test_the_json_report_of_a_run_that_could_not_start_says_why() -> None:
+    port = closed_port()
+    code, stdout, stderr = await conform(f"http://127.0.0.1:{port}/v1", "--json", "-")
+    assert code == 3 and len(stderr.splitlines()) == 2
+    assert json.loads(stdout) == {
+        "base_url": f"http://127.0.0.1:{port}/v1",
+        "model": "sim",
+        "ok": False,
+        "error": {
+            "message": f"nothing is listening at 127.0.0.1:{port} (connection refused).",
+            "hint": "Start the server (e.g. `rollout serve`) or correct BASE_URL.",
+            "exit_code": 3,
+        },
+        "checks": [],
+    }
+
+
 async def test_unknown_host_is_one_message_exit_3() -> None:
     code, stdout, stderr = await conform("http://no-such-host.invalid/v1")
     assert (code, stdout) == (3, "")
