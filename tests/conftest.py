@@ -394,3 +394,6 @@ class SchemaViolationWarning(UserWarning):
 settings.register_profile("default", derandomize=True)
 settings.register_profile("thorough", derandomize=False, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+# PostgreSQL: a fresh database per session, a fresh schema per store or ledger (pg_harness.py).
+from tests.pg_harness import postgres_database, postgres_urls  # noqa: E402, F401

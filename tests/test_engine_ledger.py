@@ -1,4 +1,5 @@
-"""Usage is never lost: the engine's SQLite ledger after kills, read back from the file.
+"""Usage is never lost: the engine's ledger (SQLite and PostgreSQL) after kills, read back from
+the file or the database on a connection of its own.
 
 A rollout with several tool steps runs under a paced sim model with the `async with
 open_engine(...)` block inside a cancel scope, and the scope is cancelled (the engine's nursery
@@ -12,18 +13,19 @@ Chain mode: the responses completed before a kill are all in the ledger (post-in
 still queued are written synchronously as the worker dies); leaving `open_engine` normally
 flushes everything.
 
-SQLite runs in worker threads. Under the autojump clock a test blocked on a thread looks idle,
-and the clock would jump to the test's own deadline; so the ledger is opened and closed with a
-real-time grace (`threads_may_run`), and the paced runs touch SQLite only through the ledger's
-blocking `record_sync` (the engine's teardown path), never through a thread.
+Both ledgers run in worker threads. Under the autojump clock a test blocked on a thread looks
+idle, and the clock would jump to the test's own deadline; so the ledger is opened and closed
+with a real-time grace (`threads_may_run`), and the paced runs touch the database only through
+the ledger's blocking `record_sync` (the engine's teardown path), never through a thread.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeAlias
 
 import attrs
 import pytest
@@ -41,6 +43,9 @@ from rollout.engine import (
     open_engine,
     open_sqlite_ledger,
 )
+from rollout.engine._pg_ledger import open_postgres_ledger
+
+from tests.pg_harness import read_usage_rows
 
 DEADLINE = 60  # trio seconds (virtual under the autojump clock)
 # Real seconds the autojump clock waits for a worker thread before it jumps.
@@ -87,7 +92,10 @@ def threads_may_run(clock: trio.testing.MockClock) -> Iterator[None]:
         clock.autojump_threshold = old
 
 
-def read_rows(path: Path) -> list[tuple[str, int, int, int, int, int]]:
+Rows: TypeAlias = list[tuple[str, int, int, int, int, int]]
+
+
+def read_rows(path: Path) -> Rows:
     """(response_id, step, complete, input, cached, output) from a fresh connection."""
     conn = sqlite3.connect(path)
     try:
@@ -99,6 +107,36 @@ def read_rows(path: Path) -> list[tuple[str, int, int, int, int, int]]:
         )
     finally:
         conn.close()
+
+
+@attrs.frozen
+class Target:
+    """Where a test's ledgers live: `open(name)` opens ledger `name` (a new one per name) and
+    `rows(name)` reads it back on a connection of its own."""
+
+    open: Callable[[str], Awaitable[UsageLedger]]
+    rows: Callable[[str], Rows]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    if request.param == "sqlite":
+        return Target(
+            open=lambda name: open_sqlite_ledger(tmp_path / f"{name}.db"),
+            rows=lambda name: read_rows(tmp_path / f"{name}.db"),
+        )
+    make_url: Callable[[], str] = request.getfixturevalue("postgres_urls")
+    urls: dict[str, str] = {}
+
+    def url(name: str) -> str:
+        if name not in urls:
+            urls[name] = make_url()
+        return urls[name]
+
+    return Target(
+        open=lambda name: open_postgres_ledger(url(name)),
+        rows=lambda name: read_usage_rows(url(name)),
+    )
 
 
 @attrs.frozen
@@ -159,7 +197,8 @@ async def reference_steps() -> tuple[list[Step], float]:
 
 
 async def killed_run(
-    path: Path,
+    target: Target,
+    name: str,
     clock: trio.testing.MockClock,
     *,
     kill: Callable[[p.ServerEvent, Driver], bool] = lambda event, driver: False,
@@ -168,7 +207,7 @@ async def killed_run(
     """Run the rollout inside a cancel scope that holds the whole engine, kill it (on an event
     or after `after` seconds), and read the ledger file back."""
     with threads_may_run(clock):
-        ledger = await open_sqlite_ledger(path)
+        ledger = await target.open(name)
     try:
         with trio.CancelScope() as scope:
             driver = Driver(kill=kill, scope=scope)
@@ -180,11 +219,11 @@ async def killed_run(
     finally:
         with threads_may_run(clock):
             await ledger.aclose()
-    return driver, read_rows(path)
+    return driver, target.rows(name)
 
 
 def check_rows(
-    rows: list[tuple[str, int, int, int, int, int]],
+    rows: Rows,
     reference: list[Step],
     *,
     response_id: str | None,
@@ -231,24 +270,24 @@ def kill_at_first_token(n: int) -> Callable[[p.ServerEvent, Driver], bool]:
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 async def test_kill_while_suspended_keeps_every_completed_step(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock, n: int
+    target: Target, autojump_clock: trio.testing.MockClock, n: int
 ) -> None:
     with trio.fail_after(DEADLINE):
         reference, _ = await reference_steps()
         driver, rows = await killed_run(
-            tmp_path / "usage.db", autojump_clock, kill=kill_when_suspended(n)
+            target, "usage", autojump_clock, kill=kill_when_suspended(n)
         )
     assert check_rows(rows, reference, response_id=driver.response_id) == (n, False)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 4])
 async def test_kill_mid_sampling_records_the_cut_step_once_as_incomplete(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock, n: int
+    target: Target, autojump_clock: trio.testing.MockClock, n: int
 ) -> None:
     with trio.fail_after(DEADLINE):
         reference, _ = await reference_steps()
         driver, rows = await killed_run(
-            tmp_path / "usage.db", autojump_clock, kill=kill_at_first_token(n)
+            target, "usage", autojump_clock, kill=kill_at_first_token(n)
         )
     assert check_rows(rows, reference, response_id=driver.response_id) == (n, True)
     (cut,) = [r for r in rows if r[2] == 0]
@@ -256,14 +295,14 @@ async def test_kill_mid_sampling_records_the_cut_step_once_as_incomplete(
 
 
 async def test_kills_at_any_instant_keep_the_invariants(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock
+    target: Target, autojump_clock: trio.testing.MockClock
 ) -> None:
     with trio.fail_after(DEADLINE):
         reference, duration = await reference_steps()
         seen: list[tuple[int, bool]] = []
         instants = [duration * k / 24 for k in range(1, 24)]
         for i, after in enumerate(instants):
-            driver, rows = await killed_run(tmp_path / f"usage-{i}.db", autojump_clock, after=after)
+            driver, rows = await killed_run(target, f"usage-{i}", autojump_clock, after=after)
             complete, cut = check_rows(rows, reference, response_id=driver.response_id)
             assert complete >= driver.suspensions
             seen.append((complete, cut))
@@ -300,15 +339,14 @@ async def chain_turn(session: Session, prev: ResponseState | None, k: int) -> Re
 
 
 async def test_chain_responses_completed_before_a_kill_are_all_recorded(
-    tmp_path: Path,
+    target: Target,
 ) -> None:
     """Commit before acknowledgement: when a response's terminal event has gone out, its usage
     row is already in the ledger file (read from another connection while the engine runs),
     so a kill right after loses nothing and leaves nothing queued."""
-    path = tmp_path / "usage.db"
     completed: list[str] = []
     with trio.fail_after(DEADLINE):
-        ledger = await open_sqlite_ledger(path)
+        ledger = await target.open("usage")
         try:
             with trio.CancelScope() as scope:
                 async with open_engine(ledger=ledger) as engine:
@@ -318,22 +356,21 @@ async def test_chain_responses_completed_before_a_kill_are_all_recorded(
                         prev = await chain_turn(session, prev, k)
                         completed.append(prev.id)
                         assert engine.post.backlog == 0
-                        assert prev.id in {r[0] for r in read_rows(path)}
+                        assert prev.id in {r[0] for r in target.rows("usage")}
                     # The kill, right after the last acknowledgement.
                     scope.cancel()
                     await trio.sleep_forever()
             assert scope.cancelled_caught
         finally:
             await ledger.aclose()
-    rows = read_rows(path)
+    rows = target.rows("usage")
     assert sorted(r[0] for r in rows) == sorted(completed)
     assert all(r[1] == 0 and r[2] == 1 for r in rows)
 
 
-async def test_graceful_close_flushes_everything(tmp_path: Path) -> None:
-    path = tmp_path / "usage.db"
+async def test_graceful_close_flushes_everything(target: Target) -> None:
     with trio.fail_after(DEADLINE):
-        ledger: UsageLedger = await open_sqlite_ledger(path)
+        ledger: UsageLedger = await target.open("usage")
         try:
             async with open_engine(ledger=ledger) as engine:
                 session = engine.session()
@@ -347,7 +384,7 @@ async def test_graceful_close_flushes_everything(tmp_path: Path) -> None:
                 # No flushed(): leaving the block must drain the queue.
         finally:
             await ledger.aclose()
-    rows = read_rows(path)
+    rows = target.rows("usage")
     assert rollout_driver.response_id is not None
     assert sorted({r[0] for r in rows}) == sorted([*ids, rollout_driver.response_id])
     assert all(r[2] == 1 for r in rows)
@@ -355,9 +392,8 @@ async def test_graceful_close_flushes_everything(tmp_path: Path) -> None:
     assert len(rows) == len(ids) + STEPS
 
 
-async def test_an_interrupted_row_is_superseded_by_the_complete_one(tmp_path: Path) -> None:
-    """The idempotency rule the engine relies on, read back from the file."""
-    path = tmp_path / "usage.db"
+async def test_an_interrupted_row_is_superseded_by_the_complete_one(target: Target) -> None:
+    """The idempotency rule the engine relies on, read back from the file or database."""
     record = UsageRecord(
         response_id="resp_x",
         step=0,
@@ -370,8 +406,11 @@ async def test_an_interrupted_row_is_superseded_by_the_complete_one(tmp_path: Pa
         created_at=1.0,
     )
     with trio.fail_after(DEADLINE):
-        async with await open_sqlite_ledger(path) as ledger:
+        ledger = await target.open("usage")
+        try:
             ledger.record_sync([record])
             await ledger.record([attrs.evolve(record, complete=True, output_tokens=7)])
             ledger.record_sync([record])  # a late interrupted retry changes nothing
-    assert read_rows(path) == [("resp_x", 0, 1, 10, 0, 7)]
+        finally:
+            await ledger.aclose()
+    assert target.rows("usage") == [("resp_x", 0, 1, 10, 0, 7)]

@@ -1,16 +1,21 @@
-"""Response stores: both implementations pass the same tests; SQLite also survives a reopen."""
+"""Response stores: every implementation (memory, SQLite, PostgreSQL) passes the same tests;
+SQLite and PostgreSQL also survive a reopen, refuse a newer schema and decode leniently, and
+PostgreSQL keeps its rules with writers in several processes."""
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import attrs
+import psycopg
 import pytest
 import trio
 import trio.testing
 from rollout.engine._interfaces import ResponseStore, StoredResponse
 from rollout.engine._memory import MemoryResponseStore
+from rollout.engine._pg_store import PostgresResponseStore, open_postgres_store
 from rollout.engine._store import (
     MAX_CHAIN_DEPTH,
     RESPONSES_SCHEMA_VERSION,
@@ -34,14 +39,16 @@ from rollout.protocol import (
     Usage,
 )
 
-Store = MemoryResponseStore | SQLiteResponseStore
+Store = MemoryResponseStore | SQLiteResponseStore | PostgresResponseStore
 
 DEADLINE = 10
 
 
-def _implements_the_protocol(a: MemoryResponseStore, b: SQLiteResponseStore) -> ResponseStore:
-    """Checked by mypy: both stores are `ResponseStore`s."""
-    return a if a else b
+def _implements_the_protocol(
+    a: MemoryResponseStore, b: SQLiteResponseStore, c: PostgresResponseStore
+) -> tuple[ResponseStore, ResponseStore, ResponseStore]:
+    """Checked by mypy: every store is a `ResponseStore`."""
+    return a, b, c
 
 
 def make(
@@ -110,14 +117,18 @@ def make(
     )
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "postgresql"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
     s: Store
     if request.param == "memory":
         s = MemoryResponseStore()
-    else:
+    elif request.param == "sqlite":
         with trio.fail_after(DEADLINE):
             s = await open_sqlite_store(tmp_path / "nested" / "dir" / "rollout.db")
+    else:
+        urls: Callable[[], str] = request.getfixturevalue("postgres_urls")
+        with trio.fail_after(DEADLINE):
+            s = await open_postgres_store(urls())
     yield s
     with trio.fail_after(DEADLINE):
         await s.aclose()
@@ -237,6 +248,37 @@ async def test_closed(store: Store) -> None:
             await store.put(make("resp_1"))
 
 
+async def test_items_by_id(store: Store) -> None:
+    """`item_reference` lookups: an item of a stored response, for its owner only, gone with
+    its response."""
+    with trio.fail_after(DEADLINE):
+        stored = make("resp_1", owner="alice")
+        await store.put(stored)
+        await store.put(make("resp_n", owner=None))
+        assert await store.get_item("fc_resp_1", owner="alice") == stored.items[4]
+        assert await store.get_item("msg_resp_1", owner="alice") == stored.items[5]
+        assert await store.get_item("fc_resp_1", owner="bob") is None
+        assert await store.get_item("fc_resp_1", owner=None) is None
+        assert await store.get_item("fc_resp_n", owner=None) is not None
+        assert await store.get_item("fc_resp_n", owner="alice") is None
+        assert await store.get_item("nope", owner="alice") is None
+        assert await store.delete("resp_1", owner="alice")
+        assert await store.get_item("fc_resp_1", owner="alice") is None
+
+
+async def test_rendered_round_trip(store: Store) -> None:
+    """The stored rendering (`_segments.py`) comes back byte for byte, in `get` and chains."""
+    with trio.fail_after(DEADLINE):
+        blob = bytes(range(256)) * 40
+        root = attrs.evolve(make("r1", owner="alice"), rendered=blob)
+        child = attrs.evolve(make("r2", parent_id="r1", owner="alice"), rendered=b"\x00")
+        await store.put(root)
+        await store.put(child)
+        assert await store.get_chain("r2", owner="alice") == [child, root]
+        got = await store.get("r1", owner="alice")
+        assert got is not None and got.rendered == blob
+
+
 # --- SQLite only -----------------------------------------------------------------------------
 
 
@@ -331,3 +373,148 @@ async def test_sqlite_corrupt_body(tmp_path: Path) -> None:
         async with await open_sqlite_store(path) as store:
             with pytest.raises(ValueError, match="'resp_1' could not be decoded"):
                 await store.get("resp_1", owner=None)
+
+
+# --- PostgreSQL only -------------------------------------------------------------------------
+
+
+async def test_postgres_reopen_and_visible_to_another_process(
+    postgres_urls: Callable[[], str],
+) -> None:
+    """Once `put` returns the response is committed: a new connection sees it, as a follow-up
+    landing on another process would, and so does a reopened store."""
+    url = postgres_urls()
+    with trio.fail_after(DEADLINE):
+        async with await open_postgres_store(url) as store:
+            chain = await put_chain(store)
+            anon = make("resp_n")
+            await store.put(anon)
+            with psycopg.connect(url) as conn:
+                assert conn.execute("SELECT count(*) FROM responses").fetchone() == (6,)
+                assert conn.execute("SELECT count(*) FROM items").fetchone() == (18,)
+        async with await open_postgres_store(url) as store:
+            assert await store.get_chain("r5", owner="alice") == chain[:1:-1]
+            assert await store.get("resp_n", owner=None) == anon
+            assert await store.count() == 6
+
+
+async def test_postgres_refuses_newer_schema(postgres_urls: Callable[[], str]) -> None:
+    url = postgres_urls()
+    with trio.fail_after(DEADLINE):
+        await (await open_postgres_store(url)).aclose()
+        with psycopg.connect(url) as conn:
+            conn.execute("UPDATE schema_versions SET version = 99 WHERE component = 'responses'")
+        with pytest.raises(RuntimeError, match="schema version 99, newer"):
+            await open_postgres_store(url)
+
+
+async def test_postgres_processes_starting_together_create_the_tables_once(
+    postgres_urls: Callable[[], str],
+) -> None:
+    url = postgres_urls()
+    with trio.fail_after(DEADLINE):
+        stores: list[PostgresResponseStore] = []
+
+        async def one() -> None:
+            stores.append(await open_postgres_store(url, pool_size=1))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(6):
+                nursery.start_soon(one)
+        for s in stores:
+            await s.aclose()
+    assert len(stores) == 6
+
+
+async def test_postgres_decodes_leniently_and_reports_a_corrupt_body(
+    postgres_urls: Callable[[], str],
+) -> None:
+    import msgpack
+    from rollout.protocol import to_wire
+
+    url = postgres_urls()
+    with trio.fail_after(DEADLINE):
+        stored = make("resp_1")
+        body = {
+            "response": {**to_wire(stored.response), "new_field": 1},
+            "items": [{**item, "new_field": 2} for item in to_wire(stored.items)],
+            "instructions": stored.instructions,
+            "tools": to_wire(stored.tools),
+            "new_part": [],
+        }
+        async with await open_postgres_store(url) as store:
+            await store.put(stored)
+            await store.put(make("resp_2"))
+            with psycopg.connect(url) as conn:
+                conn.execute(
+                    "UPDATE responses SET body = %s WHERE id = 'resp_1'", (msgpack.packb(body),)
+                )
+                conn.execute(
+                    "UPDATE responses SET body = %s WHERE id = 'resp_2'", (b"\x93\x01\x02\x03",)
+                )
+            assert await store.get("resp_1", owner=None) == stored
+            with pytest.raises(ValueError, match="'resp_2' could not be decoded"):
+                await store.get("resp_2", owner=None)
+
+
+async def test_postgres_shared_secret_is_made_once(postgres_urls: Callable[[], str]) -> None:
+    url = postgres_urls()
+    with trio.fail_after(DEADLINE):
+        async with await open_postgres_store(url) as a, await open_postgres_store(url) as b:
+            key = await a.shared_secret("compaction")
+            assert len(key) == 32
+            assert await b.shared_secret("compaction") == key
+            assert await b.shared_secret("other") != key
+
+
+async def test_postgres_unreachable_fails_fast_with_the_reason() -> None:
+    """A server that refuses connections: opening fails at once with psycopg's error."""
+    with trio.fail_after(DEADLINE):
+        with pytest.raises(psycopg.OperationalError, match=r"127\.0\.0\.1"):
+            await open_postgres_store("postgresql://nobody@127.0.0.1:1/none")
+
+
+# One writer process: stores, when told to go, 20 responses every writer also stores (the last
+# write wins) and a chain of its own, then prints the ids it stored.
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+STORE_WRITER = """
+import json, sys, trio
+sys.path.insert(0, sys.argv[3])
+from tests.test_store import make
+from rollout.engine._pg_store import open_postgres_store
+
+url, seed = sys.argv[1], int(sys.argv[2])
+
+async def main():
+    async with await open_postgres_store(url, pool_size=2) as store:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        for k in range(20):
+            await store.put(make(f"shared_{k}", owner="alice", text=f"writer {seed}"))
+        own = [f"own_{seed}_{k}" for k in range(5)]
+        for k, rid in enumerate(own):
+            await store.put(make(rid, owner="alice", parent_id=own[k - 1] if k else None))
+    print(json.dumps(own), flush=True)
+
+trio.run(main)
+"""
+
+
+async def test_postgres_writers_in_several_processes(postgres_urls: Callable[[], str]) -> None:
+    """Four processes store at once: one row per id (a shared id holds one writer's whole
+    response), and each process's chain is whole from any other connection."""
+    from tests.test_ledger import PROCESS_DEADLINE, WRITERS, run_writers
+
+    url = postgres_urls()
+    with trio.fail_after(PROCESS_DEADLINE):
+        async with await open_postgres_store(url) as store:
+            outputs = await run_writers(STORE_WRITER, url, WRITERS, REPO_ROOT)
+            assert await store.count() == 20 + 5 * WRITERS
+            for k in range(20):
+                got = await store.get(f"shared_{k}", owner="alice")
+                assert got is not None
+                text = got.response.output[-1]
+                assert text == got.items[-1]  # body and items from the same write
+            for own in outputs:
+                chain = await store.get_chain(own[-1], owner="alice")
+                assert [s.response.id for s in chain] == own[::-1]
