@@ -42,6 +42,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="folder of the SQLite store and usage ledger (default ./rollout-data)",
     )
     p.add_argument(
+        "--store",
+        metavar="URL",
+        help="keep stored responses and usage in this PostgreSQL database "
+        "(postgresql://USER@HOST:PORT/DBNAME) instead of SQLite files in --data-dir: every "
+        "instance pointed at the same database serves the same stored responses",
+    )
+    p.add_argument(
         "--api-key",
         action="append",
         default=[],
@@ -174,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     import trio
 
+    from .engine._pg import StoreError, is_postgres_url
     from .engine._serve import ServerConfig, api_keys_from_env, configure_logging, serve
 
     configure_logging(args.log_level)
@@ -186,8 +194,15 @@ def _serve(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"rollout serve: {exc}", file=sys.stderr)
             return 2
+    if args.store is not None and not is_postgres_url(args.store):
+        print(
+            f"rollout serve: --store: expected a postgresql:// URL, got {args.store!r}",
+            file=sys.stderr,
+        )
+        return 2
     config = ServerConfig(
         registry=registry,
+        store_url=args.store,
         host=args.host,
         port=args.port,
         data_dir=args.data_dir,
@@ -205,7 +220,11 @@ def _serve(args: argparse.Namespace) -> int:
         render_cache_bytes=0 if args.no_render_cache else int(args.render_cache_mb * 2**20),
         render_cache_ttl=args.render_cache_ttl,
     )
-    trio.run(serve, config)
+    try:
+        trio.run(serve, config)
+    except StoreError as exc:
+        print(f"rollout serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

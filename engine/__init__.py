@@ -55,6 +55,9 @@ from ._interfaces import (
 from ._ledger import MemoryUsageLedger, SQLiteUsageLedger, open_sqlite_ledger
 from ._memory import MemoryResponseStore
 from ._models import ModelRegistry, ModelSpec
+from ._pg import StoreError
+from ._pg_ledger import PostgresUsageLedger, open_postgres_ledger
+from ._pg_store import PostgresResponseStore, open_postgres_store
 from ._render import ChatTemplateRenderer
 from ._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL, RenderCache
 from ._serve import ServerConfig, open_server, serve
@@ -95,6 +98,8 @@ __all__ = [
     "O200kTokenizer",
     "PatternPolicy",
     "PolicyRule",
+    "PostgresResponseStore",
+    "PostgresUsageLedger",
     "RenderCache",
     "Renderer",
     "ResponseCache",
@@ -109,6 +114,7 @@ __all__ = [
     "ServerConfig",
     "Session",
     "SimBackend",
+    "StoreError",
     "StoredResponse",
     "Tokenizer",
     "UpstreamBackend",
@@ -120,6 +126,8 @@ __all__ = [
     "default_registry",
     "load_registry",
     "open_engine",
+    "open_postgres_ledger",
+    "open_postgres_store",
     "open_server",
     "open_sqlite_ledger",
     "open_sqlite_store",

@@ -24,24 +24,26 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Self, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
 
-import psycopg
 import trio
-from psycopg import errors
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg_pool import ConnectionPool, PoolClosed
+
+# psycopg is imported where it is used: `import rollout.engine` stays as fast without it.
+if TYPE_CHECKING:
+    import psycopg
+    from psycopg_pool import ConnectionPool
 
 __all__ = [
     "CONNECT_TIMEOUT",
     "DEFAULT_POOL_SIZE",
     "POOL_TIMEOUT",
     "STATEMENT_TIMEOUT",
+    "StoreError",
     "is_postgres_url",
 ]
 
 T = TypeVar("T")
-Conn: TypeAlias = psycopg.Connection[tuple[Any, ...]]
+Conn: TypeAlias = "psycopg.Connection[tuple[Any, ...]]"
 
 # Connections one store (or ledger) keeps open at most. The engine writes from one background
 # task (group commit) and reads for hydration, retrieval and `item_reference` lookups, each a
@@ -69,6 +71,10 @@ CREATE TABLE IF NOT EXISTS schema_versions (
 )"""
 
 
+class StoreError(RuntimeError):
+    """The PostgreSQL store or ledger could not be opened (the message says where and why)."""
+
+
 def is_postgres_url(url: str) -> bool:
     """A libpq URL (`postgresql://...` or `postgres://...`)."""
     return url.startswith(("postgresql://", "postgres://"))
@@ -76,6 +82,8 @@ def is_postgres_url(url: str) -> bool:
 
 def conninfo_of(url: str) -> str:
     """`url` with our defaults for what it does not set itself."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
     given = conninfo_to_dict(url)
     defaults = {"connect_timeout": str(CONNECT_TIMEOUT), "application_name": "rollout"}
     return make_conninfo(url, **{k: v for k, v in defaults.items() if k not in given})
@@ -83,6 +91,8 @@ def conninfo_of(url: str) -> str:
 
 def describe(conninfo: str) -> str:
     """The server and database of a connection string, without credentials (for messages)."""
+    from psycopg.conninfo import conninfo_to_dict
+
     params = conninfo_to_dict(conninfo)
     host = params.get("host") or "localhost"
     port = params.get("port") or "5432"
@@ -99,6 +109,8 @@ def configure(conn: Conn) -> None:
 
 def connect(conninfo: str) -> Conn:
     """One connection outside the pool (migrations, `record_sync`)."""
+    import psycopg
+
     conn = psycopg.connect(conninfo)
     try:
         configure(conn)
@@ -153,6 +165,8 @@ def ensure_schema(
 def retrying(fn: Callable[[Conn], T], conn: Conn) -> T:
     """Run `fn` as one transaction on `conn`, again if it lost a deadlock or a serialization
     conflict (at most `MAX_TRANSACTION_TRIES` times)."""
+    from psycopg import errors
+
     for attempt in range(1, MAX_TRANSACTION_TRIES + 1):
         try:
             with conn.transaction():
@@ -176,6 +190,8 @@ async def open_pool(
     is wrong, e.g. the server refusing connections), then open a pool."""
     if pool_size < 1:
         raise ValueError(f"pool_size must be at least 1, not {pool_size}")
+    from psycopg_pool import ConnectionPool
+
     conninfo = conninfo_of(url)
 
     def run() -> ConnectionPool[Conn]:
@@ -220,6 +236,8 @@ class PostgresResource:
             raise trio.ClosedResourceError(f"the {self._what} at {self.where} is closed")
 
     def _call(self, fn: Callable[[Conn], T]) -> T:
+        from psycopg_pool import PoolClosed
+
         self._check_open()  # in the thread: a call queued behind the limiter sees aclose()
         try:
             with self._pool.connection() as conn:

@@ -1,10 +1,11 @@
 """`rollout serve`: the engine on hypercorn's trio worker, HTTP and WebSocket on one port.
 
-`serve(config)` opens the SQLite store and usage ledger in `data_dir`, the engine, and the ASGI
-app, and serves until SIGINT/SIGTERM (or `shutdown_trigger`). Shutdown is graceful: stop
-accepting, let in-flight responses finish within `graceful_timeout` (then cancel them; their
-usage is still recorded), close idle WebSocket connections with 1001, and flush the ledger.
-`open_server(config)` does the same in the background for tests and embedding, and yields the
+`serve(config)` opens the store and usage ledger (SQLite files in `data_dir`, or the PostgreSQL
+database at `store_url`, which several instances share), the engine, and the ASGI app, and
+serves until SIGINT/SIGTERM (or `shutdown_trigger`). Shutdown is graceful: stop accepting, let
+in-flight responses finish within `graceful_timeout` (then cancel them; their usage is still
+recorded), close idle WebSocket connections with 1001, and flush the ledger. `open_server(config)`
+does the same in the background for tests and embedding, and yields the
 base URL (`http://host:port/v1`).
 """
 
@@ -57,6 +58,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path | None = Path("rollout-data")  # None: in-memory store and ledger
+    # A PostgreSQL URL (`postgresql://...`): the store, the ledger and the compaction key live
+    # in that database, shared by every instance pointed at it; `data_dir` is then unused.
+    store_url: str | None = None
     api_keys: tuple[str, ...] = ()
     websocket: bool = True
     websocket_deflate: bool = DEFAULT_WEBSOCKET_DEFLATE  # permessage-deflate when offered
@@ -143,7 +147,9 @@ async def serve(
     store: ResponseStore
     ledger: UsageLedger
     compaction_key = None
-    if config.data_dir is not None:
+    if config.store_url is not None:
+        store, ledger, compaction_key = await _open_postgres(config.store_url)
+    elif config.data_dir is not None:
         config.data_dir.mkdir(parents=True, exist_ok=True)
         compaction_key = _compaction_key(config.data_dir / "compaction.key")
         store = await open_sqlite_store(config.data_dir / "responses.sqlite3")
@@ -218,6 +224,32 @@ async def serve(
             await ledger.aclose()
             if config.registry is not None:
                 await config.registry.aclose()
+
+
+async def _open_postgres(url: str) -> tuple[ResponseStore, UsageLedger, bytes]:
+    """The PostgreSQL store and ledger, and the compaction key every instance shares (so one
+    instance opens the compaction items another sealed)."""
+    import psycopg
+
+    from ._pg import StoreError, describe
+    from ._pg_ledger import open_postgres_ledger
+    from ._pg_store import open_postgres_store
+
+    try:
+        store = await open_postgres_store(url)
+    except psycopg.Error as exc:
+        raise StoreError(f"cannot open the store at {describe(url)}: {exc}") from exc
+    try:
+        ledger = await open_postgres_ledger(url)
+        key = await store.shared_secret("compaction_key")
+    except BaseException as exc:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+        if isinstance(exc, psycopg.Error):
+            raise StoreError(f"cannot open the usage ledger at {describe(url)}: {exc}") from exc
+        raise
+    log.info("store and usage ledger: %s", store.where)
+    return store, ledger, key
 
 
 @asynccontextmanager
