@@ -80,6 +80,7 @@ from rollout.protocol import (
     ResponseCompleted,
     ResponseCreate,
     ResponseError,
+    ResponseFailed,
     ResponseIncomplete,
     ResponseStream,
     RootAgentView,
@@ -93,7 +94,7 @@ from ._compact import CompactionPolicy, compact_state
 from ._errors import BackendError
 from ._ids import new_id
 from ._interfaces import Flag, StoredResponse, UsageRecord
-from ._postinfer import PostJob
+from ._postinfer import PostJob, WriteFailed
 from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
 from ._state import ResponseState
@@ -326,11 +327,26 @@ class _Run:
 
     # --- the one exit: post-inference once, then the terminal event ---------------------------
 
-    async def finish(self, state: ResponseState, terminal: _Terminal) -> ResponseState:
+    async def finish(self, state: ResponseState, terminal: _Terminal) -> ResponseState | None:
         """Completed or incomplete: the response (if stored) and its usage are committed,
-        then the terminal event goes out."""
+        then the terminal event goes out. If the commit fails (the store or the ledger is
+        down), the response fails with `server_error` instead: it cannot be acknowledged."""
         final = terminal.response
-        final_state = await self._commit_final(state, final)
+        try:
+            final_state = await self._commit_final(state, final)
+        except WriteFailed:
+            log.warning("response %s failed: its commit did not go through", self.response_id)
+            self.session.cache.evict(final.id)
+            self.engine.post.submit_nowait(PostJob(records=self.records))  # one more try
+            self.committed = True
+            self._evict_parent()
+            failed = ResponseFailed(
+                sequence_number=terminal.sequence_number,  # in place of the unsent terminal
+                response=attrs.evolve(
+                    final, status="failed", error=SERVER_ERROR, completed_at=None
+                ),
+            )
+            return await self._end(failed, "failed", None)
         await self._end(terminal, final.status, final_state)
         return final_state
 

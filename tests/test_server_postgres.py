@@ -3,16 +3,19 @@ a stored chain alternates between them, each hydrating from the database what th
 (from the stored renderings: nothing is rendered again), retrieval, `input_items`,
 `item_reference` and deletion work from either, a compaction item sealed by one opens on the
 other (the key is shared through the database), and the ledger holds the usage the client saw.
+A commit that fails (the database down) fails the response with `server_error`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import pytest
 import trio
+from rollout import protocol as p
+from rollout.engine import MemoryResponseStore, MemoryUsageLedger, UsageRecord, open_engine
 from rollout.engine._pg_ledger import open_postgres_ledger
 
 from tests.server_harness import fetch_counters, open_test_server
@@ -133,3 +136,36 @@ def test_cli_says_why_the_store_cannot_be_opened(capsys: pytest.CaptureFixture[s
     assert code == 2
     err = capsys.readouterr().err
     assert "rollout serve: cannot open the store at postgresql://127.0.0.1:1/none" in err
+
+
+class FailingLedger(MemoryUsageLedger):
+    """A ledger whose database is down: every async write fails."""
+
+    async def record(self, records: Sequence[UsageRecord]) -> None:
+        raise OSError("the database is down")
+
+
+@pytest.mark.parametrize("store", [False, True])
+async def test_a_commit_that_fails_ends_the_response_with_server_error(store: bool) -> None:
+    """The response cannot be acknowledged as durable: instead of its terminal event, a
+    `response.failed` with `server_error` (same sequence number), and its usage goes back to
+    the writer for one more try."""
+    events: list[p.ServerEvent] = []
+
+    async def emit(event: p.ServerEvent) -> None:
+        events.append(event)
+
+    ledger = FailingLedger()
+    with trio.fail_after(DEADLINE):
+        async with open_engine(ledger=ledger, store=MemoryResponseStore()) as engine:
+            state = await engine.session().create(
+                p.ResponseCreate(model=MODEL, input="hi", store=store), emit
+            )
+            await engine.post.flushed()
+            assert engine.counters.responses_failed == 1
+    assert state is None
+    final = events[-1]
+    assert isinstance(final, p.ResponseFailed), final
+    assert final.response.error is not None and final.response.error.code == "server_error"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert not [e for e in events if e.type == "response.completed"]
