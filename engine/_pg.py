@@ -53,8 +53,9 @@ DEFAULT_POOL_SIZE = 8
 # Seconds to establish a connection (libpq's `connect_timeout`, unless the URL sets one).
 CONNECT_TIMEOUT = 5
 # Seconds a call waits for a pooled connection (all busy, or the server unreachable) before
-# failing with `psycopg_pool.PoolTimeout`.
-POOL_TIMEOUT = 10.0
+# failing with `psycopg_pool.PoolTimeout`: with queries of milliseconds a healthy pool lends one
+# far sooner, and while the server is down this is how long a request takes to fail.
+POOL_TIMEOUT = 5.0
 # Seconds one statement may run on the server before it is cancelled. Ours take milliseconds;
 # this only bounds a server that has stopped answering (or a lock held by a stuck peer).
 STATEMENT_TIMEOUT = 30.0
