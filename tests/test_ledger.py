@@ -62,17 +62,26 @@ def rec(
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgresql"])
-async def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Ledger]:
-    led: Ledger
-    if request.param == "memory":
-        led = MemoryUsageLedger()
-    elif request.param == "sqlite":
-        with trio.fail_after(DEADLINE):
-            led = await open_sqlite_ledger(tmp_path / "nested" / "usage.db")
-    else:
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    """Which ledger, and where it keeps its data (a synchronous fixture, so that a PostgreSQL
+    server that cannot be reached skips the test with its reason)."""
+    if request.param == "postgresql":
         urls: Callable[[], str] = request.getfixturevalue("postgres_urls")
-        with trio.fail_after(DEADLINE):
-            led = await open_postgres_ledger(urls())
+        return "postgresql", urls()
+    return request.param, str(tmp_path / "nested" / "usage.db")
+
+
+@pytest.fixture
+async def ledger(where: tuple[str, str]) -> AsyncIterator[Ledger]:
+    kind, location = where
+    led: Ledger
+    with trio.fail_after(DEADLINE):
+        if kind == "memory":
+            led = MemoryUsageLedger()
+        elif kind == "sqlite":
+            led = await open_sqlite_ledger(location)
+        else:
+            led = await open_postgres_ledger(location)
     yield led
     with trio.fail_after(DEADLINE):
         await led.aclose()

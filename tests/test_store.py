@@ -118,17 +118,26 @@ def make(
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgresql"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    s: Store
-    if request.param == "memory":
-        s = MemoryResponseStore()
-    elif request.param == "sqlite":
-        with trio.fail_after(DEADLINE):
-            s = await open_sqlite_store(tmp_path / "nested" / "dir" / "rollout.db")
-    else:
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    """Which store, and where it keeps its data (a synchronous fixture, so that a PostgreSQL
+    server that cannot be reached skips the test with its reason)."""
+    if request.param == "postgresql":
         urls: Callable[[], str] = request.getfixturevalue("postgres_urls")
-        with trio.fail_after(DEADLINE):
-            s = await open_postgres_store(urls())
+        return "postgresql", urls()
+    return request.param, str(tmp_path / "nested" / "dir" / "rollout.db")
+
+
+@pytest.fixture
+async def store(where: tuple[str, str]) -> AsyncIterator[Store]:
+    kind, location = where
+    s: Store
+    with trio.fail_after(DEADLINE):
+        if kind == "memory":
+            s = MemoryResponseStore()
+        elif kind == "sqlite":
+            s = await open_sqlite_store(location)
+        else:
+            s = await open_postgres_store(location)
     yield s
     with trio.fail_after(DEADLINE):
         await s.aclose()
