@@ -7,8 +7,10 @@ The idempotency rule of `_ledger.py`, in the same statement: `INSERT ... ON CONF
 the same step at once, one inserts and the other waits for its commit and then takes the
 update branch against the committed row. So there is exactly one row per `(response_id, step)`
 whatever the number of writers, a complete record replaces an incomplete one, and otherwise the
-first write is kept. A batch is one transaction, committed when `record` returns; one that loses
-a deadlock to another writer's batch over the same rows runs again (`_pg.retrying`).
+first write is kept. A batch is one transaction, committed when `record` returns; its rows are
+written in key order, so concurrent batches over the same rows wait for each other instead of
+deadlocking (and a transaction that still loses a deadlock or a serialization conflict runs
+again: `_pg.retrying`).
 
 `record_sync` (the engine's teardown) opens its own connection in the caller's thread: it never
 waits for the pool or the worker threads.
@@ -67,9 +69,16 @@ WHERE excluded.complete > usage.complete
 """
 
 
+def _key(record: UsageRecord) -> tuple[str, int]:
+    return record.response_id, record.step
+
+
 def _write(conn: Conn, records: Sequence[UsageRecord]) -> None:
-    """In order, in the caller's transaction (statements pipelined: one round trip)."""
-    conn.cursor().executemany(_RECORD, [_params(r) for r in records])
+    """In the caller's transaction (statements pipelined: one round trip), in key order: every
+    writer locks rows in the same order, so two batches over the same rows never deadlock. The
+    sort is stable, so the records of one key keep their order, which is all the outcome
+    depends on (records of different keys are independent)."""
+    conn.cursor().executemany(_RECORD, [_params(r) for r in sorted(records, key=_key)])
 
 
 class PostgresUsageLedger(PostgresResource):
