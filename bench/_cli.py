@@ -318,7 +318,25 @@ def run(args: argparse.Namespace) -> int:
     crashes = [n for n in results["notes"] if n.startswith(CRASH_NOTE)]
     for note in crashes:
         print(f"rollout bench: {note}", file=sys.stderr)
-    return 1 if crashes else 0
+    lost = _lost_tokens(results)
+    for line in lost:
+        print(f"rollout bench: {line}", file=sys.stderr)
+    return 1 if crashes or lost else 0
+
+
+def _lost_tokens(results: dict[str, Any]) -> list[str]:
+    """One line per server whose streams lost tokens (its rollouts are failures)."""
+    lines = []
+    for server in results["servers"]:
+        waves = [c for c in results["concurrency"] if c["server"] == server["label"]]
+        turns = sum(c["turns_failed"] for c in waves)
+        if server["stream_failures"] or turns:
+            lines.append(
+                f"{server['label']} lost tokens: what arrived is not what it produced "
+                f"({server['stream_failures']} rollouts of the sweep, {turns} turns of the "
+                "concurrency sweep; see its notes and errors in results.json)"
+            )
+    return lines
 
 
 def _report_only(args: argparse.Namespace) -> int:

@@ -49,12 +49,14 @@ from trio_websocket import ConnectionClosed, HandshakeError
 from ._errors import ServerError
 from ._scenario import INSTRUCTIONS, TOOL_NAME, Scenario
 from ._server import Endpoint
+from ._streams import check_streams, measure_encoding
 from ._ws import WireCounts, WsSocket, open_bench_ws
 
 __all__ = [
     "MODES",
     "RolloutRecord",
     "RolloutSpec",
+    "Stream",
     "TurnRecord",
     "parse_server_timing",
     "probe_rollout_extension",
@@ -79,6 +81,17 @@ Scrape = Callable[[], Awaitable[dict[str, int] | None]]
 
 
 @attrs.define
+class Stream:
+    """One output item of a turn as it arrived: its deltas, joined, against the text the item
+    has when it is done (a message's text, a call's arguments; None: it never completed)."""
+
+    kind: str  # "text" or "arguments"
+    item_id: str
+    received: str
+    final: str | None
+
+
+@attrs.define
 class TurnRecord:
     """One turn: a model response up to its function calls (or the final answer)."""
 
@@ -99,6 +112,24 @@ class TurnRecord:
     # ended this turn, and the resumed `response.in_progress` that acknowledged it.
     done_bytes: int | None = None
     resume_bytes: int | None = None
+    # What arrived: the events of the turn, their bytes (WebSocket message payloads, or the
+    # server-sent-event stream over HTTP), and each output item's deltas against its final
+    # text (`streams`, checked after the rollout: `check_streams`).
+    events: int = 0
+    bytes_in: int = 0
+    streams: list[Stream] = attrs.field(factory=list)
+    # The first delta's kind and text: its tokens arrive as the rate's clock starts.
+    first_delta: tuple[str, str] | None = None
+    received_tokens: int | None = None  # tokens counted in the deltas (`count_tokens`)
+    failure: str | None = None  # what the stream lost (the turn is no data point)
+    # `encode_s`: seconds the server's codec takes to encode this turn's events, per event
+    # (counting pass only: re-encoded in the benchmark's process, `measure_encoding`).
+    frames: list[str] | None = None
+    encode_s: float | None = None
+
+    @property
+    def bytes_per_event(self) -> float | None:
+        return self.bytes_in / self.events if self.events else None
 
     @property
     def ttft(self) -> float | None:
@@ -144,6 +175,11 @@ class RolloutRecord:
     def duration(self) -> float:
         return self.ended - self.started
 
+    @property
+    def failures(self) -> list[str]:
+        """What its streams lost, turn by turn (`_streams.check_streams`)."""
+        return [f"turn {t.index}: {t.failure}" for t in self.turns if t.failure]
+
     def transcript_digest(self) -> str:
         """Equal for every mode when the server saw the same conversation."""
         return hashlib.sha256("\x00".join(self.transcript).encode()).hexdigest()[:16]
@@ -163,6 +199,11 @@ class RolloutSpec:
     # output comes with a user message asking for the answer (best effort).
     force_tool_choice: bool = False
     timeout: float = 900.0
+    # Tokens are counted as the `sim` model counts them (exactly; see `count_tokens`), and a
+    # turn whose count differs from its usage fails. False for other models: o200k tokens,
+    # an estimate, and only the text is checked.
+    sim_tokens: bool = True
+    keep_frames: bool = False  # keep each turn's events as received (to time their encoding)
 
 
 def parse_server_timing(header: str | None) -> dict[str, float] | None:
@@ -191,15 +232,19 @@ class _TurnReader:
         self.items: list[dict[str, Any]] = []
         self.response: dict[str, Any] | None = None
         self.pending: list[str] | None = None
+        self.deltas: dict[str, list[str]] = {}  # item id -> its deltas, as they came
 
     def feed(self, event: dict[str, Any], now: float) -> bool:
         kind = event.get("type")
         turn = self.turn
+        turn.events += 1
         if kind in _DELTAS:
             if turn.first_token is None:
                 turn.first_token = now
+                turn.first_delta = (_delta_kind(kind), event["delta"])
             turn.last_token = now
             turn.deltas += 1
+            self.deltas.setdefault(event["item_id"], []).append(event["delta"])
         elif kind == "response.output_item.done":
             self.items.append(event["item"])
         elif kind == "rollout.timing":
@@ -221,6 +266,22 @@ class _TurnReader:
             raise ServerError(f"{self.mode}, turn {turn.index}: {_describe(event)}")
         return False
 
+    def streams(self) -> list[Stream]:
+        """Each output item's deltas against its final text (and deltas of no item)."""
+        out: list[Stream] = []
+        deltas = dict(self.deltas)
+        for item in self.items:
+            kind, final = _final_text(item)
+            if kind is None:
+                continue
+            received = "".join(deltas.pop(str(item.get("id")), ()))
+            out.append(
+                Stream(kind=kind, item_id=str(item.get("id")), received=received, final=final)
+            )
+        for item_id, pieces in deltas.items():  # deltas of an item that never completed
+            out.append(Stream(kind="text", item_id=item_id, received="".join(pieces), final=None))
+        return out
+
     def calls(self) -> list[dict[str, Any]]:
         calls = [
             i
@@ -230,6 +291,23 @@ class _TurnReader:
         if self.pending is not None:
             calls = [c for c in calls if c.get("call_id") in self.pending]
         return calls
+
+
+def _delta_kind(event_type: str) -> str:
+    return "text" if event_type == "response.output_text.delta" else "arguments"
+
+
+def _final_text(item: dict[str, Any]) -> tuple[str | None, str]:
+    """What an output item's deltas must add up to: ("text", a message's text) or
+    ("arguments", a function call's); (None, "") for items that stream nothing."""
+    if item.get("type") == "message":
+        parts = item.get("content") or []
+        return "text", "".join(
+            str(p.get("text", "")) for p in parts if p.get("type") == "output_text"
+        )
+    if item.get("type") == "function_call":
+        return "arguments", str(item.get("arguments", ""))
+    return None, ""
 
 
 def _describe(event: dict[str, Any]) -> str:
@@ -339,8 +417,13 @@ class _HttpTransport(_Transport):
             reader.turn.stages = parse_server_timing(response.headers.get("server-timing"))
             done = False
             decoder = SseDecoder()
+            turn = reader.turn
+            frames = turn.frames = [] if self.spec.keep_frames else None
             async for chunk in response.aiter_bytes():
+                turn.bytes_in += len(chunk)
                 for sse in decoder.feed(chunk):
+                    if frames is not None:
+                        frames.append(sse.data)
                     if not done and reader.feed(json.loads(sse.data), time.perf_counter()):
                         done = True  # read on to the end of the stream, keeping the connection
 
@@ -384,11 +467,14 @@ class _WsTransport(_Transport):
         before = self.counts.snapshot()
         record.sent = time.perf_counter()
         appended = message["type"] == "response.append"
+        frames = record.frames = [] if self.spec.keep_frames else None
         try:
             await client.conn.send_message(text)
             while True:
                 # WsClient.next_event, keeping the frame's size for the suspension events
                 frame = await client.conn.get_message()
+                if frames is not None:
+                    frames.append(frame if isinstance(frame, str) else frame.decode())
                 event = json.loads(frame)
                 client.follow(event)
                 reader.feed(event, time.perf_counter())
@@ -400,6 +486,7 @@ class _WsTransport(_Transport):
                 if not client.awaiting:  # completed, suspended, or refused
                     break
             record.wire = self.counts.since(before)
+            record.bytes_in = record.wire.payload_in
         except ConnectionClosed as exc:
             raise ServerError(
                 f"{self.mode}, turn {index}: the server closed the WebSocket ({exc.reason})"
@@ -473,6 +560,11 @@ async def run_rollout(
         raise ServerError(
             f"{mode}, turn {len(record.turns)}: malformed answer from the server: {exc!r}"
         ) from None
+    # After the rollout, off its clock: what arrived, counted and checked.
+    check_streams(record, sim=spec.sim_tokens)
+    if spec.keep_frames:
+        for turn in record.turns:
+            measure_encoding(turn, sse=mode.startswith("http"))
     return record
 
 
@@ -513,6 +605,7 @@ async def _loop(
     for index in range(scenario.turns + EXTRA_TURNS):
         turn = TurnRecord(index=index, sent=0.0)
         reader = await transport.turn(index, new_input, turn)
+        turn.streams = reader.streams()
         if index == 0:
             record.started = turn.sent
         record.ended = turn.ended

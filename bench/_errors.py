@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BenchError", "ServerError", "ServerStartError"]
+__all__ = ["BenchError", "ServerError", "ServerStartError", "StreamError"]
 
 
 class BenchError(Exception):
@@ -16,3 +16,8 @@ class ServerError(BenchError):
 
 class ServerStartError(BenchError):
     """The `rollout serve` subprocess did not come up."""
+
+
+class StreamError(ServerError):
+    """What arrived is not what the server produced: a turn's deltas do not add up to its
+    items' text, or their tokens to its usage."""

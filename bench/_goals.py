@@ -152,6 +152,19 @@ def _goal(
     }
 
 
+def _wave_summary(wave: dict[str, Any]) -> str:
+    """K, the stream rate as a share of the model's and the turn excess; or what failed."""
+    head = f"K={wave['concurrency']}: "
+    if wave["turns_failed"]:
+        return head + f"{wave['turns_failed']} turns lost tokens"
+    if wave["rollouts_failed"]:
+        return head + f"{wave['rollouts_failed']} rollouts failed"
+    pace, excess = wave["pace_ratio"], wave["excess_ratio"]
+    if pace is None or excess is None:
+        return head + "not measured"
+    return head + f"{pace * 100:.0f}%/+{excess * 100:.0f}%"
+
+
 def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     goals: list[dict[str, Any]] = []
     turns = results["turns"]
@@ -287,10 +300,7 @@ def evaluate_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
             if not wave["keeps_pace"] or wave["rollouts_failed"]:
                 break
             kept = wave["concurrency"]
-        tried = ", ".join(
-            f"K={w['concurrency']}: {w['pace_ratio'] * 100:.0f}%/+{w['excess_ratio'] * 100:.0f}%"
-            for w in waves
-        )
+        tried = ", ".join(_wave_summary(w) for w in waves)
         met: bool | None = kept >= PACE_CONCURRENCY
         if not met and all(w["keeps_pace"] for w in waves):
             met = None  # never failed, but not tried at 16

@@ -45,10 +45,11 @@ from ._client import (
     probe_websocket_deflate,
     run_rollout,
 )
-from ._errors import BenchError
+from ._errors import BenchError, StreamError
 from ._scenario import Scenario, default_ttft_ms, sim_model
 from ._server import Endpoint, open_local_server, parse_counters, scrape_metrics
 from ._stats import median, stats
+from ._streams import achieved_tps
 
 __all__ = [
     "PACE_EXCESS",
@@ -60,7 +61,7 @@ __all__ = [
     "run_benchmark",
 ]
 
-SCHEMA_ID = "rollout-bench/5"
+SCHEMA_ID = "rollout-bench/6"
 # The start of a note saying the benchmark of a server stopped on an unexpected error.
 CRASH_NOTE = "benchmark crashed on server"
 # A server keeps pace with the model when the tokens a rollout receives stream at no less than
@@ -164,6 +165,7 @@ class _Wave:
     k: int
     records: list[RolloutRecord]
     errors: list[str]
+    turns_failed: int  # turns whose streams lost tokens (their rollouts are errors, not data)
     wall_s: float
     cpu_s: float | None
     peak_rss: int | None
@@ -182,6 +184,8 @@ class _ServerInfo:
     websocket_deflate: bool | None = None  # accepts the client's permessage-deflate offer
     serve_args: list[str] = attrs.field(factory=list)
     notes: list[str] = attrs.field(factory=list)
+    # Rollouts whose streams lost tokens (`_streams.check_streams`): reported, never data.
+    stream_failures: int = 0
 
 
 @attrs.define
@@ -305,6 +309,15 @@ class _ServerBench:
         self.failed[mode] = str(exc)
         self.info.notes.append(f"{mode} failed and was skipped from then on: {exc}")
 
+    def lost_tokens(self, mode: str, record: RolloutRecord) -> bool:
+        """A rollout whose streams lost tokens is a failure of the server, not a data point:
+        counted, noted, and the mode is skipped from then on."""
+        if not record.failures:
+            return False
+        self.info.stream_failures += 1
+        self.fail(mode, StreamError(f"{mode}: the stream lost tokens: {record.failures[0]}"))
+        return True
+
     async def guarded(self, phase: Callable[..., Awaitable[None]], *args: Any) -> None:
         """Run a phase (or a step of one) unless this server's benchmark crashed before. A long
         run keeps what it measured: a crash is reported in the results (and makes `rollout
@@ -353,13 +366,15 @@ class _ServerBench:
                         model=config.model_for(scenario, None),
                         run_tools=False,
                         timeout=config.timeout,
+                        keep_frames=True,
                     )
                     try:
                         record = await run_rollout(mode, self.endpoint, spec, scrape=self.scrape)
                     except BenchError as exc:
                         self.fail(mode, exc)
                     else:
-                        self.out.counting[(label, mode, scenario.name)] = record
+                        if not self.lost_tokens(mode, record):
+                            self.out.counting[(label, mode, scenario.name)] = record
                 self.report(what, 1)
 
     async def timed(self, point: SweepPoint, spec: RolloutSpec, mode: str, rep: int) -> None:
@@ -377,6 +392,9 @@ class _ServerBench:
             except BenchError as exc:
                 self.fail(mode, exc)
             else:
+                if self.lost_tokens(mode, record):
+                    self.report(what, 1)
+                    return
                 cpu1 = proc.cpu_seconds() if proc else None
                 after = await self.scrape() if self.info.metrics else None
                 self.out.runs.append(
@@ -422,13 +440,21 @@ async def _wave(
     proc = endpoint.proc()
     records: list[RolloutRecord] = []
     errors: list[str] = []
+    turns_failed = 0
 
     async def one(i: int) -> None:
+        nonlocal turns_failed
         await trio.sleep(stagger * i / k)
         try:
-            records.append(await run_rollout(mode, endpoint, spec))
+            record = await run_rollout(mode, endpoint, spec)
         except BenchError as exc:
             errors.append(str(exc))
+            return
+        if record.failures:  # what arrived is not what the server produced: no data point
+            turns_failed += len(record.failures)
+            errors.append(f"{mode}: the stream lost tokens: {record.failures[0]}")
+        else:
+            records.append(record)
 
     cpu0 = proc.cpu_seconds() if proc else None
     if proc:
@@ -448,6 +474,7 @@ async def _wave(
         k=k,
         records=records,
         errors=errors,
+        turns_failed=turns_failed,
         wall_s=wall,
         cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
         peak_rss=proc.peak_rss_bytes() if proc else None,
@@ -465,20 +492,6 @@ def _model_seconds(config: BenchConfig, scenario: Scenario, tps: float | None) -
     if tps is None:
         return 0.0
     return scenario.model_seconds(tps, config.ttft_for(tps), scenario.output_tokens)
-
-
-def achieved_tps(record: RolloutRecord, output_tokens: int) -> float | None:
-    """Tokens per second the client received while tokens streamed: over every turn with at
-    least two deltas, (tokens after the first delta) / (last delta - first delta)."""
-    tokens = 0.0
-    seconds = 0.0
-    for turn in record.turns:
-        if turn.deltas >= 2 and turn.first_token is not None and turn.last_token is not None:
-            tokens += output_tokens - 1
-            seconds += turn.last_token - turn.first_token
-    if seconds <= 0:
-        return None
-    return tokens / seconds
 
 
 def _group(runs: Iterable[_Run]) -> dict[tuple[str, str, str, float | None], list[_Run]]:
@@ -504,8 +517,10 @@ def _turn_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any]]:
             turns = [r.record.turns[index] for r in runs if index < len(r.record.turns)]
             stage_names = sorted({s for t in turns for s in (t.stages or {})})
             counters = None
+            encode_s = None
             if counting is not None and index < len(counting.turns):
                 counters = counting.turns[index].counters
+                encode_s = counting.turns[index].encode_s
             records.append(
                 {
                     "server": server,
@@ -550,6 +565,10 @@ def _turn_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any]]:
                     ),
                     "done_bytes": _median_int([t.done_bytes for t in turns]),
                     "resume_bytes": _median_int([t.resume_bytes for t in turns]),
+                    "received_tokens": _median_int([t.received_tokens for t in turns]),
+                    "events_in": _median_int([t.events for t in turns]),
+                    "bytes_per_event_in": _median_or_none([t.bytes_per_event for t in turns]),
+                    "encode_s_per_event": encode_s,
                 }
             )
     return records
@@ -609,6 +628,9 @@ def _rollout_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any
                 if counting is None
                 else [t.counters for t in counting.turns],
                 "transcript_digest": digests[0] if len(digests) == 1 else None,
+                "output_tokens_received": _median_int(
+                    [sum(t.received_tokens or 0 for t in r.record.turns) for r in runs]
+                ),
                 "reduction_vs_http_stateless_pct": None,
                 "reduction_vs_http_chain_pct": None,
             }
@@ -635,9 +657,10 @@ def _concurrency_records(config: BenchConfig, out: _Collected) -> list[dict[str,
     for wave in out.waves:
         scenario = wave.scenario
         model_s = _model_seconds(config, scenario, wave.tps)
-        achieved = [achieved_tps(r, scenario.output_tokens) for r in wave.records]
+        sim = config.model is None
+        achieved = [achieved_tps(r, sim=sim) for r in wave.records]
         rates = [a for a in achieved if a is not None]
-        pace = median(rates) / wave.tps if rates and config.model is None else None
+        pace = median(rates) / wave.tps if rates and sim else None
         turns = [t for r in wave.records for t in r.turns]
         excess = stats(t.duration - model_s for t in turns) if model_s is not None else None
         excess_ratio = excess["median"] / model_s if excess is not None and model_s else None
@@ -646,7 +669,10 @@ def _concurrency_records(config: BenchConfig, out: _Collected) -> list[dict[str,
             if pace is None or excess_ratio is None
             else pace >= PACE_FRACTION and excess_ratio <= PACE_EXCESS
         )
-        tokens = len(wave.records) * scenario.turns * scenario.output_tokens
+        if wave.errors and sim:
+            keeps = False  # a rollout that failed, or lost tokens, did not keep pace
+        # The tokens that arrived, counted in the deltas of the rollouts that lost none.
+        tokens = sum(t.received_tokens or 0 for r in wave.records for t in r.turns)
         records.append(
             {
                 "server": wave.server,
@@ -657,7 +683,9 @@ def _concurrency_records(config: BenchConfig, out: _Collected) -> list[dict[str,
                 "concurrency": wave.k,
                 "rollouts_ok": len(wave.records),
                 "rollouts_failed": len(wave.errors),
+                "turns_failed": wave.turns_failed,
                 "errors": wave.errors[:5],
+                "output_tokens_received": tokens,
                 "wall_s": wave.wall_s,
                 "throughput_rollouts_per_s": len(wave.records) / wave.wall_s
                 if wave.wall_s

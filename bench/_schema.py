@@ -68,7 +68,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         },
     },
     "properties": {
-        "schema": {"const": "rollout-bench/5"},
+        "schema": {"const": "rollout-bench/6"},
         "meta": _record(
             {
                 "started_at": {"type": "string"},
@@ -138,6 +138,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
                     "websocket_deflate": {"type": ["boolean", "null"]},
                     "serve_args": {"type": "array", "items": {"type": "string"}},
                     "notes": {"type": "array", "items": {"type": "string"}},
+                    "stream_failures": {"type": "integer", "minimum": 0},
                 }
             ),
         },
@@ -195,6 +196,10 @@ RESULTS_SCHEMA: dict[str, Any] = {
                     "payload_out_bytes": _INT_OR_NULL,
                     "done_bytes": _INT_OR_NULL,
                     "resume_bytes": _INT_OR_NULL,
+                    "received_tokens": _INT_OR_NULL,
+                    "events_in": _INT_OR_NULL,
+                    "bytes_per_event_in": _NUM_OR_NULL,
+                    "encode_s_per_event": _NUM_OR_NULL,
                 }
             ),
         },
@@ -228,6 +233,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
                         ]
                     },
                     "transcript_digest": _STR_OR_NULL,
+                    "output_tokens_received": _INT_OR_NULL,
                     "reduction_vs_http_stateless_pct": _NUM_OR_NULL,
                     "reduction_vs_http_chain_pct": _NUM_OR_NULL,
                 }
@@ -245,7 +251,9 @@ RESULTS_SCHEMA: dict[str, Any] = {
                     "concurrency": {"type": "integer", "minimum": 1},
                     "rollouts_ok": {"type": "integer"},
                     "rollouts_failed": {"type": "integer"},
+                    "turns_failed": {"type": "integer", "minimum": 0},
                     "errors": {"type": "array", "items": {"type": "string"}},
+                    "output_tokens_received": {"type": "integer", "minimum": 0},
                     "wall_s": _NUM,
                     "throughput_rollouts_per_s": _NUM_OR_NULL,
                     "throughput_output_tokens_per_s": _NUM_OR_NULL,

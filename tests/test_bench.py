@@ -7,18 +7,24 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from rollout import bench
 from rollout._cli import main as rollout_main
 from rollout.bench._cli import add_parser, build_config
-from rollout.bench._client import parse_server_timing
+from rollout.bench._client import Stream, parse_server_timing
+from rollout.bench._goals import PACE_CONCURRENCY
 from rollout.bench._report import summary_tables, to_markdown
 from rollout.bench._server import parse_counters, parse_stage_sums
 from rollout.bench._stats import percentile, stats
+from rollout.bench._streams import check_streams
 from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
 from rollout.engine._serve import ServerConfig, open_server
 
@@ -112,6 +118,25 @@ def test_all_modes_ran_the_same_conversation(
         assert t["decode_s"] is not None and t["decode_s"]["median"] > 0, (t["mode"], t["turn"])
     (wave_1, wave_2) = sorted(results["concurrency"], key=lambda c: c["concurrency"])
     assert (wave_1["rollouts_ok"], wave_2["rollouts_ok"]) == (1, 2)
+
+
+def test_counts_what_arrives(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+    """Every turn's tokens are counted in the deltas that arrived, and equal its usage (the
+    sim's count: 20 tokens a turn); the events' bytes and their encoding time are recorded."""
+    results, _, _ = tiny_run
+    assert [s["stream_failures"] for s in results["servers"]] == [0]
+    for t in results["turns"]:
+        assert t["received_tokens"] == 20, (t["mode"], t["turn"], t["received_tokens"])
+        if t["mode"] != "ws-rollout":
+            assert t["output_tokens"] == 20
+        assert t["events_in"] >= 5 and t["bytes_per_event_in"] > 50, t
+        # The counting pass timed the codec on each turn's events.
+        assert t["encode_s_per_event"] is not None and 0 < t["encode_s_per_event"] < 0.01, t
+    for r in results["rollouts"]:
+        assert r["output_tokens_received"] == 5 * 20
+    for wave in results["concurrency"]:
+        assert wave["output_tokens_received"] == wave["concurrency"] * 5 * 20
+        assert wave["turns_failed"] == 0
 
 
 def _rendered(results: dict[str, Any], mode: str) -> list[int]:
@@ -369,3 +394,128 @@ async def test_server_start_failure_is_reported(tmp_path: Path) -> None:
             log_path=tmp_path / "log", extra_args=("--port", "not-a-port")
         ):
             pass  # pragma: no cover
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@asynccontextmanager
+async def _fault_server(drop_every: int) -> AsyncIterator[str]:
+    """`python -m tests.bench_faults` (a server process apart from the benchmark's, as
+    `rollout serve` is): its base URL; always stopped, killed if it does not stop."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "tests.bench_faults", "--drop-every", str(drop_every)],
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+    )
+    try:
+        assert process.stdout is not None
+        line = b""
+        with trio.fail_after(60):
+            while not line.endswith(b"\n"):
+                chunk = await process.stdout.receive_some(1)
+                assert chunk, f"the server exited ({process.poll()}) before printing its URL"
+                line += chunk
+        yield line.decode().strip()
+    finally:
+        with trio.CancelScope(shield=True):
+            process.terminate()
+            with trio.move_on_after(15):
+                await process.wait()
+            if process.poll() is None:
+                process.kill()
+                await process.wait()
+
+
+# The keep-pace test's wave: K rollouts of 4 turns of 200 tokens at 4,000 tps (about 11 deltas
+# a turn), K being the goal's concurrency.
+PACE_SCENARIO = bench.CONCURRENCY_SCENARIO.with_(
+    steps=3, tool_tokens=(50,), output_tokens=200, prompt_tokens=100, tool_latency_ms=1.0
+)
+
+
+@pytest.mark.parametrize("drop_every", [10, 0], ids=["drops-every-tenth-delta", "intact"])
+async def test_keep_pace_counts_what_arrives(drop_every: int, tmp_path: Path) -> None:
+    """The keep-pace goal is judged on what arrives: against a server that drops every tenth
+    delta (renumbering the events after it, so the stream stays well-formed), every rollout
+    loses tokens, is counted as failed, and the goal fails; the same server without the fault
+    passes: each turn's counted tokens are its usage, and it keeps pace."""
+    async with _fault_server(drop_every) as url:
+        config = bench.BenchConfig(
+            points=(),
+            concurrency=(PACE_CONCURRENCY,),
+            concurrency_modes=("ws-rollout",),
+            concurrency_scenario=PACE_SCENARIO,
+            concurrency_tps=4000.0,
+            servers=(bench.ServerSpec(label="server", url=url),),
+            counting=False,
+            out_dir=tmp_path,
+            timeout=120.0,
+        )
+        with trio.fail_after(300):
+            results = await bench.run_benchmark(config)
+    bench.validate_results(results)
+    (wave,) = results["concurrency"]
+    (goal,) = [g for g in results["goals"] if g["id"] == "keeps-pace"]
+    k = PACE_CONCURRENCY
+    if drop_every:
+        assert (wave["rollouts_ok"], wave["rollouts_failed"]) == (0, k), wave["errors"]
+        assert wave["turns_failed"] >= k
+        assert all("the stream lost tokens: turn " in e for e in wave["errors"]), wave["errors"]
+        assert wave["keeps_pace"] is False and wave["output_tokens_received"] == 0
+        assert goal["met"] is False and "turns lost tokens" in goal["detail"], goal
+    else:
+        assert (wave["rollouts_ok"], wave["rollouts_failed"], wave["turns_failed"]) == (k, 0, 0)
+        expected = k * PACE_SCENARIO.turns * PACE_SCENARIO.output_tokens
+        assert wave["output_tokens_received"] == expected
+        assert wave["keeps_pace"] is True, (wave["pace_ratio"], wave["excess_ratio"])
+        assert goal["met"] is True, goal
+
+
+def _turn(index: int, streams: list[tuple[str, str, str | None]], usage: int | None) -> Any:
+    turn = bench.TurnRecord(index=index, sent=0.0, output_tokens=usage)
+    turn.streams = [
+        Stream(kind=kind, item_id=f"item_{index}_{i}", received=received, final=final)
+        for i, (kind, received, final) in enumerate(streams)
+    ]
+    return turn
+
+
+def test_check_streams_counts_as_the_sim_does() -> None:
+    """The sim's tokens: a word of text, 4 characters of arguments. A turn whose deltas do not
+    add up to its item, or whose count is not its usage, fails; ws-rollout's turns must add
+    up to its one usage."""
+    args = '{"command": "' + "x" * 25 + '"}'  # 40 characters: 10 tokens
+    ok = bench.RolloutRecord(mode="ws-chain")
+    ok.turns = [
+        _turn(0, [("arguments", args, args)], 10),
+        _turn(1, [("text", "a b c", "a b c")], 3),
+    ]
+    check_streams(ok, sim=True)
+    assert [t.received_tokens for t in ok.turns] == [10, 3] and ok.failures == []
+    lost = bench.RolloutRecord(mode="ws-chain")
+    lost.turns = [
+        _turn(0, [("arguments", args[:-8], args)], 10),
+        _turn(1, [("text", "a c", "a b c")], 3),
+    ]
+    check_streams(lost, sim=True)
+    assert lost.failures == [
+        "turn 0: the arguments deltas of item_0_0 add up to 32 characters, the item has 40; "
+        "received 8 tokens, usage.output_tokens is 10",
+        "turn 1: the text deltas of item_1_0 add up to 3 characters, the item has 5; "
+        "received 2 tokens, usage.output_tokens is 3",
+    ]
+    rollout = bench.RolloutRecord(mode="ws-rollout")
+    rollout.turns = [
+        _turn(0, [("arguments", args, args)], None),
+        _turn(1, [("text", "a b", "a b")], 13),
+    ]
+    check_streams(rollout, sim=True)
+    assert rollout.failures == [
+        "turn 1: the rollout received 12 tokens over its turns, usage.output_tokens is 13"
+    ]
+    # Another model: o200k tokens, and the usage (the model's own count) is not compared.
+    other = bench.RolloutRecord(mode="ws-chain")
+    other.turns = [_turn(0, [("text", "Hello, world", "Hello, world")], 99)]
+    check_streams(other, sim=False)
+    assert other.turns[0].received_tokens == 3 and other.failures == []
