@@ -125,6 +125,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per rollout")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     p.add_argument(
         "--report",
         type=Path,
@@ -136,6 +137,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _csv(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _counts(value: str | None) -> tuple[int, ...]:
+    """--concurrency's K values."""
+    try:
+        counts = tuple(int(k) for k in _csv(value))
+    except ValueError:
+        counts = (-1,)
+    if any(k < 0 for k in counts):
+        raise SystemExit(
+            f"rollout bench: --concurrency takes comma-separated counts such as 1,4,16 "
+            f"(0 to skip), not {value!r}"
+        )
+    return counts
 
 
 def _servers(args: argparse.Namespace) -> tuple[Any, ...]:
@@ -153,6 +168,11 @@ def _servers(args: argparse.Namespace) -> tuple[Any, ...]:
         label, sep, url = raw.partition("=")
         if not sep or "://" in label:
             label, url = f"url{i + 1}" if len(args.url) > 1 else "url", raw
+        if not url.startswith(("http://", "https://")):
+            raise SystemExit(
+                f"rollout bench: --url takes a server's base URL, such as "
+                f"http://127.0.0.1:8000/v1, not {url!r}"
+            )
         servers.append(ServerSpec(label=label, url=url))
     if not servers or args.with_local:
         servers.insert(0, ServerSpec(label="rollout"))
@@ -169,12 +189,21 @@ def build_config(args: argparse.Namespace) -> Any:
     from ._scenario import CONCURRENCY_SCENARIO, LONG_OUTPUT, PRESETS, SPEED_SWEEP
 
     modes = tuple(_csv(args.modes)) or MODES
-    for mode in modes:
-        if mode not in MODES:
-            raise SystemExit(f"rollout bench: unknown mode {mode!r}; the modes are {MODES}")
+    for option, values in (
+        ("--modes", modes),
+        ("--concurrency-modes", _csv(args.concurrency_modes)),
+    ):
+        for mode in values:
+            if mode not in MODES:
+                raise SystemExit(
+                    f"rollout bench: unknown mode {mode!r} in {option}; the modes are "
+                    f"{', '.join(MODES)}"
+                )
     for name in args.scenario:
         if name not in PRESETS:
-            raise SystemExit(f"rollout bench: unknown scenario {name!r}; presets: {list(PRESETS)}")
+            raise SystemExit(
+                f"rollout bench: unknown scenario {name!r}; the scenarios are {', '.join(PRESETS)}"
+            )
     overrides = {
         key: value
         for key, value in (
@@ -248,9 +277,7 @@ def build_config(args: argparse.Namespace) -> Any:
             if best is None or point.repetitions > best.repetitions:
                 reps_of[point.scenario.name] = point
         points = [attrs.evolve(p, tps=None, modes=modes) for p in reps_of.values()]
-    concurrency = tuple(int(k) for k in _csv(args.concurrency)) or (
-        FULL_CONCURRENCY if full else QUICK_CONCURRENCY
-    )
+    concurrency = _counts(args.concurrency) or (FULL_CONCURRENCY if full else QUICK_CONCURRENCY)
     concurrency = tuple(k for k in concurrency if k > 0)
     concurrency_modes = tuple(_csv(args.concurrency_modes)) or (
         tuple(m for m in FULL_CONCURRENCY_MODES if m in modes) if full else ("ws-rollout",)
@@ -275,11 +302,38 @@ def build_config(args: argparse.Namespace) -> Any:
     )
 
 
+# The exit status of a run stopped by SIGINT (Ctrl-C), as a shell reports one: 128 + 2.
+EXIT_INTERRUPTED = 130
+
+
 def run(args: argparse.Namespace) -> int:
+    """`rollout bench`: errors a user can cause are one or two lines on stderr and a non-zero
+    status (with --debug, unexpected ones keep their traceback); Ctrl-C writes what finished
+    and exits 130."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        # Outside the run itself (which stops on SIGINT and writes what finished).
+        print("rollout bench: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(
+            f"rollout bench: unexpected error: {type(exc).__name__}: {exc} "
+            "(--debug shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    import functools
+
     import trio
 
     from ._errors import BenchError
-    from ._plots import MATPLOTLIB_MISSING, write_plots
+    from ._plots import write_plots
     from ._report import print_tables, summary_tables, write_results
     from ._runner import CRASH_NOTE, run_benchmark
     from ._schema import validate_results
@@ -287,18 +341,15 @@ def run(args: argparse.Namespace) -> int:
     if args.report is not None:
         return _report_only(args)
     config = build_config(args)
-    plots = not args.no_plots
-    if plots:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print(f"rollout bench: {MATPLOTLIB_MISSING}", file=sys.stderr)
-            plots = False
+    plots = not args.no_plots and _has_matplotlib()
+    if not args.no_plots and not plots:
+        print(f"rollout bench: {NO_PLOTS}", file=sys.stderr)
     total = config.planned_rollouts(len(config.servers))
     started = time.monotonic()
     try:
         if args.no_progress or not sys.stderr.isatty():
-            results = trio.run(run_benchmark, config, _plain_progress(total))
+            benchmark = functools.partial(run_benchmark, stop_on_sigint=True)
+            results = trio.run(benchmark, config, _plain_progress(total))
         else:
             results = _run_with_bars(config, total)
     except BenchError as exc:
@@ -314,14 +365,39 @@ def run(args: argparse.Namespace) -> int:
     print(f"summary: {config.out_dir / 'summary.md'}")
     for png in written:
         print(f"plot:    {png}")
+    if not args.no_plots and not plots:
+        print(f"plots:   none: {NO_PLOTS}")
     print(f"took {time.monotonic() - started:.0f} s")
     crashes = [n for n in results["notes"] if n.startswith(CRASH_NOTE)]
     for note in crashes:
-        print(f"rollout bench: {note}", file=sys.stderr)
+        first = note.splitlines()[0]
+        more = "\n" + note if args.debug else " (the traceback is in results.json's notes)"
+        print(f"rollout bench: {first}{more}", file=sys.stderr)
     lost = _lost_tokens(results)
     for line in lost:
         print(f"rollout bench: {line}", file=sys.stderr)
+    if results["meta"]["interrupted"]:
+        print(
+            f"rollout bench: interrupted; {path} holds the rollouts that finished",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     return 1 if crashes or lost else 0
+
+
+NO_PLOTS = (
+    "matplotlib is not installed, so this run writes no plots; "
+    "`pip install 'rollout-engine[bench]'` adds it, and "
+    "`rollout bench --report RESULTS_JSON` plots a finished run"
+)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _lost_tokens(results: dict[str, Any]) -> list[str]:
@@ -342,22 +418,47 @@ def _lost_tokens(results: dict[str, Any]) -> list[str]:
 def _report_only(args: argparse.Namespace) -> int:
     import json
 
-    from ._plots import MATPLOTLIB_MISSING, write_plots
+    import jsonschema
+
+    from ._plots import write_plots
     from ._report import print_tables, summary_tables, to_markdown
+    from ._runner import SCHEMA_ID
     from ._schema import validate_results
 
-    results = json.loads(args.report.read_text())
-    validate_results(results)
+    path: Path = args.report
+    try:
+        results = json.loads(path.read_text())
+    except OSError as exc:
+        print(f"rollout bench: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"rollout bench: {path} is not JSON: {exc}", file=sys.stderr)
+        return 1
+    schema = results.get("schema") if isinstance(results, dict) else None
+    if schema != SCHEMA_ID:
+        print(
+            f"rollout bench: {path} is {schema or 'not a results file'}; this version reads "
+            f"{SCHEMA_ID} (run the benchmark again to get one)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        validate_results(results)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
+        print(
+            f"rollout bench: {path} does not match its schema at {where}: {exc.message}",
+            file=sys.stderr,
+        )
+        return 1
     tables = summary_tables(results)
     print_tables(results, tables)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.md").write_text(to_markdown(results, tables))
     print(f"summary: {args.out / 'summary.md'}")
     if not args.no_plots:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print(f"rollout bench: {MATPLOTLIB_MISSING}", file=sys.stderr)
+        if not _has_matplotlib():
+            print(f"plots:   none: {NO_PLOTS}")
             return 0
         for png in write_plots(results, args.out):
             print(f"plot:    {png}")
@@ -379,6 +480,8 @@ def _plain_progress(total: int) -> Any:
 
 
 def _run_with_bars(config: Any, total: int) -> Any:
+    import functools
+
     import trio
     from rich.progress import (
         BarColumn,
@@ -402,4 +505,4 @@ def _run_with_bars(config: Any, total: int) -> Any:
         def report(description: str, finished: int) -> None:
             bars.update(task, description=description, advance=finished)
 
-        return trio.run(run_benchmark, config, report)
+        return trio.run(functools.partial(run_benchmark, stop_on_sigint=True), config, report)

@@ -550,7 +550,7 @@ async def run_rollout(
         ) from None
     except (httpx.HTTPError, HandshakeError, ConnectionClosed, OSError) as exc:
         raise ServerError(
-            f"{mode}, turn {len(record.turns)}: transport error: {type(exc).__name__}: {exc}"
+            f"{mode}, turn {len(record.turns)}: transport error: {_reason(exc)}"
         ) from None
     except ProtocolError as exc:  # the server broke the event order, or an oversized event
         raise ServerError(
@@ -667,6 +667,15 @@ async def probe_rollout_extension(
     except trio.TooSlowError:
         return False, f"no answer within {limit:g}s"
     except (OSError, ConnectionClosed) as exc:
-        return False, f"WebSocket failed: {exc}"
+        return False, f"WebSocket failed: {_reason(exc)}"
     except Exception as exc:  # a handshake refusal and the like: report, don't crash
-        return False, f"{type(exc).__name__}: {exc}"
+        return False, f"the WebSocket could not be opened: {_reason(exc)}"
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception in words, with its cause when it says nothing itself (trio-websocket's
+    `HandshakeError()` wrapping the `OSError` of a refused connection)."""
+    text = str(exc)
+    if not text and exc.__cause__ is not None:
+        return _reason(exc.__cause__)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BenchError", "ServerError", "ServerStartError", "StreamError"]
+__all__ = ["BenchError", "ServerError", "ServerStartError", "ServerUnreachable", "StreamError"]
 
 
 class BenchError(Exception):
@@ -21,3 +21,7 @@ class ServerStartError(BenchError):
 class StreamError(ServerError):
     """What arrived is not what the server produced: a turn's deltas do not add up to its
     items' text, or their tokens to its usage."""
+
+
+class ServerUnreachable(BenchError):
+    """Nothing answers at a server's URL: the benchmark stops before running anything."""

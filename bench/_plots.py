@@ -16,7 +16,7 @@ from ._errors import BenchError
 __all__ = ["MATPLOTLIB_MISSING", "write_plots"]
 
 MATPLOTLIB_MISSING = (
-    "matplotlib is not installed, so no plots were written; install it with "
+    "matplotlib is not installed, so no plots are written; install it with "
     "`pip install 'rollout-engine[bench]'` (or `pip install matplotlib`)"
 )
 

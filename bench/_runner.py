@@ -20,14 +20,16 @@ the others go on.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
 import os
 import platform
+import signal
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from importlib import metadata
 from pathlib import Path
@@ -47,7 +49,13 @@ from ._client import (
 )
 from ._errors import BenchError, StreamError
 from ._scenario import Scenario, default_ttft_ms, sim_model
-from ._server import Endpoint, open_local_server, parse_counters, scrape_metrics
+from ._server import (
+    Endpoint,
+    check_reachable,
+    open_local_server,
+    parse_counters,
+    scrape_metrics,
+)
 from ._stats import median, stats
 from ._streams import achieved_tps
 
@@ -64,6 +72,10 @@ __all__ = [
 SCHEMA_ID = "rollout-bench/6"
 # The start of a note saying the benchmark of a server stopped on an unexpected error.
 CRASH_NOTE = "benchmark crashed on server"
+INTERRUPTED_NOTE = (
+    "interrupted (SIGINT): the results hold the rollouts that finished; those in flight and "
+    "the phases after them did not run"
+)
 # A server keeps pace with the model when the tokens a rollout receives stream at no less than
 # this fraction of the model's own tokens per second.
 PACE_FRACTION = 0.95
@@ -196,38 +208,100 @@ class _Collected:
     servers: list[_ServerInfo] = attrs.field(factory=list)
     notes: list[str] = attrs.field(factory=list)
     load_start: list[float] | None = None
+    interrupted: bool = False  # stopped by SIGINT: the results hold what finished
 
 
-async def run_benchmark(config: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
-    """Run the whole benchmark; return the results document (see `bench/SCHEMA.md`)."""
+async def run_benchmark(
+    config: BenchConfig, progress: Progress | None = None, *, stop_on_sigint: bool = False
+) -> dict[str, Any]:
+    """Run the whole benchmark; return the results document (see `bench/SCHEMA.md`).
+
+    A server given by URL that does not answer raises `ServerUnreachable` before anything
+    runs. With `stop_on_sigint` (the command line; the main thread only), SIGINT stops the
+    run: the rollouts in flight are abandoned, the local servers stopped, and the document
+    holds what finished (`meta.interrupted`)."""
     started = time.time()
     collected = _Collected(load_start=_loadavg())
     report: Progress = progress or (lambda _d, _n: None)
-    async with AsyncExitStack() as stack:
-        http = await stack.enter_async_context(httpx.AsyncClient(timeout=30.0))
-        benches: list[_ServerBench] = []
-        for server in config.servers:
-            if server.url is None:
-                endpoint = await stack.enter_async_context(
-                    open_local_server(
-                        log_path=config.out_dir / f"server-{server.label}.log",
-                        label=server.label,
-                        extra_args=server.serve_args,
-                    )
+    run_scope = trio.CancelScope()
+    with contextlib.ExitStack() as signals, _one_error():
+        async with trio.open_nursery() as watcher:
+            if stop_on_sigint:
+                receiver = signals.enter_context(trio.open_signal_receiver(signal.SIGINT))
+                watcher.start_soon(_stop_on_signal, receiver, run_scope, collected)
+            async with AsyncExitStack() as stack:
+                http = await stack.enter_async_context(httpx.AsyncClient(timeout=30.0))
+                for server in config.servers:
+                    if server.url is not None:
+                        await check_reachable(http, _endpoint(config, server))
+                with run_scope:
+                    await _run_phases(config, collected, report, http, stack)
+            watcher.cancel_scope.cancel()
+    return _build_results(config, collected, started, time.time())
+
+
+@contextlib.contextmanager
+def _one_error() -> Iterator[None]:
+    """The error of the run as itself (a `ServerUnreachable`, a `ServerStartError`), not in
+    the exception group of the nursery that watches for SIGINT."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        errors = [e for e in group.exceptions if not isinstance(e, trio.Cancelled)]
+        if len(errors) != 1:
+            raise
+        error = errors[0]
+        while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+            error = error.exceptions[0]
+        raise error from None
+
+
+async def _stop_on_signal(
+    receiver: AsyncIterator[int], scope: trio.CancelScope, collected: _Collected
+) -> None:
+    """The first signal cancels the run; later ones are absorbed while the servers stop."""
+    async for _ in receiver:
+        if not collected.interrupted:
+            collected.interrupted = True
+            scope.cancel()
+
+
+def _endpoint(config: BenchConfig, server: ServerSpec) -> Endpoint:
+    assert server.url is not None
+    return Endpoint(label=server.label, base_url=server.url, api_key=config.api_key)
+
+
+async def _run_phases(
+    config: BenchConfig,
+    collected: _Collected,
+    report: Progress,
+    http: httpx.AsyncClient,
+    stack: AsyncExitStack,
+) -> None:
+    benches: list[_ServerBench] = []
+    for server in config.servers:
+        if server.url is None:
+            endpoint = await stack.enter_async_context(
+                open_local_server(
+                    log_path=config.out_dir / f"server-{server.label}.log",
+                    label=server.label,
+                    extra_args=server.serve_args,
                 )
-            else:
-                endpoint = Endpoint(label=server.label, base_url=server.url, api_key=config.api_key)
-            benches.append(_ServerBench(config, endpoint, collected, report, http))
-            benches[-1].info.serve_args = list(server.serve_args)
+            )
+        else:
+            endpoint = _endpoint(config, server)
+        benches.append(_ServerBench(config, endpoint, collected, report, http))
+        benches[-1].info.serve_args = list(server.serve_args)
+    try:
         for bench in benches:
             await bench.guarded(bench.probe)
         for bench in benches:
             await bench.guarded(bench.counting_pass)
         await _sweep(config, benches)
         await _concurrency(config, benches)
+    finally:
         for bench in benches:
             bench.finish()
-    return _build_results(config, collected, started, time.time())
 
 
 def _rotated(items: Sequence[Any], shift: int) -> list[Any]:
@@ -813,6 +887,7 @@ def _build_results(
             "command": list(config.argv) or [sys.argv[0]],
             "machine": _machine(),
             "load_average": {"start": out.load_start, "end": _loadavg()},
+            "interrupted": out.interrupted,
             "versions": _versions(),
             "parameters": _parameters(config),
         },
@@ -824,6 +899,8 @@ def _build_results(
         "goals": [],
         "notes": list(out.notes),
     }
+    if out.interrupted:
+        results["notes"].append(INTERRUPTED_NOTE)
     results["goals"] = evaluate_goals(results)
     finite: dict[str, Any] = _finite(results)
     return finite

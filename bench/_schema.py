@@ -95,6 +95,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
                         "end": {"anyOf": [_LOAD, {"type": "null"}]},
                     }
                 ),
+                "interrupted": {"type": "boolean"},
                 "versions": {"type": "object", "additionalProperties": _STR_OR_NULL},
                 "parameters": _record(
                     {

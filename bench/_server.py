@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,11 +24,12 @@ import attrs
 import httpx
 import trio
 
-from ._errors import ServerStartError
+from ._errors import ServerStartError, ServerUnreachable
 
 __all__ = [
     "Endpoint",
     "ProcStats",
+    "check_reachable",
     "free_port",
     "open_local_server",
     "parse_counters",
@@ -139,6 +141,35 @@ async def scrape_metrics(client: httpx.AsyncClient, endpoint: Endpoint) -> str |
     return response.text
 
 
+# How long a server given by URL gets to answer the benchmark's first request.
+REACHABLE_TIMEOUT = 10.0
+
+
+async def check_reachable(client: httpx.AsyncClient, endpoint: Endpoint) -> None:
+    """Raise `ServerUnreachable` unless something answers HTTP at the endpoint: before any
+    phase runs, so that a wrong URL is one clear message rather than a run of failures."""
+    url = endpoint.base_url.rstrip("/") + "/models"
+    hint = "is the server running? --url takes its base URL, e.g. http://127.0.0.1:8000/v1"
+    try:
+        response = await client.get(url, headers=endpoint.headers(), timeout=REACHABLE_TIMEOUT)
+    except httpx.TimeoutException:
+        why = f"no answer within {REACHABLE_TIMEOUT:g} s"
+    except httpx.ConnectError as exc:
+        why = f"cannot connect ({exc or 'connection refused'})"
+    except httpx.HTTPError as exc:
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    else:
+        if response.status_code == 404 and not endpoint.base_url.rstrip("/").endswith("/v1"):
+            raise ServerUnreachable(
+                f"{endpoint.label}: {url} is 404; the base URL usually ends in /v1 "
+                f"(try --url {endpoint.base_url.rstrip('/')}/v1)"
+            )
+        return
+    raise ServerUnreachable(
+        f"{endpoint.label}: nothing answers at {endpoint.base_url}: {why}; {hint}"
+    )
+
+
 async def _wait_healthy(url: str, process: trio.Process, log_path: Path) -> None:
     deadline = time.monotonic() + SERVER_START_TIMEOUT
     async with httpx.AsyncClient() as client:
@@ -164,8 +195,12 @@ async def open_local_server(
     *, log_path: Path, label: str = "rollout", extra_args: tuple[str, ...] = ()
 ) -> AsyncIterator[Endpoint]:
     """Start `rollout serve` on a free loopback port with its own temporary data dir; yield
-    its endpoint; stop it (SIGTERM, then SIGKILL after a grace period)."""
+    its endpoint; stop it (SIGTERM, then SIGKILL after a grace period). What it logs (at
+    level warning) is kept at `log_path` if it logged anything. It runs in a session of its
+    own: a Ctrl-C at the terminal stops the benchmark, which stops its server."""
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as data_dir:
+        kept_log = log_path
+        log_path = Path(data_dir) / "serve.log"
         port = free_port()
         argv = [
             sys.executable,
@@ -182,9 +217,10 @@ async def open_local_server(
             "warning",
             *extra_args,
         ]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as log:
-            process = await trio.lowlevel.open_process(argv, stdout=log, stderr=subprocess.STDOUT)
+            process = await trio.lowlevel.open_process(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
                 await _wait_healthy(f"http://127.0.0.1:{port}/healthz", process, log_path)
                 yield Endpoint(
@@ -196,6 +232,17 @@ async def open_local_server(
             finally:
                 with trio.CancelScope(shield=True):
                     await _stop(process)
+                    _keep_log(log_path, kept_log)
+
+
+def _keep_log(log_path: Path, kept: Path) -> None:
+    """Copy the server's log out of its temporary directory, unless it is empty."""
+    try:
+        if log_path.stat().st_size:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log_path, kept)
+    except OSError:
+        pass
 
 
 async def _stop(process: trio.Process) -> None:

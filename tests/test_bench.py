@@ -7,8 +7,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,7 +26,8 @@ from rollout.bench._cli import add_parser, build_config
 from rollout.bench._client import Stream, parse_server_timing
 from rollout.bench._goals import PACE_CONCURRENCY
 from rollout.bench._report import summary_tables, to_markdown
-from rollout.bench._server import parse_counters, parse_stage_sums
+from rollout.bench._runner import PACE_EXCESS, PACE_FRACTION
+from rollout.bench._server import free_port, parse_counters, parse_stage_sums
 from rollout.bench._stats import percentile, stats
 from rollout.bench._streams import check_streams
 from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
@@ -438,8 +443,11 @@ PACE_SCENARIO = bench.CONCURRENCY_SCENARIO.with_(
 async def test_keep_pace_counts_what_arrives(drop_every: int, tmp_path: Path) -> None:
     """The keep-pace goal is judged on what arrives: against a server that drops every tenth
     delta (renumbering the events after it, so the stream stays well-formed), every rollout
-    loses tokens, is counted as failed, and the goal fails; the same server without the fault
-    passes: each turn's counted tokens are its usage, and it keeps pace."""
+    loses tokens, is counted as failed, and the goal fails, whatever the timing; the same
+    server without the fault passes the counting (each turn's counted tokens are its usage),
+    so its verdict is the stream rate's and the turn time's alone. (Those depend on the
+    machine: on a quiet one it keeps pace at K=16; the benchmark of the faulty server as it
+    was, trusting nominal sizes, reported it keeping pace too, at 100%/+2%.)"""
     async with _fault_server(drop_every) as url:
         config = bench.BenchConfig(
             points=(),
@@ -468,8 +476,10 @@ async def test_keep_pace_counts_what_arrives(drop_every: int, tmp_path: Path) ->
         assert (wave["rollouts_ok"], wave["rollouts_failed"], wave["turns_failed"]) == (k, 0, 0)
         expected = k * PACE_SCENARIO.turns * PACE_SCENARIO.output_tokens
         assert wave["output_tokens_received"] == expected
-        assert wave["keeps_pace"] is True, (wave["pace_ratio"], wave["excess_ratio"])
-        assert goal["met"] is True, goal
+        pace, excess = wave["pace_ratio"], wave["excess_ratio"]
+        assert pace is not None and excess is not None
+        on_time = pace >= PACE_FRACTION and excess <= PACE_EXCESS
+        assert wave["keeps_pace"] is on_time and goal["met"] is on_time, goal
 
 
 def _turn(index: int, streams: list[tuple[str, str, str | None]], usage: int | None) -> Any:
@@ -519,3 +529,134 @@ def test_check_streams_counts_as_the_sim_does() -> None:
     other.turns = [_turn(0, [("text", "Hello, world", "Hello, world")], 99)]
     check_streams(other, sim=False)
     assert other.turns[0].received_tokens == 3 and other.failures == []
+
+
+# --- the command line as a user meets it: one clear line and a status, never a traceback ---
+
+CLI_TIMEOUT = 120.0
+
+
+def _bench_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rollout", "bench", *argv],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT,
+        cwd=cwd,
+    )
+
+
+def test_cli_dead_url_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    url = f"http://127.0.0.1:{port}/v1"
+    done = _bench_cli("--url", url, "--no-progress", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 1, done
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"rollout bench: url: nothing answers at {url}: cannot connect ("), (
+        lines
+    )
+    assert lines[0].endswith(
+        "; is the server running? --url takes its base URL, e.g. http://127.0.0.1:8000/v1"
+    ), lines
+    assert done.stdout == "" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--scenario", "alpha"],
+            "rollout bench: unknown scenario 'alpha'; the scenarios are alpha-demo, "
+            "long-context, codex-like, long-output",
+        ),
+        (
+            ["--url", "localhost:8000"],
+            "rollout bench: --url takes a server's base URL, such as http://127.0.0.1:8000/v1, "
+            "not 'localhost:8000'",
+        ),
+        (
+            ["--modes", "ws-chain,rollout"],
+            "rollout bench: unknown mode 'rollout' in --modes; the modes are http-stateless, "
+            "http-chain, ws-chain, ws-chain-stored, ws-rollout",
+        ),
+        (
+            ["--concurrency", "1,four"],
+            "rollout bench: --concurrency takes comma-separated counts such as 1,4,16 (0 to "
+            "skip), not '1,four'",
+        ),
+        (
+            ["--report", "missing.json"],
+            "rollout bench: cannot read missing.json: No such file or directory",
+        ),
+    ],
+)
+def test_cli_bad_arguments_are_one_line(argv: list[str], message: str, tmp_path: Path) -> None:
+    done = _bench_cli(*argv, "--no-progress", "--out", "out", cwd=tmp_path)
+    assert (done.returncode, done.stderr, done.stdout) == (1, message + "\n", "")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_report_of_another_schema_says_so(tmp_path: Path) -> None:
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"schema": "rollout-bench/5"}))
+    done = _bench_cli("--report", str(old), "--out", "out", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        f"rollout bench: {old} is rollout-bench/5; this version reads rollout-bench/6 (run the "
+        "benchmark again to get one)\n"
+    )
+
+
+def test_cli_ctrl_c_writes_what_finished_and_exits_130(tmp_path: Path) -> None:
+    """SIGINT while the sweep runs (at 65 tokens/s, seconds a rollout): no traceback, the
+    results of what finished (the counting pass, the overhead phase) with a note, exit 130;
+    the local server is stopped."""
+    stdout_file = (tmp_path / "stdout").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollout", "bench", "--scenario", "alpha-demo", "--steps", "3",
+         "--tool-tokens", "50", "--prompt-tokens", "50", "--output-tokens", "20", "--tps", "65",
+         "--repetitions", "2", "--concurrency", "0", "--no-progress", "--no-plots", "--out",
+         "out"],
+        cwd=tmp_path,
+        stdout=stdout_file,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    seen: list[str] = []
+
+    def read() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT
+        while not any("@ 65 tps" in line for line in seen):
+            seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=CLI_TIMEOUT)
+        reader.join(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        stdout_file.close()
+    while not lines.empty():
+        seen.append(lines.get())
+    stdout = (tmp_path / "stdout").read_text()
+    assert process.returncode == 130, (seen, stdout)
+    stderr = "".join(seen)
+    assert "Traceback" not in stderr + stdout
+    path = Path("out") / "results.json"
+    assert seen[-1] == f"rollout bench: interrupted; {path} holds the rollouts that finished\n"
+    results = json.loads((tmp_path / path).read_text())
+    bench.validate_results(results)
+    assert results["meta"]["interrupted"] is True
+    assert any(n.startswith("interrupted (SIGINT)") for n in results["notes"])
+    # What finished is there (the unpaced overhead phase ran before the 65 tps point).
+    assert {r["tps"] for r in results["rollouts"]} == {None}
+    assert not list((tmp_path / "out").glob("server-*.log"))  # it logged nothing
