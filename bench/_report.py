@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from statistics import median as _median
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
+from rich.markup import escape
 
 from ._client import MODES
 from ._goals import OPENAI_REFERENCE, SUSPENSION_WINDOW, ends, suspensions
 from ._schema import RESULTS_SCHEMA
 
-__all__ = ["Table", "summary_tables", "to_markdown", "write_results"]
+__all__ = ["Table", "print_tables", "summary_tables", "table_width", "to_markdown", "write_results"]
 
 # Modes whose responses are stored (store: true): the durability table marks them.
 STORED_MODES = frozenset({"http-chain", "ws-chain-stored"})
@@ -576,32 +579,107 @@ def to_markdown(results: dict[str, Any], tables: Sequence[Table]) -> str:
     return "\n".join(lines)
 
 
-def print_tables(results: dict[str, Any], tables: Sequence[Table]) -> None:
+def print_tables(
+    results: dict[str, Any], tables: Sequence[Table], *, file: TextIO | None = None
+) -> None:
+    """The tables for a reader: on a terminal, boxed tables that fit its width, each row as a
+    list of `header: value` lines where the columns would not fit without splitting a cell's
+    words; piped, the Markdown of summary.md (no padding, no colour)."""
     from rich.console import Console
-    from rich.table import Table as RichTable
 
-    console = Console()
+    out = file if file is not None else sys.stdout
+    console = Console(file=out)
     if not console.is_terminal:
-        console = Console(width=200)
-    console.print(f"[bold]Machine:[/bold] {machine_line(results)}")
+        out.write(to_markdown(results, tables))
+        return
+    console.print(f"[bold]Machine:[/bold] {machine_line(results)}", highlight=False)
     for server in results["servers"]:
         for note in server["notes"]:
-            console.print(f"[yellow]{server['label']}:[/yellow] {note}")
+            console.print(f"[yellow]{server['label']}:[/yellow] {note}", highlight=False)
     for table in tables:
-        rich_table = RichTable(title=table.title, caption=table.note or None, title_justify="left")
-        for header in table.headers:
-            rich_table.add_column(header, overflow="fold")
-        for row in table.rows:
-            styled = [
-                f"[red]{c}[/red]"
-                if c in ("MISSED", "NO")
-                else f"[green]{c}[/green]"
-                if c == "met"
-                else c
-                for c in row
-            ]
-            rich_table.add_row(*styled)
-        console.print(rich_table)
+        if table_width(table) <= console.width:
+            console.print(_boxed(table, console.width))
+        else:
+            _print_records(console, table)
+
+
+# A boxed table's width beyond its columns': a border left of each column and one at the end,
+# and a space of padding either side of each cell.
+def table_width(table: Table) -> int:
+    """The narrowest a boxed table can be without splitting a word of any cell: each column
+    as wide as its longest word (header words included)."""
+    widths = _min_widths(table)
+    return sum(widths) + 3 * len(widths) + 1
+
+
+def _min_widths(table: Table) -> list[int]:
+    def longest_word(text: str) -> int:
+        return max((len(w) for w in text.split()), default=0)
+
+    return [
+        max([longest_word(header)] + [longest_word(row[i]) for row in table.rows if i < len(row)])
+        for i, header in enumerate(table.headers)
+    ]
+
+
+def _style(cell: str) -> str:
+    if cell in ("MISSED", "NO"):
+        return f"[red]{cell}[/red]"
+    if cell == "met":
+        return f"[green]{cell}[/green]"
+    return escape(cell)
+
+
+def _column_widths(table: Table, width: int) -> list[int]:
+    """Each column as wide as its widest cell or header, narrowed (the one with the most to
+    spare first, never below its longest word) until the table fits `width`."""
+    least = _min_widths(table)
+    widths = [
+        max([len(header)] + [len(row[i]) for row in table.rows if i < len(row)])
+        for i, header in enumerate(table.headers)
+    ]
+    excess = sum(widths) + 3 * len(widths) + 1 - width
+    while excess > 0:
+        spare, i = max((w - m, i) for i, (w, m) in enumerate(zip(widths, least, strict=True)))
+        if spare <= 0:
+            break
+        widths[i] -= 1
+        excess -= 1
+    return widths
+
+
+def _boxed(table: Table, width: int) -> Any:
+    from rich.table import Table as RichTable
+
+    rich_table = RichTable(
+        title=table.title, caption=table.note or None, title_justify="left", highlight=False
+    )
+    for header, column in zip(table.headers, _column_widths(table, width), strict=True):
+        rich_table.add_column(header, width=column, overflow="fold")
+    for row in table.rows:
+        rich_table.add_row(*(_style(c) for c in row))
+    return rich_table
+
+
+def _print_records(console: Any, table: Table) -> None:
+    """A table too wide for the terminal: each row a block, its first cell as the heading,
+    then one `header: value` line per other cell (values wrap between words only)."""
+    width = console.width
+    console.print(f"[italic]{escape(table.title)}[/italic]", highlight=False)
+    label = min(max((len(h) for h in table.headers[1:]), default=0) + 2, width // 2)
+    for row in table.rows:
+        console.print(f"[bold]{escape(table.headers[0])}: {escape(row[0])}[/bold]", highlight=False)
+        for header, cell in zip(table.headers[1:], row[1:], strict=False):
+            lines = textwrap.wrap(
+                cell, width=max(width - label - 2, 10), break_long_words=False
+            ) or [""]
+            head = f"  {header + ':':<{label}}"
+            console.print(f"{escape(head)}{_style(lines[0])}", highlight=False, soft_wrap=True)
+            for line in lines[1:]:
+                console.print(" " * (label + 2) + escape(line), highlight=False, soft_wrap=True)
+    if table.note:
+        console.print(escape(table.note), highlight=False)
+    console.print()
 
 
 def write_results(results: dict[str, Any], out_dir: Path) -> Path:

@@ -5,9 +5,12 @@ the work counters alone (no timing is asserted anywhere here)."""
 from __future__ import annotations
 
 import argparse
+import collections
+import io
 import itertools
 import json
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +28,7 @@ from rollout._cli import main as rollout_main
 from rollout.bench._cli import add_parser, build_config
 from rollout.bench._client import Stream, parse_server_timing
 from rollout.bench._goals import PACE_CONCURRENCY
-from rollout.bench._report import summary_tables, to_markdown
+from rollout.bench._report import print_tables, summary_tables, to_markdown
 from rollout.bench._runner import PACE_EXCESS, PACE_FRACTION
 from rollout.bench._server import free_port, parse_counters, parse_stage_sums
 from rollout.bench._stats import percentile, stats
@@ -660,3 +663,56 @@ def test_cli_ctrl_c_writes_what_finished_and_exits_130(tmp_path: Path) -> None:
     # What finished is there (the unpaced overhead phase ran before the 65 tps point).
     assert {r["tps"] for r in results["rollouts"]} == {None}
     assert not list((tmp_path / "out").glob("server-*.log"))  # it logged nothing
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _split_cells(results: dict[str, Any], width: int) -> tuple[list[str], list[str]]:
+    """Render every table on a terminal `width` columns wide: the lines longer than that, and
+    the cells' words that do not come out whole as often as the cells hold them (a word split
+    across lines, or cut)."""
+    tables = summary_tables(results)
+    assert tables
+    out = _Terminal()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", str(width))
+        patch.setenv("NO_COLOR", "1")
+        print_tables(results, tables, file=out)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())  # styles (bold, italic, colours)
+    rendered = collections.Counter(re.split(r"[\s│┃]+", text))
+    wanted = collections.Counter(
+        w for t in tables for row in t.rows for c in row for w in c.split()
+    )
+    split = [w for w, n in wanted.items() if rendered[w] < n]
+    return [line for line in text.splitlines() if len(line) > width], split
+
+
+def test_tables_fit_80_columns_without_splitting_a_cell(
+    tiny_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    """Every table, of a tiny run and of the committed full run, at 80 columns: no line is
+    longer, no number is split (a table too wide becomes one block per row)."""
+    committed = json.loads((Path(bench.__file__).parent / "results" / "results.json").read_text())
+    for results in (tiny_run[0], committed):
+        assert _split_cells(results, 80) == ([], [])
+    # The check can fail: rich's own layout, squeezed to 80 columns, folds numbers.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("rollout.bench._report.table_width", lambda _table: 0)
+        patch.setattr(
+            "rollout.bench._report._column_widths",
+            lambda table, width: [None] * len(table.headers),
+        )
+        _, split = _split_cells(committed, 80)
+    assert split
+
+
+def test_piped_tables_are_the_markdown(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+    results, _, _ = tiny_run
+    tables = summary_tables(results)
+    piped = io.StringIO()
+    print_tables(results, tables, file=piped)
+    assert piped.getvalue() == to_markdown(results, tables)
+    assert not [line for line in piped.getvalue().splitlines() if line.endswith(" ")]
