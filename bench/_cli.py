@@ -14,7 +14,12 @@ __all__ = ["add_parser", "build_config", "run"]
 
 QUICK_CONCURRENCY = (1, 4, 16)
 FULL_CONCURRENCY = (1, 8, 16, 32, 64, 256)
+QUICK_CONCURRENCY_MODES = ("ws-rollout",)
 FULL_CONCURRENCY_MODES = ("ws-rollout", "ws-chain", "http-stateless")
+# What the plans take on 2 cores, as the help and bench/README say (the last full run took
+# 27 minutes before the long-output scenario joined it; the quick one about 3).
+QUICK_MINUTES = 3
+FULL_MINUTES = 30
 # The full plan's speeds and repetitions for the long-output scenario (60 turns of 500 tokens).
 LONG_OUTPUT_SPEEDS: tuple[float | None, ...] = (None, 4000.0)
 LONG_OUTPUT_REPS: dict[float | None, int] = {None: 5, 4000.0: 2}
@@ -31,13 +36,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "end-to-end time against the physical limit, server CPU and memory, work counters and "
         "a concurrency sweep. "
         "Writes results.json (schema: bench/SCHEMA.md), summary.md and PNG plots to --out. "
-        "The default is a quick run (about 3 minutes on 2 cores); --full runs everything.",
+        f"The default is a quick run (about {QUICK_MINUTES} minutes on 2 cores); --full runs "
+        f"everything (about {FULL_MINUTES} minutes).",
     )
     p.add_argument(
         "--full",
         action="store_true",
-        help="the full plan (all scenarios, speeds, "
-        "more repetitions, concurrency 1-256; about 20 minutes on 2 cores)",
+        help=f"the full plan: every scenario at every speed (long-output unpaced and at 4000 "
+        f"tps), more repetitions, concurrency "
+        f"{_list(FULL_CONCURRENCY)} in {_list(FULL_CONCURRENCY_MODES)}; about {FULL_MINUTES} "
+        "minutes on 2 cores",
     )
     p.add_argument(
         "--out",
@@ -80,12 +88,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--concurrency",
         help="comma-separated K values for the concurrency sweep "
-        "(default 1,4,16; --full 1,8,16,64,256; 0 to skip)",
+        f"(default {_list(QUICK_CONCURRENCY)}; --full {_list(FULL_CONCURRENCY)}; 0 to skip)",
     )
     p.add_argument(
         "--concurrency-modes",
         help="comma-separated modes of the sweep "
-        "(default ws-rollout; --full ws-rollout,ws-chain,http-stateless)",
+        f"(default {_list(QUICK_CONCURRENCY_MODES)}; --full {_list(FULL_CONCURRENCY_MODES)})",
     )
     p.add_argument(
         "--concurrency-tps",
@@ -133,6 +141,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="run nothing: print the tables of an earlier results.json and write its summary "
         "and plots into --out",
     )
+
+
+def _list(values: tuple[object, ...]) -> str:
+    return ",".join(str(v) for v in values)
 
 
 def _csv(value: str | None) -> list[str]:
@@ -280,7 +292,7 @@ def build_config(args: argparse.Namespace) -> Any:
     concurrency = _counts(args.concurrency) or (FULL_CONCURRENCY if full else QUICK_CONCURRENCY)
     concurrency = tuple(k for k in concurrency if k > 0)
     concurrency_modes = tuple(_csv(args.concurrency_modes)) or (
-        tuple(m for m in FULL_CONCURRENCY_MODES if m in modes) if full else ("ws-rollout",)
+        tuple(m for m in FULL_CONCURRENCY_MODES if m in modes) if full else QUICK_CONCURRENCY_MODES
     )
     concurrency_scenario = (
         points[0].scenario if custom and points else CONCURRENCY_SCENARIO.with_(**overrides)

@@ -716,3 +716,25 @@ def test_piped_tables_are_the_markdown(tiny_run: tuple[dict[str, Any], Path, str
     print_tables(results, tables, file=piped)
     assert piped.getvalue() == to_markdown(results, tables)
     assert not [line for line in piped.getvalue().splitlines() if line.endswith(" ")]
+
+
+def test_help_and_readme_state_the_plans() -> None:
+    """`rollout bench --help` and bench/README.md say what the code runs, and how long."""
+    from rollout.bench import _cli
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    help_text = " ".join(
+        parser._subparsers._group_actions[0].choices["bench"].format_help().split()
+    )  # type: ignore[union-attr]
+    readme = " ".join((Path(bench.__file__).parent / "README.md").read_text().split())
+    full = ",".join(map(str, _cli.FULL_CONCURRENCY))
+    quick = ",".join(map(str, _cli.QUICK_CONCURRENCY))
+    modes = ",".join(_cli.FULL_CONCURRENCY_MODES)
+    for text in (help_text, readme):
+        assert "1,8,16,32,64,256" == full and full in text and quick in text and modes in text
+        assert f"about {_cli.FULL_MINUTES} minutes on 2 cores" in text
+        assert f"about {_cli.QUICK_MINUTES} minutes on 2 cores" in text
+    assert f"`--full` everything (~{_cli.FULL_MINUTES} minutes)" in " ".join(
+        (Path(__file__).parents[1] / "README.md").read_text().split()
+    )
