@@ -142,12 +142,11 @@ def _overhead(plt: Any, results: dict[str, Any]) -> Any:
         "client-observed: request sent -> response acknowledged",
         "tokens the server rendered per turn (/metrics)",
     )
-    ylabels = ("ms (log)", "ms (log)", "tokens (log)")
-    for ax, title, ylabel in zip(axes, titles, ylabels, strict=True):
+    units = ("ms", "ms", "tokens")
+    for ax, title, unit in zip(axes, titles, units, strict=True):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("history before the turn (thousand tokens)")
-        ax.set_ylabel(ylabel)
-        ax.set_yscale("log")
+        _latency_scale(ax, unit)
         ax.grid(True, which="both", alpha=0.3)
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=8)
@@ -164,29 +163,30 @@ def _e2e(plt: Any, results: dict[str, Any]) -> Any:
     if not rollouts:
         return None
     scenarios = list(dict.fromkeys(r["scenario"] for r in rollouts))
-    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.2 * len(scenarios), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5.6 * len(scenarios), 4.8), squeeze=False)
     series = [(s, m) for s in _servers(results) for m in MODE_COLORS]
+    missing = False
     for ax, scenario in zip(axes[0], scenarios, strict=True):
         mine = [r for r in rollouts if r["scenario"] == scenario]
         speeds = sorted({r["tps"] for r in mine})
         present = [sm for sm in series if any((r["server"], r["mode"]) == sm for r in mine)]
         width = 0.8 / max(1, len(present))
         for i, (server, mode) in enumerate(present):
-            xs, ys, texts = [], [], []
+            xs, ys, gaps = [], [], []
             for j, tps in enumerate(speeds):
+                x = j + (i - (len(present) - 1) / 2) * width
                 found = [
                     r
                     for r in mine
                     if r["server"] == server and r["mode"] == mode and r["tps"] == tps
                 ]
                 if not found:
+                    gaps.append(x)  # this mode did not run at this speed
                     continue
-                r = found[0]
-                xs.append(j + (i - (len(present) - 1) / 2) * width)
-                ys.append(r["e2e_s"]["median"] / r["physical_limit_s"])
-                texts.append(f"{r['e2e_s']['median']:.1f}s")
+                xs.append(x)
+                ys.append(found[0]["e2e_s"]["median"] / found[0]["physical_limit_s"])
             hatch = "" if _servers(results).index(server) == 0 else "//"
-            bars = ax.bar(
+            ax.bar(
                 xs,
                 ys,
                 width,
@@ -194,26 +194,27 @@ def _e2e(plt: Any, results: dict[str, Any]) -> Any:
                 hatch=hatch,
                 label=_label(results, server, mode),
             )
-            for bar, text in zip(bars, texts, strict=True):
-                ax.annotate(
-                    text,
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center",
-                    va="bottom",
-                    fontsize=6,
-                    rotation=90,
-                )
+            for x in gaps:
+                missing = True
+                ax.annotate("n/a", (x, 0.9), ha="center", va="bottom", fontsize=8, color="grey",
+                            xytext=(0, 2), textcoords="offset points")  # fmt: skip
+        limits = {
+            tps: min(r["physical_limit_s"] for r in mine if r["tps"] == tps) for tps in speeds
+        }
+        ax.set_xticks(
+            range(len(speeds)), [f"{s:g} tps\nlimit {limits[s]:.1f} s" for s in speeds], fontsize=9
+        )
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(range(len(speeds)), [f"{s:g} tps" for s in speeds])
-        ax.set_title(scenario, fontsize=10)
+        ax.set_title(scenario, fontsize=11)
         ax.set_ylabel("end-to-end / physical limit")
         top = max((b.get_height() for b in ax.patches), default=1.0)
-        ax.set_ylim(0.9, max(1.1, top * 1.08))
+        ax.set_ylim(0.9, max(1.1, top * 1.05))
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8, loc="upper left")
     fig.suptitle(
         "End-to-end rollout time over the physical limit (model + tool time; 1.0 = no "
-        "overhead), by model speed and mode (medians; labels: seconds)",
+        "overhead), by model speed and mode (medians)"
+        + ("\nn/a: the mode did not run at that speed" if missing else ""),
         fontsize=10,
     )
     return fig
@@ -260,19 +261,27 @@ def _concurrency(plt: Any, results: dict[str, Any]) -> Any:
         ax.set_xlabel("concurrent rollouts (K)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_title("turn latency", fontsize=10)
-    axes[0].set_ylabel("ms (log)")
-    axes[0].set_yscale("log")
+    _latency_scale(axes[0], "ms")
     axes[1].set_title(
         "keeping pace: stream rate (% of the model's tps, >= 95)\n"
         "and model time / median turn (%, >= 91)",
         fontsize=9,
     )
-    axes[1].axhline(95, color="black", linewidth=0.8, linestyle="--")
-    axes[1].axhline(100 / 1.1, color="grey", linewidth=0.8, linestyle=":")
+    axes[1].axhline(
+        95, color="black", linewidth=0.8, linestyle="--", label="stream rate threshold (95%)"
+    )
+    axes[1].axhline(
+        100 / 1.1,
+        color="grey",
+        linewidth=0.8,
+        linestyle=":",
+        label="model time / turn threshold (91%)",
+    )
     axes[1].set_ylim(0, 110)
     axes[1].set_ylabel("%")
-    axes[2].set_title("throughput (output tokens/s, all rollouts)", fontsize=10)
-    axes[2].set_yscale("log")
+    axes[1].legend(fontsize=7, loc="lower left")
+    axes[2].set_title("throughput (output tokens/s received, all rollouts)", fontsize=10)
+    _latency_scale(axes[2], "tokens/s")
     axes[0].legend(fontsize=7)
     scenario = waves[0]["scenario"]
     ttft = waves[0]["ttft_ms"]
@@ -284,6 +293,24 @@ def _concurrency(plt: Any, results: dict[str, Any]) -> Any:
         fontsize=11,
     )
     return fig
+
+
+# A value axis spanning at least this ratio (largest / smallest) is drawn on a log scale;
+# a narrower one is linear (a log scale over 200-270 ms only hides the differences).
+LOG_SCALE_RATIO = 10.0
+
+
+def _latency_scale(ax: Any, unit: str) -> None:
+    """Log scale for the axis if its data spans `LOG_SCALE_RATIO`, else linear from 0."""
+    values = [
+        float(v) for line in ax.get_lines() for v in line.get_ydata() if v is not None and v > 0
+    ]
+    if values and max(values) / min(values) >= LOG_SCALE_RATIO:
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{unit} (log)")
+    else:
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel(unit)
 
 
 def _ideal_turn_ms(results: dict[str, Any]) -> float | None:

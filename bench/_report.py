@@ -183,7 +183,7 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
             cells.append("-" if not counters else str(counters.get("tokens_rendered", "-")))
         rows.append(tuple(cells))
     cols = [f"~{h // 1000}k" for h in OVERHEAD_COLUMNS]
-    return Table(
+    return _without_empty_columns(
         title=f"[{server}] Per-turn pre-inference overhead vs history ({scenario}, "
         f"{_tps(tps)} tps; medians)",
         headers=(
@@ -201,6 +201,20 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
         "with what the client sends; ack ms: client-observed, request sent to response "
         "acknowledged (adds transport and event encoding); tokens rendered: /metrics counter "
         "delta for that turn.",
+    )
+
+
+def _without_empty_columns(
+    *, title: str, headers: tuple[str, ...], rows: tuple[tuple[str, ...], ...], note: str
+) -> Table:
+    """The table without the columns no row has a value in (history sizes a run's scenarios
+    never reached, say)."""
+    keep = [i for i in range(len(headers)) if not rows or any(row[i] != "-" for row in rows)]
+    return Table(
+        title=title,
+        headers=tuple(headers[i] for i in keep),
+        rows=tuple(tuple(row[i] for i in keep) for row in rows),
+        note=note,
     )
 
 

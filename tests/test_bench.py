@@ -738,3 +738,53 @@ def test_help_and_readme_state_the_plans() -> None:
     assert f"`--full` everything (~{_cli.FULL_MINUTES} minutes)" in " ".join(
         (Path(__file__).parents[1] / "README.md").read_text().split()
     )
+
+
+def test_overhead_table_has_no_empty_columns(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+    """A run whose history stays near 1k has no ~10k-~100k columns full of "-"."""
+    results, _, _ = tiny_run
+    (table,) = [t for t in summary_tables(results) if "overhead vs history" in t.title]
+    assert table.headers == (
+        "mode", "server ms ~1k", "decode ms ~1k", "ack ms ~1k", "tokens rendered ~1k",
+    )  # fmt: skip
+    assert all("-" not in row for row in table.rows)
+
+
+def test_plots_explain_what_is_missing(tmp_path: Path) -> None:
+    """e2e.png marks a mode that did not run at a speed "n/a"; concurrency.png's middle panel
+    has a legend naming its series and both thresholds; a narrow latency range is linear."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from rollout.bench import _plots
+
+    committed = json.loads((Path(bench.__file__).parent / "results" / "results.json").read_text())
+    quick = {
+        **committed,
+        "rollouts": [
+            r
+            for r in committed["rollouts"]
+            if r["tps"] != 65.0 or r["mode"] in ("http-stateless", "ws-rollout")
+        ],
+    }
+    import matplotlib.pyplot as plt
+
+    fig = _plots._e2e(plt, quick)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    # three modes did not run at 65 tps, in each of the three scenarios
+    assert texts.count("n/a") == 9 and "n/a: the mode did not run" in fig._suptitle.get_text()
+    plt.close(fig)
+    fig = _plots._concurrency(plt, committed)
+    left, middle, _ = fig.axes
+    labels = middle.get_legend_handles_labels()[1]
+    assert "stream rate threshold (95%)" in labels and "model time / turn threshold (91%)" in labels
+    assert "ws-rollout stream rate" in labels and "ws-rollout model time / turn" in labels
+    assert middle.get_legend() is not None
+    one_mode = {**committed, "concurrency": [
+        w for w in committed["concurrency"] if w["mode"] == "ws-rollout" and w["concurrency"] <= 16
+    ]}  # fmt: skip
+    plt.close(fig)
+    fig = _plots._concurrency(plt, one_mode)
+    assert fig.axes[0].get_yscale() == "linear"  # 200-230 ms
+    plt.close(fig)
+    assert left.get_yscale() == "log"  # 200 ms to 10 s
