@@ -1,4 +1,4 @@
-"""The issue's performance goals, evaluated on a results document (reported, never asserted).
+"""rollout's performance goals, evaluated on a results document (reported, never asserted).
 
 | id                       | goal                                                                 |
 |--------------------------|----------------------------------------------------------------------|
@@ -13,7 +13,7 @@
 |                          | within 10% at 4,000 tps (alpha-demo, codex-like)                     |
 | keeps-pace               | with at least 16 concurrent ws-rollout rollouts at 4,000 tps, each   |
 |                          | streams at >= 95% of the model's rate, its median turn within 10% of |
-|                          | the model's own time                                                 |
+|                          | the model's own time, and none fails or loses tokens                 |
 | flat-suspensions/bytes   | ws-rollout's last 5 suspensions (response.done + the resumed         |
 |                          | response.in_progress) at most 1.05x the bytes of its first 5         |
 |                          | (long-output, unpaced: 2 KB of arguments a step)                     |

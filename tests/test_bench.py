@@ -1,6 +1,8 @@
 """`rollout bench`: a tiny scenario through all five modes against a real `rollout serve`
-subprocess, the results checked against their JSON Schema, and the mission's point shown by
-the work counters alone (no timing is asserted anywhere here)."""
+subprocess, the results checked against their JSON Schema, and the design's point (per-turn
+work that does not grow with the conversation) shown by the work counters alone (no timing
+is asserted anywhere here); what arrived counted, and a server that loses tokens failing;
+the command line's messages, Ctrl-C, and the tables at 80 columns."""
 
 from __future__ import annotations
 
@@ -155,7 +157,7 @@ def _rendered(results: dict[str, Any], mode: str) -> list[int]:
     return [t["counters"]["tokens_rendered"] for t in turns]
 
 
-def test_work_counters_show_the_mission(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+def test_work_counters_stay_flat(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
     """Tokens rendered per turn stay flat for every kind of client: on a WebSocket connection
     (only the new tool output is rendered) and, through the process-wide render cache, for a
     stateless client resending the whole history and an HTTP chain hydrating from the store.
