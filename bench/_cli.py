@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -194,12 +195,62 @@ def _servers(args: argparse.Namespace) -> tuple[Any, ...]:
     return tuple(servers)
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Numbers the run could not use, refused before anything runs (one line each)."""
+    checks: list[tuple[str, Any, bool]] = [
+        ("--steps", args.steps, args.steps is None or args.steps >= 1),
+        ("--tool-tokens", args.tool_tokens, args.tool_tokens is None or args.tool_tokens >= 1),
+        (
+            "--output-tokens",
+            args.output_tokens,
+            args.output_tokens is None or args.output_tokens >= 1,
+        ),
+        (
+            "--prompt-tokens",
+            args.prompt_tokens,
+            args.prompt_tokens is None or args.prompt_tokens >= 1,
+        ),
+        ("--repetitions", args.repetitions, args.repetitions is None or args.repetitions >= 1),
+        (
+            "--tool-latency-ms",
+            args.tool_latency_ms,
+            args.tool_latency_ms is None or args.tool_latency_ms >= 0,
+        ),
+        ("--ttft-ms", args.ttft_ms, args.ttft_ms is None or args.ttft_ms >= 0),
+        ("--concurrency-tps", args.concurrency_tps, args.concurrency_tps > 0),
+        ("--timeout", args.timeout, args.timeout > 0),
+        *(("--tps", tps, tps > 0) for tps in args.tps),
+    ]
+    for option, value, ok in checks:
+        if not ok:
+            least = "a positive number" if option in _POSITIVE else "at least 0"
+            if option in _COUNTS:
+                least = "at least 1"
+            raise SystemExit(f"rollout bench: {option} must be {least}, not {value:g}")
+    out = Path(args.out).absolute()
+    existing = next((p for p in (out, *out.parents) if p.exists()), out.anchor)
+    try:  # the folder to be, or its nearest existing parent, takes a folder (left as it was)
+        tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise SystemExit(
+            f"rollout bench: cannot write the results into {args.out}: {why}"
+        ) from None
+
+
+_COUNTS = frozenset(
+    {"--steps", "--tool-tokens", "--output-tokens", "--prompt-tokens", "--repetitions"}
+)
+_POSITIVE = frozenset({"--concurrency-tps", "--timeout", "--tps"})
+
+
 def build_config(args: argparse.Namespace) -> Any:
     """The BenchConfig of the arguments: the quick or full plan, then the overrides."""
     from ._client import MODES
     from ._runner import BenchConfig, SweepPoint
     from ._scenario import CONCURRENCY_SCENARIO, LONG_OUTPUT, PRESETS, SPEED_SWEEP
 
+    _check_numbers(args)
     modes = tuple(_csv(args.modes)) or MODES
     for option, values in (
         ("--modes", modes),

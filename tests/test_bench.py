@@ -594,12 +594,22 @@ def test_cli_dead_url_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
             ["--report", "missing.json"],
             "rollout bench: cannot read missing.json: No such file or directory",
         ),
+        (["--tps", "0"], "rollout bench: --tps must be a positive number, not 0"),
+        (["--repetitions", "0"], "rollout bench: --repetitions must be at least 1, not 0"),
+        (["--ttft-ms", "-1"], "rollout bench: --ttft-ms must be at least 0, not -1"),
     ],
 )
 def test_cli_bad_arguments_are_one_line(argv: list[str], message: str, tmp_path: Path) -> None:
     done = _bench_cli(*argv, "--no-progress", "--out", "out", cwd=tmp_path)
     assert (done.returncode, done.stderr, done.stdout) == (1, message + "\n", "")
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_unwritable_out_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    done = _bench_cli("--out", "file/out", "--no-progress", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == "rollout bench: cannot write the results into file/out: Not a directory\n"
 
 
 def test_cli_report_of_another_schema_says_so(tmp_path: Path) -> None:
