@@ -143,10 +143,17 @@ class BenchConfig:
             seen.setdefault(self.concurrency_scenario.name, self.concurrency_scenario)
         return list(seen.values())
 
+    def modes(self) -> list[str]:
+        """The modes some phase runs, in `MODES` order (the counting pass runs just these)."""
+        wanted = {m for p in self.points for m in p.modes}
+        if self.concurrency:
+            wanted.update(self.concurrency_modes)
+        return [m for m in MODES if m in wanted]
+
     def planned_rollouts(self, n_servers: int) -> int:
         per_server = sum(p.repetitions * len(p.modes) for p in self.points)
         if self.counting:
-            per_server += len(self.scenarios()) * len(MODES)
+            per_server += len(self.scenarios()) * len(self.modes())
         per_server += sum(self.concurrency) * len(self.concurrency_modes)
         return per_server * n_servers
 
@@ -365,7 +372,7 @@ class _ServerBench:
             label=endpoint.label,
             url=endpoint.base_url,
             spawned=endpoint.spawned,
-            modes=list(MODES),
+            modes=config.modes(),
             rollout_extension=False,
             metrics=False,
             proc_stats=self.proc is not None and self.proc.cpu_seconds() is not None,
@@ -421,7 +428,7 @@ class _ServerBench:
             self.endpoint, probe_model, config.scenarios()[0]
         )
         info.rollout_extension = supported
-        if not supported:
+        if not supported and "ws-rollout" in info.modes:
             info.modes.remove("ws-rollout")
             info.notes.append(f"no rollout extension ({why}): ws-rollout skipped")
         info.websocket_deflate = await probe_websocket_deflate(self.endpoint)
@@ -431,7 +438,7 @@ class _ServerBench:
         if not (config.counting and self.info.metrics and config.model is None):
             return
         for scenario in config.scenarios():
-            for mode in MODES:
+            for mode in config.modes():
                 what = f"{label}: counting {scenario.name} {mode}"
                 self.report(what, 0)
                 if self.usable(mode):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import io
 import itertools
 import json
@@ -78,6 +79,7 @@ def test_writes_table_json_and_plots(tiny_run: tuple[dict[str, Any], Path, str])
     for name in ("overhead.png", "e2e.png", "concurrency.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "End-to-end rollout time" in stdout and "Goals" in stdout
+    assert not list(out.glob("server-*.log"))  # the server logged nothing: no empty log
     summary = (out / "summary.md").read_text()
     assert "| ws-rollout |" in summary and "Machine:" in summary
     meta = results["meta"]
@@ -217,6 +219,12 @@ async def test_url_target_in_process(tmp_path: Path) -> None:
     assert server["rollout_extension"] and not server["proc_stats"]
     assert any("CPU and memory not measured" in note for note in server["notes"])
     assert {r["mode"] for r in results["rollouts"]} == {"ws-chain", "ws-rollout"}
+    # The counting pass ran the two modes asked for, not all five.
+    assert server["modes"] == ["ws-chain", "ws-rollout"]
+    assert {r["mode"] for r in results["rollouts"] if r["counters_by_turn"]} == {
+        "ws-chain",
+        "ws-rollout",
+    }
     assert all(r["server_cpu_s"] is None for r in results["rollouts"])
 
 
@@ -800,3 +808,26 @@ def test_plots_explain_what_is_missing(tmp_path: Path) -> None:
     assert fig.axes[0].get_yscale() == "linear"  # 200-230 ms
     plt.close(fig)
     assert left.get_yscale() == "log"  # 200 ms to 10 s
+
+
+async def test_cli_exits_1_when_the_server_loses_tokens(tmp_path: Path) -> None:
+    """`rollout bench --url` against the delta-dropping server: the sweep's mode fails on
+    its first rollout (noted, no data point), and the run says so and exits 1."""
+    async with _fault_server(10) as url:
+        argv = [
+            "--url", f"faulty={url}", "--scenario", "alpha-demo", "--steps", "2",
+            "--tool-tokens", "50", "--output-tokens", "200", "--tps", "4000",
+            "--no-overhead-phase", "--modes", "ws-chain", "--repetitions", "2",
+            "--concurrency", "0", "--no-progress", "--no-plots", "--out", "out",
+        ]  # fmt: skip
+        done = await trio.to_thread.run_sync(functools.partial(_bench_cli, *argv, cwd=tmp_path))
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "rollout bench: faulty lost tokens: what arrived is not what it produced (1 rollouts "
+        "of the sweep, 0 turns of the concurrency sweep; see its notes and errors in "
+        "results.json)"
+    )
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    (server,) = results["servers"]
+    assert server["stream_failures"] == 1 and results["rollouts"] == []
+    assert any("ws-chain: the stream lost tokens: turn " in n for n in server["notes"])
