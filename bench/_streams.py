@@ -27,12 +27,10 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import TYPE_CHECKING
 
 from rollout.protocol import ProtocolError, decode_server_event, encode_json
 
-if TYPE_CHECKING:
-    from ._client import RolloutRecord, TurnRecord
+from ._records import RolloutRecord, TurnRecord
 
 __all__ = ["achieved_tps", "check_streams", "count_tokens", "measure_encoding"]
 
