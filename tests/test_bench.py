@@ -831,3 +831,23 @@ async def test_cli_exits_1_when_the_server_loses_tokens(tmp_path: Path) -> None:
     (server,) = results["servers"]
     assert server["stream_failures"] == 1 and results["rollouts"] == []
     assert any("ws-chain: the stream lost tokens: turn " in n for n in server["notes"])
+
+
+def test_missing_matplotlib_is_said_where_the_outputs_are_listed(
+    tiny_run: tuple[dict[str, Any], Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, out, _ = tiny_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    capture = _Capture()
+    with capture:
+        status = rollout_main(
+            ["bench", "--report", str(out / "results.json"), "--out", str(tmp_path)]
+        )
+    assert status == 0
+    assert capture.text.splitlines()[-2:] == [
+        f"summary: {tmp_path / 'summary.md'}",
+        "plots:   none: matplotlib is not installed, so this run writes no plots; `pip install "
+        "'rollout-engine[bench]'` adds it, and `rollout bench --report RESULTS_JSON` plots a "
+        "finished run",
+    ]
+    assert not list(tmp_path.glob("*.png"))
