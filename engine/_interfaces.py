@@ -28,6 +28,7 @@ __all__ = [
     "HostedTool",
     "ItemLookupStore",
     "ParamCheckingBackend",
+    "ReasoningDone",
     "Renderer",
     "ResponseStore",
     "SampleEvent",
@@ -210,6 +211,17 @@ class CallEnd:
 
 
 @attrs.frozen
+class ReasoningDone:
+    """A finished reasoning item (not streamed): its summary text and, as the API returns it
+    with `include: ["reasoning.encrypted_content"]`, opaque `encrypted_content`; `n_tokens`
+    count as output tokens."""
+
+    summary: str
+    encrypted_content: str | None = None
+    n_tokens: int = 1
+
+
+@attrs.frozen
 class Finish:
     reason: Literal["stop", "tool_calls", "max_output_tokens"] = "stop"
     # Token counts the backend measured (an upstream server's usage); None: render and count.
@@ -218,7 +230,9 @@ class Finish:
     cached_tokens: int | None = None  # of input_tokens, served from the upstream's own cache
 
 
-SampleEvent: TypeAlias = TextStart | TextDelta | TextEnd | CallStart | ArgsDelta | CallEnd | Finish
+SampleEvent: TypeAlias = (
+    TextStart | TextDelta | TextEnd | CallStart | ArgsDelta | CallEnd | ReasoningDone | Finish
+)
 
 
 class Backend(Protocol):

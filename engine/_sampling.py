@@ -22,9 +22,11 @@ from rollout.protocol import (
     Compaction,
     InvalidToolPayload,
     Item,
+    Reasoning,
     ResponseCreate,
     ResponseStream,
     ServerEvent,
+    SummaryText,
     Usage,
     call_of,
 )
@@ -37,6 +39,7 @@ from ._interfaces import (
     CallStart,
     Finish,
     HostedCall,
+    ReasoningDone,
     SampleEvent,
     SampleRequest,
     TextDelta,
@@ -132,6 +135,10 @@ async def sample_turn(
                 delta = stream.arguments_delta(ev.text)
                 if delta is not None:
                     await emit(delta)
+            elif isinstance(ev, ReasoningDone):
+                progress.output_tokens += ev.n_tokens
+                for e in stream.add_item(_reasoning_item(ev)):
+                    await emit(e)
             elif isinstance(ev, CallStart) and ev.kind in engine.hosted:
                 hosted = (ev, [])
             elif isinstance(ev, CallEnd) and hosted is not None:
@@ -181,6 +188,14 @@ async def _next_event(
     with steering.safe_point() as scope:
         event = await anext(events, None)
     return _STEERED if scope.cancelled_caught else event
+
+
+def _reasoning_item(ev: ReasoningDone) -> Reasoning:
+    return Reasoning(
+        id=new_id("rs"),
+        summary=[SummaryText(text=ev.summary)],
+        encrypted_content=ev.encrypted_content,
+    )
 
 
 def _item_boundary(

@@ -16,6 +16,8 @@ unmodified client can drive it:
 | tps         | unlimited | sampled tokens per second                                             |
 | ttft_ms     | 0         | delay before the first token                                          |
 | interval_ms | 5         | after the first token, deltas are coalesced to one per interval       |
+| reasoning   | 0         | a `reasoning` output item of this many tokens before each turn's       |
+|             |           | answer or calls (when `max_output_tokens` leaves room for it and more) |
 
 A text answer to a user turn with images or files starts by acknowledging them
 ("I see 1 image and 2 files.").
@@ -25,6 +27,12 @@ It honours `tool_choice` like a real model (`none`: text; `required`: always cal
 a named tool or a forced built-in type: always call that tool; `allowed_tools`: only those;
 `auto`: the `steps` rule), `parallel_tool_calls: false`, and `max_output_tokens` (the turn
 stops there and the response ends `incomplete`).
+
+With `reasoning=N`, each turn starts with a finished `reasoning` item (not streamed): a summary
+of N words (`summary_text`) and `encrypted_content` (opaque to clients: base64 of the summary,
+as the API returns it for `include: ["reasoning.encrypted_content"]`). Its N tokens count as
+output tokens and against `max_output_tokens`; it renders into the context (`_render.py`), so
+a client that echoes it back, or a chain that keeps it, changes what the model sees next.
 
 It calls every kind of tool a client runs:
 - function tools: arguments generated from the tool's JSON schema, valid for the common
@@ -39,6 +47,7 @@ It calls every kind of tool a client runs:
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import math
@@ -56,6 +65,7 @@ from ._interfaces import (
     CallEnd,
     CallStart,
     Finish,
+    ReasoningDone,
     SampleEvent,
     SampleRequest,
     TextDelta,
@@ -85,17 +95,18 @@ _WORDS = (
 ).split(" ")[1:]
 _VOCAB = tuple(" " + w for w in _WORDS)
 
-SIM_PARAMS = ("steps", "parallel", "tokens", "tps", "ttft_ms", "interval_ms")
+SIM_PARAMS = ("steps", "parallel", "tokens", "tps", "ttft_ms", "interval_ms", "reasoning")
 # Bounds on parameters a peer can choose through the model string.
 MAX_SIM_TOKENS = 1_000_000
 MAX_SIM_STEPS = 100_000
 MAX_SIM_PARALLEL = 128
+MAX_SIM_REASONING = 100_000  # tokens of one reasoning item
 MAX_SIM_TPS = 10_000_000  # far beyond any model; past it, "unlimited" (tps=0) says it better
 MAX_SIM_DELAY_MS = 3_600_000  # an hour: longer delays only hold a connection for nothing
 
 
 class SimParams:
-    __slots__ = ("interval", "parallel", "steps", "tokens", "tps", "ttft")
+    __slots__ = ("interval", "parallel", "reasoning", "steps", "tokens", "tps", "ttft")
 
     def __init__(self, params: Mapping[str, str]) -> None:
         self.steps = _int(params, "steps", 1, 0, MAX_SIM_STEPS)
@@ -105,6 +116,7 @@ class SimParams:
         self.tps = tps if tps > 0 else math.inf
         self.ttft = _float(params, "ttft_ms", 0.0, MAX_SIM_DELAY_MS) / 1000
         self.interval = _float(params, "interval_ms", 5.0, MAX_SIM_DELAY_MS) / 1000
+        self.reasoning = _int(params, "reasoning", 0, 0, MAX_SIM_REASONING)
 
 
 def _bad(key: str, value: str, why: str) -> RemoteProtocolError:
@@ -161,6 +173,13 @@ class SimBackend:
         clock = _Pacer(start + p.ttft, p.tps)
         if p.ttft:
             await trio.sleep_until(start + p.ttft)
+        if p.reasoning and p.reasoning < budget:
+            summary = _words(rng, p.reasoning)
+            budget -= p.reasoning
+            await clock.wait(p.reasoning)
+            clock.advance(p.reasoning)  # the answer's tokens come after the reasoning's
+            sealed = base64.b64encode(summary.encode()).decode()
+            yield ReasoningDone(summary, encrypted_content=sealed, n_tokens=p.reasoning)
 
         if _uses_grammars(request.tools):
             # Compiling and deriving from a client's grammar is bounded (engine._grammar) but
@@ -348,6 +367,11 @@ class _Pacer:
         if math.isinf(self.tps):
             return 1_000_000
         return max(1, int(self.tps * p.interval))
+
+    def advance(self, n_tokens: int) -> None:
+        """Count from after `n_tokens` already sampled."""
+        if not math.isinf(self.tps):
+            self.first += n_tokens / self.tps
 
     async def wait(self, n_tokens: int) -> None:
         if not math.isinf(self.tps):

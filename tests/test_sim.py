@@ -6,6 +6,9 @@
 - It honours `tool_choice` (none, auto with the `steps` rule, required, a named function),
   `parallel_tool_calls: false`, `parallel=N`, `tokens=N` and `max_output_tokens` (the response
   ends `incomplete` with the cut-off item marked `incomplete`).
+- `reasoning=N` starts each turn with a `reasoning` item (an N-word summary and
+  `encrypted_content`) counted as output tokens and within `max_output_tokens`; echoed back,
+  it is part of the context (dropping it changes the next output).
 - It is paced on trio's clock: `ttft_ms` before the first token, then `tps`.
 - Its model-string grammar refuses what it does not know, with the error OpenAI would send.
 - Function-call arguments validate against the tool's JSON schema.
@@ -234,6 +237,30 @@ async def test_tokens_sets_the_text_length_in_output_tokens(n: int) -> None:
     assert r.status == "completed"
     assert r.usage is not None and r.usage.output_tokens == n
     assert len(O200kTokenizer().encode(text_of(r))) == n
+
+
+async def test_reasoning_item_leads_each_turn_and_is_context() -> None:
+    model = "sim:reasoning=6,tokens=4,steps=1"
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            r = await respond(engine, model=model, tools=TOOLS, input="find it")
+            reasoning, call = r.output
+            assert isinstance(reasoning, p.Reasoning) and isinstance(call, p.FunctionCall)
+            (summary,) = reasoning.summary
+            assert len(O200kTokenizer().encode(" " + summary.text)) == 6
+            assert reasoning.encrypted_content is not None
+            output = p.FunctionCallOutput(call_id=call.call_id, output="found")
+            user = p.Message(role="user", content="find it")
+            kept = await respond(
+                engine, model=model, tools=TOOLS, input=[user, reasoning, call, output]
+            )
+            dropped = await respond(engine, model=model, tools=TOOLS, input=[user, call, output])
+            # Too little room for the reasoning: none, and the answer alone.
+            short = await respond(engine, model=model, input="hi", max_output_tokens=6)
+    assert [i.type for i in kept.output] == ["reasoning", "message"]
+    assert [strip_ids(i) for i in kept.output] != [strip_ids(i) for i in dropped.output]
+    assert r.usage is not None and r.usage.output_tokens > 6  # the reasoning's, the call's
+    assert [i.type for i in short.output] == ["message"] and short.status == "completed"
 
 
 # --- max_output_tokens ---------------------------------------------------------------------
