@@ -388,10 +388,14 @@ class SchemaViolationWarning(UserWarning):
     """What the schema hook reports with ROLLOUT_SCHEMA_HOOK=warn."""
 
 
-# Hypothesis profiles. The default is derandomized: every run draws the same examples, so the
-# suite (and CI) is deterministic. `HYPOTHESIS_PROFILE=thorough` draws fresh random examples
-# each run and more of them, for searching locally (README: testing).
+# Hypothesis profiles (README: testing). `default` (a plain `pytest`) and `ci` (`.ci/run`) are
+# derandomized: every run draws the same examples, so the suite and CI are deterministic; `ci`
+# draws more where it matters (the equivalence tests read the profile's name:
+# `tests.wire_scripts.examples`). `deep` draws fresh random examples each run, and many more,
+# for searching locally (`thorough` is its older name).
 settings.register_profile("default", derandomize=True)
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("deep", derandomize=False, max_examples=500)
 settings.register_profile("thorough", derandomize=False, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
