@@ -309,7 +309,10 @@ def compact_state(
         call = call_of(item)
         answer = output_of(item) if call is None else None
         if call is not None:
-            open_calls[call[0]] = call[2]
+            if getattr(item, "status", None) != "incomplete":
+                # A call cut off by max_output_tokens waits for no output (as in
+                # `_validate.py`): a chain from the window accepts what the chain did.
+                open_calls[call[0]] = call[2]
         elif answer is not None and answer[0] is not None:
             open_calls.pop(answer[0], None)
     classifier = pipeline.classifier

@@ -160,6 +160,29 @@ async def test_chain_continues_after_a_restart_over_the_wire(
     assert wire_server.starts == starts + 1 and wire_server.url != url
 
 
+async def test_a_chain_from_a_window_ending_in_a_cut_off_call(tmp_path: Path) -> None:
+    """Compaction after a response cut off inside a tool call: the call waits for no output
+    in the window's chain either (found by the property test: the chain from the window
+    was refused with "No tool output found")."""
+    script = AgentScript(
+        turns=(
+            Turn(text="go", model="sim:steps=1,tokens=2", tools=(LOOKUP_TOOL,)),
+            Turn(
+                text="more", model="sim:steps=1,tokens=2", tools=(LOOKUP_TOOL,), max_output_tokens=1
+            ),
+            Turn(text="then", model="sim:steps=1,tokens=2", tools=(LOOKUP_TOOL,), compact=True),
+        ),
+        output_texts=("ok",),
+        output_sizes=(0,),
+        seed=0,
+        store=True,
+        bare_echo=False,
+    )
+    async with open_in_process_host(tmp_path) as host:
+        outcomes = await run_checked(script, host)
+    assert outcomes[0].cut_off == 1
+
+
 # --- deliberate bugs -----------------------------------------------------------------------------
 
 # fault -> (the comparisons that must fail, the modes that must differ in each), and whether
