@@ -33,7 +33,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given, target
 from hypothesis import strategies as st
 
 from tests.engine_harness import EVERY_KIND, LOOKUP_TOOL
@@ -55,7 +55,6 @@ from tests.wire_server import ServerProcess
 
 # Per example: seven modes, each a few dozen requests (and maybe a restart), on a loaded box.
 DEADLINE = 300
-SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
 
 
 @pytest.fixture(scope="session")
@@ -91,19 +90,16 @@ async def run_checked(
     return outcomes
 
 
-@settings(
-    max_examples=examples(default=10, ci=40, deep=400), deadline=None, suppress_health_check=SLOW
-)
+@examples(default=8, ci=40, deep=400)
 @given(script=agent_scripts())
 async def test_every_way_agrees_in_process(script: AgentScript) -> None:
     with tempfile.TemporaryDirectory(prefix="rollout-equiv-") as data:
         async with open_in_process_host(Path(data)) as host:
-            await run_checked(script, host, record=event)
+            outcomes = await run_checked(script, host, record=event)
+    target(float(outcomes[0].suspensions), label="suspensions")
 
 
-@settings(
-    max_examples=examples(default=3, ci=12, deep=100), deadline=None, suppress_health_check=SLOW
-)
+@examples(default=3, ci=12, deep=100)
 @given(script=agent_scripts(), restart=st.sampled_from([False, True, False]))
 async def test_every_way_agrees_over_the_wire(
     wire_server: ServerProcess, script: AgentScript, restart: bool
@@ -112,7 +108,8 @@ async def test_every_way_agrees_over_the_wire(
     in some examples."""
     modes = MODES if restart else tuple(m for m in MODES if m != "restart")
     event(f"server restarted: {restart}")
-    await run_checked(script, wire_server, modes, record=event)
+    outcomes = await run_checked(script, wire_server, modes, record=event)
+    target(float(outcomes[0].suspensions), label="suspensions")
 
 
 # --- fixed scripts ----------------------------------------------------------------------------

@@ -66,7 +66,7 @@ from typing import Any, Protocol
 import attrs
 import httpx
 import trio
-from hypothesis import settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from rollout import protocol as p
 from rollout.protocol import MULTI_AGENT_BETA
@@ -99,6 +99,10 @@ MODES = ("ws_chain", "rollout", "inject", "ws_resend", "http_stateless", "http_c
 MODE_KEYS = {mode: f"sk-equiv-{mode}" for mode in MODES}
 # Tool-output sizes (characters), drawn per script and cycled over its calls.
 OUTPUT_SIZES = (0, 12, 120, 1_200, 12_000, 40_000)
+# The characters of all tool outputs of one script: past it, outputs are cut to 120
+# characters, so that a long script of large outputs stays within the model's context window
+# (400k tokens; random unicode text can take a token per character).
+OUTPUT_BUDGET = 200_000
 # The extra turn that reads the final context (see the module docstring).
 PROBE = "Summarize what happened."
 PROBE_MODEL = "sim:tokens=12"
@@ -156,7 +160,11 @@ class AgentScript:
     def answer(self, call: p.ToolCall, n: int) -> Json:
         """The output a client sends for the `n`-th call of the script (of the call's kind)."""
         base = self.output_texts[n % len(self.output_texts)] or "ok"
-        size = self.output_sizes[n % len(self.output_sizes)]
+        sizes = self.output_sizes
+        size = sizes[n % len(sizes)]
+        spent = sum(sizes) * (n // len(sizes)) + sum(sizes[: n % len(sizes)])
+        if spent + size > OUTPUT_BUDGET:
+            size = min(size, 120)
         found = p.call_of(call)
         assert found is not None
         text = f"{found[2]}#{n}:"
@@ -676,12 +684,27 @@ async def run_script(
     return outcomes, compare(outcomes)
 
 
-def examples(*, default: int, ci: int, deep: int) -> int:
-    """An example count for the active Hypothesis profile (tests/conftest.py): `default` for
-    a plain `pytest`, `ci` under `HYPOTHESIS_PROFILE=ci` (`.ci/run`), `deep` for local
-    searching (`deep`, or its older name `thorough`)."""
+def examples(*, default: int, ci: int, deep: int) -> settings:
+    """Settings for an equivalence property test under the active Hypothesis profile
+    (tests/conftest.py): `default` examples for a plain `pytest`, `ci` under
+    `HYPOTHESIS_PROFILE=ci` (`.ci/run`), `deep` for local searching (`deep`, or its older
+    name `thorough`). Only `deep` shrinks a failure: an example runs every mode against a
+    server (about a second), and shrinking one takes many minutes; the unshrunk script is
+    printed whole."""
     name = settings.get_current_profile_name()
-    return {"ci": ci, "deep": deep, "thorough": deep}.get(name, default)
+    searching = name in ("deep", "thorough")
+    count = {"ci": ci, "deep": deep, "thorough": deep}.get(name, default)
+    phases = tuple(Phase) if searching else tuple(ph for ph in Phase if ph is not Phase.shrink)
+    return settings(
+        max_examples=count,
+        deadline=None,
+        phases=phases,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.large_base_example,
+        ],
+    )
 
 
 # --- strategies ------------------------------------------------------------------------------
