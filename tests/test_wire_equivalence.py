@@ -90,7 +90,10 @@ async def run_checked(
     return outcomes
 
 
-@examples(default=8, ci=40, deep=400)
+# The schema hook (tests/conftest.py) would check every event of every example, which takes
+# twice as long as running them: the fixed script's events are checked instead (below).
+@pytest.mark.no_schema_hook
+@examples(default=8, ci=60, deep=400)
 @given(script=agent_scripts())
 async def test_every_way_agrees_in_process(script: AgentScript) -> None:
     with tempfile.TemporaryDirectory(prefix="rollout-equiv-") as data:
@@ -216,6 +219,38 @@ async def test_a_deliberate_bug_fails_the_comparison(tmp_path: Path, fault: str)
         assert set(found[comparison]) == modes, report
     if only:
         assert set(found) == set(expected), report
+
+
+# The rest of the features: a fork, compaction, the other built-in tools, a lark grammar.
+MORE = attrs.evolve(
+    FIXED,
+    turns=(
+        *FIXED.turns,
+        Turn(
+            text="from the second turn",
+            model="sim:steps=2,parallel=2,tokens=3,reasoning=2",
+            tools=tuple(EVERY_KIND[k] for k in ("computer", "apply_patch", "custom-lark")),
+            fork=1,
+        ),
+        Turn(
+            text="compacted",
+            model="sim:steps=1,parallel=2,tokens=3",
+            tools=(EVERY_KIND["local_shell"], LOOKUP_TOOL),
+            compact=True,
+        ),
+    ),
+    store=True,
+    bare_echo=False,
+    restart_after=9,
+)
+
+
+@pytest.mark.parametrize("script", [FIXED, MORE], ids=["fixed", "more"])
+async def test_fixed_scripts_agree_in_process(tmp_path: Path, script: AgentScript) -> None:
+    """In process, where the schema hook checks every event and response the modes were sent
+    (reasoning items, suspensions, injects, compaction) against the schema and the SDK."""
+    async with open_in_process_host(tmp_path) as host:
+        await run_checked(script, host)
 
 
 async def test_the_fixed_script_agrees_on_the_real_server(wire_server: ServerProcess) -> None:
