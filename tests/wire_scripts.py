@@ -694,6 +694,7 @@ def examples(*, default: int, ci: int, deep: int) -> settings:
     name = settings.get_current_profile_name()
     searching = name in ("deep", "thorough")
     count = {"ci": ci, "deep": deep, "thorough": deep}.get(name, default)
+    # (No target phase: these tests target nothing, and the distributions stay the strategy's.)
     phases = tuple(Phase) if searching else tuple(ph for ph in Phase if ph is not Phase.shrink)
     return settings(
         max_examples=count,
@@ -735,13 +736,10 @@ def media_parts(draw: st.DrawFn) -> Json:
     return {"type": "input_file", "file_url": f"https://example.com/{n}.pdf"}
 
 
-@st.composite
-def sim_models(draw: st.DrawFn, *, first: bool) -> str:
-    steps = draw(st.sampled_from([2, 1, 3, 4] if first else [1, 2, 0, 3]))
-    parallel = draw(st.sampled_from([1, 2, 3, 1]))
-    tokens = draw(st.integers(0, 24))
-    reasoning = draw(st.sampled_from([0, 4, 0, 12]))
-    model = f"sim:steps={steps},parallel={parallel},tokens={tokens}"
+def sim_model(roll: random.Random, *, first: bool) -> str:
+    steps = roll.choice([1, 2, 3, 4] if first else [0, 1, 2, 3])
+    model = f"sim:steps={steps},parallel={roll.choice([1, 2, 3])},tokens={roll.randint(0, 24)}"
+    reasoning = roll.choice([0, 0, 4, 12])
     return model + (f",reasoning={reasoning}" if reasoning else "")
 
 
@@ -749,44 +747,48 @@ def sim_models(draw: st.DrawFn, *, first: bool) -> str:
 def agent_scripts(draw: st.DrawFn, *, max_turns: int = 4) -> AgentScript:
     """Scripts that call a tool and suspend at least once (the first turn offers tools, has
     `steps >= 1` and no `max_output_tokens`), with several user turns, each of which may
-    change the model, tools or instructions, cut off, fork from an earlier turn, or compact."""
-    n_turns = draw(st.sampled_from([n for n in (2, 3, 1, 4, 5) if n <= max_turns]))
-    tools = draw(script_tools(draw(st.sampled_from([1, 2, 3]))))
-    model = draw(sim_models(first=True))
+    change the model, tools or instructions, cut off, fork from an earlier turn, or compact.
+
+    Which features a script uses, and its sizes, are rolled by a `random.Random` seeded from
+    a drawn integer, at the rates below (Hypothesis's own choices favour the simplest value
+    heavily, derandomized most of all); texts, tools and schemas are drawn."""
+    roll = random.Random(draw(st.integers(0, 2**32 - 1)))
+    n_turns = min(max_turns, roll.choice([1, 2, 2, 3, 3, 3, 4, 4]))
+    tools = draw(script_tools(roll.choice([1, 2, 3])))
+    model = sim_model(roll, first=True)
     instructions = draw(st.none() | short_text.filter(bool))
     turns: list[Turn] = []
     for i in range(n_turns):
         if i:
-            if draw(st.integers(0, 3)) == 0:
-                tools = draw(script_tools(draw(st.sampled_from([1, 2, 3]))))
-            if draw(st.booleans()):
-                model = draw(sim_models(first=False))
-            if draw(st.integers(0, 4)) == 0:
+            if roll.random() < 0.3:
+                tools = draw(script_tools(roll.choice([1, 2, 3])))
+            if roll.random() < 0.5:
+                model = sim_model(roll, first=False)
+            if roll.random() < 0.2:
                 instructions = draw(st.none() | short_text.filter(bool))
-        cut = None if i == 0 else draw(st.none() | st.none() | st.integers(1, 40))
-        fork = draw(st.none() | st.integers(0, i - 2)) if i >= 2 else None
+        n_media = roll.choice([0, 0, 1, 2])
         turns.append(
             Turn(
                 text=draw(short_text),
-                media=tuple(draw(st.lists(media_parts(), max_size=2))),
+                media=tuple(draw(st.lists(media_parts(), min_size=n_media, max_size=n_media))),
                 model=model,
                 tools=tools,
                 instructions=instructions,
-                max_output_tokens=cut,
-                fork=fork,
-                compact=i > 0 and draw(st.integers(0, 4)) == 0,
+                max_output_tokens=roll.randint(1, 40) if i and roll.random() < 0.3 else None,
+                fork=roll.randint(0, i - 2) if i >= 2 and roll.random() < 0.3 else None,
+                compact=i > 0 and roll.random() < 0.25,
             )
         )
     forks_or_compaction = any(t.fork is not None or t.compact for t in turns)
     return AgentScript(
         turns=tuple(turns),
         output_texts=tuple(draw(st.lists(short_text, min_size=1, max_size=3))),
-        output_sizes=tuple(draw(st.lists(st.sampled_from(OUTPUT_SIZES), min_size=1, max_size=3))),
-        seed=draw(st.integers(0, 2**32)),
-        store=forks_or_compaction or draw(st.booleans()),
-        bare_echo=draw(st.booleans()),
-        restart_after=draw(st.integers(1, 6)),
-        kill=draw(st.booleans()),
+        output_sizes=tuple(roll.choice(OUTPUT_SIZES) for _ in range(roll.randint(1, 3))),
+        seed=roll.getrandbits(32),
+        store=forks_or_compaction or roll.random() < 0.5,
+        bare_echo=roll.random() < 0.5,
+        restart_after=roll.randint(1, 6),
+        kill=roll.random() < 0.5,
     )
 
 

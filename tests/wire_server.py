@@ -47,7 +47,6 @@ class ServerProcess:
         self.starts = 0
         self.lines: collections.deque[str] = collections.deque(maxlen=200)
         self._process: subprocess.Popen[bytes] | None = None
-        self._serving = threading.Event()
 
     def command(self) -> list[str]:
         entry = (
@@ -62,7 +61,7 @@ class ServerProcess:
 
     def start(self) -> None:
         assert self._process is None
-        self._serving = threading.Event()
+        serving = threading.Event()
         self.url = ""
         self._process = subprocess.Popen(
             self.command(),
@@ -73,24 +72,27 @@ class ServerProcess:
             env=client_env(),
             start_new_session=True,
         )
-        threading.Thread(target=self._read, args=(self._process,), daemon=True).start()
-        if not self._serving.wait(START_TIMEOUT) or not self.url:
+        # (Each process has its own reader and event: the last lines of a stopped one must not
+        # wake the wait for the next.)
+        reader = threading.Thread(target=self._read, args=(self._process, serving), daemon=True)
+        reader.start()
+        if not serving.wait(START_TIMEOUT) or not self.url:
             self._kill()
             raise AssertionError(
                 f"{' '.join(self.command())} did not start in {START_TIMEOUT:g} s:\n{self.tail()}"
             )
         self.starts += 1
 
-    def _read(self, process: subprocess.Popen[bytes]) -> None:
+    def _read(self, process: subprocess.Popen[bytes], serving: threading.Event) -> None:
         assert process.stderr is not None
         for raw in process.stderr:
             line = raw.decode(errors="replace").rstrip("\n")
             self.lines.append(line)
             match = _SERVING.search(line)
-            if match and not self.url:
+            if match and not serving.is_set():
                 self.url = match[1] + "/v1"
-                self._serving.set()
-        self._serving.set()  # exited: stop waiting
+                serving.set()
+        serving.set()  # exited: stop waiting
 
     def stop(self, *, kill: bool = False) -> None:
         """SIGKILL, or SIGTERM and a clean exit (0) within the deadline."""
