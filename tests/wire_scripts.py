@@ -11,15 +11,20 @@ The ways (`MODES`); each runs the same script, user turn by user turn:
 |                |            | (`response.append`), in parts and out of order; one response a turn|
 | inject         | WebSocket  | the multi-agent beta (`OpenAI-Beta` at the handshake,              |
 |                |            | `multi_agent`); the outputs injected (`response.inject`) in parts  |
-|                |            | and out of order once the step's calls are done; one response a    |
-|                |            | turn                                                               |
+|                |            | and out of order once the step's calls are done (the sim's `steps` |
+|                |            | and `parallel` say how many a step makes); one response a turn     |
 | ws_chain       | WebSocket  | `previous_response_id`, one create per step                        |
 | ws_resend      | WebSocket  | the whole history on every create (no previous id, `store: false`) |
 | http_stateless | HTTP       | the whole history on every `POST /v1/responses` (`store: false`)   |
-| http_chain     | HTTP       | `previous_response_id` with `store: true` (hydrated from the store)|
+| http_chain     | HTTP       | `previous_response_id` with `store: true` (every request resolves  |
+|                |            | it through the store: the render cache's copy, else hydration)     |
 | restart        | WebSocket  | `ws_chain` with `store: true`, and the server restarted (SIGTERM   |
 |                |            | or SIGKILL, after a terminal event) at a drawn response: the chain |
 |                |            | continues on a new connection to the new process, same data dir    |
+
+Each mode runs as its own tenant (an API key of its own), so no mode reuses another's
+renderings (the render cache) or stored responses: a bug in one mode cannot hide by leaking
+into another.
 
 Every script's features run in every mode (a user turn is a new create or a new rollout in
 each, so the model, tools, instructions and `max_output_tokens` can change at user turns):
@@ -42,8 +47,8 @@ model until it ends, so only a chain could), and automatic compaction (`context_
 a rollout compacts once per rollout, a chain at every create, by design).
 
 What is compared (`compare`), every mode against `ws_chain`:
-- items: the model's output items in order (tool outputs a rollout's response also lists are
-  left out), as wire JSON without `id` and `call_id`, and without the beta's root-agent
+- items: the model's output items in order (reasoning, messages, calls; never the client's
+  tool outputs), as wire JSON without `id` and `call_id`, and without the beta's root-agent
   attribution (`agent`, an assistant message's `phase`) for `inject`;
 - usage: input, output and total tokens summed over the script's responses;
 - context: after the script, each mode sends one more user turn its own way (`tool_choice:
@@ -71,7 +76,7 @@ from hypothesis import strategies as st
 from rollout import protocol as p
 from rollout.protocol import MULTI_AGENT_BETA
 
-from tests.engine_harness import GRAMMARS, answer_item, script_tools
+from tests.engine_harness import answer_item, script_tools
 from tests.server_harness import WsClient, open_test_server, open_ws
 
 __all__ = [
@@ -801,6 +806,7 @@ def statistics(script: AgentScript, outcome: Outcome, record: Callable[[str], No
     record(f"user turns: {len(script.turns)}")
     record(f"responses (chain): {bucket(outcome.responses, 12)}")
     record(f"suspensions: {bucket(outcome.suspensions, 8)}")
+    record(f"suspended at least once: {outcome.suspensions >= 1}")
     for steps in outcome.steps:
         record(f"steps with calls per turn: {steps}")
     for calls in outcome.calls:
@@ -818,11 +824,9 @@ def statistics(script: AgentScript, outcome: Outcome, record: Callable[[str], No
         "model changed": len({t.model for t in script.turns}) > 1,
         "tools changed": any(t.tools != script.turns[0].tools for t in script.turns),
         "parallel calls": any(c > 1 for c in outcome.calls),
+        "outputs delivered in parts": outcome.partial > 0,
+        "outputs delivered out of order": outcome.reordered > 0,
     }
     for name, used in features.items():
         if used:
             record(f"feature: {name}")
-
-
-# Grammars are imported for the strategy's custom tools (script_tools draws from them).
-assert GRAMMARS
