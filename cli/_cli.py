@@ -34,7 +34,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "SQLite usage ledger.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument(
+        "--port", type=int, default=8000, help="port to bind, 0 for any free one (default 8000)"
+    )
     p.add_argument(
         "--data-dir",
         type=Path,
@@ -82,7 +84,25 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="a TOML model registry (upstream OpenAI-compatible servers); the built-in sim "
         "models stay available",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the least severe log lines written to stderr; info includes one access line per "
+        "HTTP request and per closed WebSocket (default info)",
+    )
+    p.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text: one readable line per record; json: one JSON object per line, every line "
+        "(timestamp, level, logger, message and the record's fields) (default text)",
+    )
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="on a start-up failure, show the traceback instead of a one-line message",
+    )
     p.add_argument(
         "--max-message-size",
         type=int,
@@ -178,13 +198,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serve_failed(args: argparse.Namespace, message: str) -> None:
+    """A start-up failure, one line on stderr: plain text, or a JSON record with --log-format
+    json (so that every line such a server writes parses)."""
+    if args.log_format == "json":
+        import logging
+
+        logging.getLogger("rollout.server").error(message)
+    else:
+        print(f"rollout serve: {message}", file=sys.stderr)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    """Exit status: 0 after a clean shutdown; 2 for arguments or a models file that cannot
+    work (nothing was opened); 1 when the server could not start (port, host, data folder)."""
     import trio
 
+    from .engine._logging import configure_logging
     from .engine._pg import StoreError, is_postgres_url
-    from .engine._serve import ServerConfig, api_keys_from_env, configure_logging, serve
+    from .engine._serve import ServerConfig, StartupError, api_keys_from_env, serve
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
+    if not 0 <= args.port <= 65535:
+        _serve_failed(args, f"--port {args.port} is not a port number; use 0-65535.")
+        return 2
     registry = None
     if args.models is not None:
         from .engine._config import ConfigError, load_registry
@@ -192,13 +229,10 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             registry = load_registry(args.models)
         except ConfigError as exc:
-            print(f"rollout serve: {exc}", file=sys.stderr)
+            _serve_failed(args, str(exc))
             return 2
     if args.store is not None and not is_postgres_url(args.store):
-        print(
-            f"rollout serve: --store: expected a postgresql:// URL, got {args.store!r}",
-            file=sys.stderr,
-        )
+        _serve_failed(args, f"--store: expected a postgresql:// URL, got {args.store!r}")
         return 2
     config = ServerConfig(
         registry=registry,
@@ -223,17 +257,30 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         trio.run(serve, config)
     except StoreError as exc:
-        print(f"rollout serve: {exc}", file=sys.stderr)
+        if args.debug:
+            raise
+        _serve_failed(args, str(exc))
         return 2
+    except StartupError as exc:
+        if args.debug:
+            raise
+        _serve_failed(args, str(exc))
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C before the server was up (then it shuts down itself)
+        return 130
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command is None:  # a usage error, as argparse's own: usage on stderr, status 2
+        parser.print_usage(sys.stderr)
+        print(
+            "rollout: a command is required: serve, conform or bench (rollout --help says more)",
+            file=sys.stderr,
+        )
+        return 2
     from .bench._cli import run as run_bench
     from .spec._cli import run as run_conform
 

@@ -170,7 +170,12 @@ class RolloutApp:
         if refusal is not None:
             status, body = refusal
             await _deny_upgrade(send, status, body)
-            access_log.info(json.dumps({"event": "ws_refused", "path": path, "status": status}))
+            access_log.info(
+                "WebSocket %s refused: %d",
+                path,
+                status,
+                extra={"event": "ws_refused", "path": path, "status": status},
+            )
             return
         await send({"type": "websocket.accept"})
         self.open_connections += 1
@@ -197,15 +202,20 @@ class RolloutApp:
             await connection.run()
         finally:
             self.open_connections -= 1
+            seconds = round(time.perf_counter() - started, 6)
             access_log.info(
-                json.dumps(
-                    {
-                        "event": "ws_closed",
-                        "frames_in": connection.frames_in,
-                        "frames_out": connection.frames_out,
-                        "seconds": round(time.perf_counter() - started, 6),
-                    }
-                )
+                "WebSocket %s closed after %.3f s: %d frames in, %d out",
+                path,
+                seconds,
+                connection.frames_in,
+                connection.frames_out,
+                extra={
+                    "event": "ws_closed",
+                    "path": path,
+                    "frames_in": connection.frames_in,
+                    "frames_out": connection.frames_out,
+                    "seconds": seconds,
+                },
             )
 
     def _refuse_upgrade(self, path: str, allowed: bool) -> tuple[int, dict[str, Any]] | None:
@@ -257,16 +267,20 @@ class RolloutApp:
                 error = server_error()
                 status = await send_json(send, error.status, {"error": to_wire(error.body)})
         finally:
+            seconds = round(time.perf_counter() - began, 6)
             access_log.info(
-                json.dumps(
-                    {
-                        "event": "http",
-                        "method": method,
-                        "path": path,
-                        "status": status,
-                        "seconds": round(time.perf_counter() - began, 6),
-                    }
-                )
+                "%s %s %d %.6f s",
+                method,
+                path,
+                status,
+                seconds,
+                extra={
+                    "event": "http",
+                    "method": method,
+                    "path": path,
+                    "status": status,
+                    "seconds": seconds,
+                },
             )
 
     async def _answer(self, send: Send, exc: RemoteProtocolError | HttpError) -> int:

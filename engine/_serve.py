@@ -1,20 +1,23 @@
 """`rollout serve`: the engine on hypercorn's trio worker, HTTP and WebSocket on one port.
 
-`serve(config)` opens the store and usage ledger (SQLite files in `data_dir`, or the PostgreSQL
-database at `store_url`, which several instances share), the engine, and the ASGI app, and
-serves until SIGINT/SIGTERM (or `shutdown_trigger`). Shutdown is graceful: stop accepting, let
-in-flight responses finish within `graceful_timeout` (then cancel them; their usage is still
-recorded), close idle WebSocket connections with 1001, and flush the ledger. `open_server(config)`
-does the same in the background for tests and embedding, and yields the
+`serve(config)` binds the port first (a `StartupError` if it cannot, with nothing opened), then
+opens the store and usage ledger (SQLite files in `data_dir`, or the PostgreSQL database at
+`store_url`, which several instances share), the engine, and the ASGI app, and serves until
+SIGINT/SIGTERM (or `shutdown_trigger`). Shutdown is graceful: stop accepting, let in-flight
+responses finish within `graceful_timeout` (then cancel them; their usage is still recorded),
+close idle WebSocket connections with 1001, and flush the ledger. `open_server(config)` does
+the same in the background for tests and embedding, and yields the
 base URL (`http://host:port/v1`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
-import sys
+import socket
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,14 +25,18 @@ from typing import Any
 
 import attrs
 import trio
-from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
 from rollout.protocol import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, DEFAULT_MAX_MESSAGE_SIZE
 
 from ._app import DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
 from ._deflate import DEFAULT_WEBSOCKET_DEFLATE, HypercornConfig, decline_deflate_offers
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
+from ._errors import EngineError
 from ._interfaces import Classifier, HostedTool, ResponseStore, UsageLedger
 from ._ledger import open_sqlite_ledger
+from ._logging import HTTP_LOGGER
 from ._models import ModelRegistry
 from ._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL, RenderCache
 from ._store import open_sqlite_store
@@ -41,7 +48,7 @@ from ._ws import (
     WebSocketLimits,
 )
 
-__all__ = ["API_KEYS_ENV", "ServerConfig", "open_server", "serve"]
+__all__ = ["API_KEYS_ENV", "ServerConfig", "StartupError", "open_server", "serve"]
 
 log = logging.getLogger("rollout.server")
 
@@ -135,30 +142,116 @@ async def _signals() -> None:
             return
 
 
+class StartupError(EngineError):
+    """`serve` could not start: the port, the host or the data folder. The message says what
+    happened and what to do, in a line (the command prints it, without a traceback)."""
+
+
+def bind_sockets(hconfig: HypercornConfig) -> Sockets:
+    """The listening sockets, bound before anything else opens (a port in use leaves no data
+    folder behind). A failure is a `StartupError` naming the address."""
+    (bind,) = hconfig.bind
+    try:
+        sockets = hconfig.create_sockets()
+    except OverflowError:  # a port over 65535 (the CLI refuses it first)
+        raise StartupError(f"{bind} is not a valid address: a port is 0-65535.") from None
+    except socket.gaierror as exc:
+        raise StartupError(
+            f"cannot listen on {bind}: unknown host ({exc.strerror}); use an IP address or a "
+            "name that resolves (--host)."
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(
+                f"{bind} is already in use (another rollout serve?); stop that server or pick "
+                "another --port."
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise StartupError(
+                f"cannot listen on {bind}: no such address on this machine; use one of its "
+                "addresses, 127.0.0.1 or 0.0.0.0 (--host)."
+            ) from None
+        if exc.errno == errno.EACCES:
+            raise StartupError(
+                f"cannot listen on {bind}: permission denied (ports below 1024 need "
+                "privileges); pick a port from 1024 up (--port)."
+            ) from None
+        raise StartupError(f"cannot listen on {bind}: {exc.strerror or exc}.") from None
+    for sock in sockets.insecure_sockets:
+        sock.listen(hconfig.backlog)
+    return sockets
+
+
+def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
+    hconfig = HypercornConfig()
+    hconfig.bind = [f"{config.host}:{config.port}"]
+    hconfig.websocket_deflate = config.websocket_deflate
+    # hypercorn closes the socket (1009) above its own limit; ours answers with a
+    # `message_too_large` error event below it, so hypercorn's is set above ours.
+    hconfig.websocket_max_message_size = config.max_message_size * 2 + (1 << 20)
+    hconfig.h11_max_incomplete_size = 64 * 1024
+    # Past our grace period the engine interrupts what still runs (each response ends with a
+    # terminal event, each socket with 1001); hypercorn's own deadline, which cancels
+    # outright, comes after, leaving time for those to go out.
+    hconfig.graceful_timeout = config.graceful_timeout + SHUTDOWN_MARGIN
+    hconfig.accesslog = None  # ours is `rollout.access`
+    hconfig.errorlog = logging.getLogger(HTTP_LOGGER)
+    return hconfig
+
+
+async def _open_durable(config: ServerConfig) -> tuple[ResponseStore, UsageLedger, bytes | None]:
+    """The store, the ledger and the compaction key: PostgreSQL at `store_url`, SQLite in
+    `data_dir`, else in memory."""
+    if config.store_url is not None:
+        return await _open_postgres(config.store_url)
+    if config.data_dir is None:
+        from ._ledger import MemoryUsageLedger
+        from ._memory import MemoryResponseStore
+
+        return MemoryResponseStore(), MemoryUsageLedger(), None
+    where = config.data_dir
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        compaction_key = _compaction_key(where / "compaction.key")
+    except OSError as exc:
+        raise StartupError(
+            f"cannot use {where} as the data folder: {exc.strerror or exc}; pick another "
+            "--data-dir."
+        ) from None
+    path = where / "responses.sqlite3"
+    try:
+        store = await open_sqlite_store(path)
+        try:
+            path = where / "usage.sqlite3"
+            ledger = await open_sqlite_ledger(path)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await store.aclose()
+            raise
+    except sqlite3.Error as exc:
+        raise StartupError(
+            f"cannot open {path}: {exc}; move the file away or pick another --data-dir."
+        ) from None
+    return store, ledger, compaction_key
+
+
 async def serve(
     config: ServerConfig,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until the trigger returns (default: SIGINT or SIGTERM)."""
+    """Serve until the trigger returns (default: SIGINT or SIGTERM). The port is bound first,
+    then the data folder opened; either failing is a `StartupError`."""
     answer_peer_protocol_errors()
     decline_deflate_offers()
-    store: ResponseStore
-    ledger: UsageLedger
-    compaction_key = None
-    if config.store_url is not None:
-        store, ledger, compaction_key = await _open_postgres(config.store_url)
-    elif config.data_dir is not None:
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        compaction_key = _compaction_key(config.data_dir / "compaction.key")
-        store = await open_sqlite_store(config.data_dir / "responses.sqlite3")
-        ledger = await open_sqlite_ledger(config.data_dir / "usage.sqlite3")
-    else:
-        from ._ledger import MemoryUsageLedger
-        from ._memory import MemoryResponseStore
-
-        store, ledger = MemoryResponseStore(), MemoryUsageLedger()
+    hconfig = _hypercorn_config(config)
+    sockets = bind_sockets(hconfig)
+    try:
+        store, ledger, compaction_key = await _open_durable(config)
+    except BaseException:
+        _close(sockets)
+        raise
     try:
         async with open_engine(
             registry=config.registry,
@@ -173,19 +266,6 @@ async def serve(
             ),
         ) as engine:
             app = RolloutApp(engine, config.app_config())
-            hconfig = HypercornConfig()
-            hconfig.bind = [f"{config.host}:{config.port}"]
-            hconfig.websocket_deflate = config.websocket_deflate
-            # hypercorn closes the socket (1009) above its own limit; ours answers with a
-            # `message_too_large` error event below it, so hypercorn's is set above ours.
-            hconfig.websocket_max_message_size = config.max_message_size * 2 + (1 << 20)
-            hconfig.h11_max_incomplete_size = 64 * 1024
-            # Past our grace period the engine interrupts what still runs (each response
-            # ends with a terminal event, each socket with 1001); hypercorn's own deadline,
-            # which cancels outright, comes after, leaving time for those to go out.
-            hconfig.graceful_timeout = config.graceful_timeout + SHUTDOWN_MARGIN
-            hconfig.accesslog = None
-            hconfig.errorlog = logging.getLogger("hypercorn.error")
             trigger = shutdown_trigger or _signals
             interrupter = trio.CancelScope()
 
@@ -203,22 +283,23 @@ async def serve(
             class _Status:
                 def started(self, urls: list[str] | None = None) -> None:
                     bound = (urls or [f"http://{config.host}:{config.port}"])[0]
-                    log.info(
-                        "serving on %s (WebSocket %s)", bound, "on" if config.websocket else "off"
-                    )
+                    websocket = "on" if config.websocket else "off"
+                    log.info("rollout serving on %s/v1 (WebSocket %s)", bound, websocket)
                     task_status.started(bound + "/v1")
 
             asgi = app if config.app_wrapper is None else config.app_wrapper(app)
             async with trio.open_nursery() as background:
-                await hypercorn_serve(
-                    asgi,  # type: ignore[arg-type]
+                await worker_serve(
+                    wrap_app(asgi, hconfig.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
                     hconfig,
+                    sockets=sockets,
                     shutdown_trigger=shutdown,
                     task_status=_Status(),
                 )
                 interrupter.cancel()
             log.info("server stopped; flushing post-inference work")
     finally:
+        _close(sockets)
         with trio.CancelScope(shield=True):
             await store.aclose()
             await ledger.aclose()
@@ -252,6 +333,11 @@ async def _open_postgres(url: str) -> tuple[ResponseStore, UsageLedger, bytes]:
     return store, ledger, key
 
 
+def _close(sockets: Sockets) -> None:
+    for sock in sockets.insecure_sockets:
+        sock.close()
+
+
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[str]:
     """Run a server in the background; yields its base URL (`http://127.0.0.1:PORT/v1`).
@@ -274,14 +360,6 @@ def _compaction_key(path: Path) -> bytes:
         with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(32))
     return path.read_bytes()
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
 
 
 def api_keys_from_env() -> tuple[str, ...]:

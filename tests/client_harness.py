@@ -175,8 +175,8 @@ def client_env(**extra: str) -> dict[str, str]:
 
 # --- rollout serve as a process -------------------------------------------------------------
 
-_SERVING = re.compile(r"serving on (http://\S+)")
-_ACCESS = re.compile(r" rollout\.access (\{.*\})$")
+# The server runs with `--log-format json`: each stderr line is one JSON record.
+_SERVING = re.compile(r"serving on (http://[^\s\"]+)")
 
 
 @attrs.define(eq=False)
@@ -195,9 +195,10 @@ class RolloutProcess:
         """The access-log records so far (HTTP requests, WebSocket connections closed)."""
         records = []
         for line in self.lines:
-            match = _ACCESS.search(line)
-            if match:
-                records.append(json.loads(match[1]))
+            if line.startswith("{"):
+                record = json.loads(line)
+                if record.get("logger") == "rollout.access":
+                    records.append(record)
         return records
 
     def terminate(self) -> None:
@@ -232,7 +233,7 @@ class RolloutProcess:
         if not self.url:
             match = _SERVING.search(line)
             if match:
-                self.url = match[1] + "/v1"
+                self.url = match[1]
         self._notify()
 
     def _notify(self) -> None:
@@ -278,6 +279,8 @@ async def open_rollout_process(
         str(SERVER_GRACEFUL),
         "--log-level",
         "info",
+        "--log-format",
+        "json",
     ]
     if models is not None:
         command += ["--models", str(models)]

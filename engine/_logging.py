@@ -1,0 +1,54 @@
+"""Logging for `rollout serve`: every record of the process, one line each, on stderr.
+
+Two formats. `text` is for a person at a terminal: `time LEVEL logger: message`. `json` is for
+a log pipeline: every line is one JSON object (`timestamp` in ISO 8601 UTC, `level`, `logger`,
+`message`, and the record's own fields, e.g. an access line's `event`, `method`, `path`,
+`status`, `seconds`), tracebacks included (`exc_info`, a string), so `jq` reads the whole stream.
+
+Access lines are logged on `rollout.access` with their fields as `extra`, so both formats come
+from one call. hypercorn's own log goes to `rollout.http` at warning and above: its one info
+line ("Running on ...") repeats ours without the `/v1` base URL clients need.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+from pythonjsonlogger.json import JsonFormatter
+
+__all__ = ["HTTP_LOGGER", "LogFormat", "configure_logging"]
+
+LogFormat = Literal["text", "json"]
+
+# The logger hypercorn writes to (its `errorlog`): protocol errors, failures in its workers.
+HTTP_LOGGER = "rollout.http"
+
+_TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def formatter(fmt: LogFormat) -> logging.Formatter:
+    if fmt == "json":
+        return JsonFormatter(
+            "{levelname}{name}{message}",
+            style="{",
+            rename_fields={"levelname": "level", "name": "logger"},
+            timestamp=True,
+        )
+    return logging.Formatter(_TEXT)
+
+
+def configure_logging(level: str, fmt: LogFormat = "text") -> None:
+    """Send every record at `level` or above to stderr in `fmt`, replacing earlier handlers;
+    Python warnings become records too (so a JSON stream stays JSON)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(fmt))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    numeric = getattr(logging, level.upper(), logging.INFO)
+    root.setLevel(numeric)
+    logging.getLogger(HTTP_LOGGER).setLevel(max(numeric, logging.WARNING))
+    logging.captureWarnings(True)

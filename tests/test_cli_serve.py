@@ -1,0 +1,209 @@
+"""`rollout` and `rollout serve` as a user meets them: the exact message and exit status of each
+mistake a user can make by a typo, and the log lines a running server writes.
+
+Each test runs the real command in a subprocess with a timeout. Failures to start are one line
+on stderr (no traceback unless `--debug`) and leave nothing behind: the port is bound before the
+data folder is made.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.server_harness import open_ws
+from tests.test_server_process import free_port
+
+ROLLOUT = [sys.executable, "-m", "rollout"]
+TIMEOUT = 60  # seconds for a command that fails at start (an import of the engine)
+DEADLINE = 60
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*ROLLOUT, *args], capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd
+    )
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    """A port something else listens on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
+    done = run(cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr == (
+        "usage: rollout [-h] [--version] COMMAND ...\n"
+        "rollout: a command is required: serve, conform or bench (rollout --help says more)\n"
+    )
+
+
+def test_port_in_use(tmp_path: Path, listening: int) -> None:
+    done = run("serve", "--port", str(listening), cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr == (
+        f"rollout serve: 127.0.0.1:{listening} is already in use (another rollout serve?); "
+        "stop that server or pick another --port.\n"
+    )
+    assert not (tmp_path / "rollout-data").exists()  # bound before the store opened
+
+
+def test_port_in_use_with_debug_shows_the_traceback(tmp_path: Path, listening: int) -> None:
+    done = run("serve", "--port", str(listening), "--debug", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert done.stderr.rstrip().endswith(f"StartupError: 127.0.0.1:{listening} is already in "
+                                         "use (another rollout serve?); stop that server or "
+                                         "pick another --port.")  # fmt: skip
+    assert not (tmp_path / "rollout-data").exists()
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_bad_port(tmp_path: Path, port: str) -> None:
+    done = run("serve", "--port", port, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr == f"rollout serve: --port {port} is not a port number; use 0-65535.\n"
+    assert not (tmp_path / "rollout-data").exists()
+
+
+def test_unknown_host(tmp_path: Path) -> None:
+    done = run("serve", "--host", "no-such-host.invalid", "--port", "0", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith(
+        "rollout serve: cannot listen on no-such-host.invalid:0: unknown host ("
+    )
+    assert done.stderr.endswith("); use an IP address or a name that resolves (--host).\n")
+    assert done.stderr.count("\n") == 1
+    assert not (tmp_path / "rollout-data").exists()
+
+
+def test_data_dir_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_text("not a folder")
+    done = run("serve", "--port", "0", "--data-dir", "taken", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr == (
+        "rollout serve: cannot use taken as the data folder: File exists; pick another "
+        "--data-dir.\n"
+    )
+
+
+def test_port_in_use_in_json_mode_is_one_json_line(tmp_path: Path, listening: int) -> None:
+    done = run("serve", "--port", str(listening), "--log-format", "json", cwd=tmp_path)
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    record = json.loads(line)
+    assert record["level"] == "ERROR" and record["logger"] == "rollout.server"
+    assert record["message"].startswith(f"127.0.0.1:{listening} is already in use")
+
+
+# --- a running server's log lines ----------------------------------------------------------
+
+
+async def _collect(stream: trio.abc.ReceiveStream, lines: list[str], ready: trio.Event) -> None:
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for raw in complete:
+            lines.append(raw.decode(errors="replace"))
+            if "serving on" in lines[-1]:
+                ready.set()
+    if buffer:
+        lines.append(buffer.decode(errors="replace"))
+
+
+async def _serve_and_exercise(tmp_path: Path, *extra: str) -> tuple[int, list[str], list[str], int]:
+    """Start `rollout serve`, make HTTP (JSON, SSE, an error, a 404) and WebSocket requests,
+    SIGTERM it; returns (exit status, stdout lines, stderr lines, port)."""
+    port = free_port()
+    command = [*ROLLOUT, "serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    command += ["--graceful-timeout", "2", *extra]
+    out: list[str] = []
+    err: list[str] = []
+    ready = trio.Event()
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+    try:
+        with trio.fail_after(DEADLINE):
+            async with trio.open_nursery() as nursery:
+                assert process.stdout is not None and process.stderr is not None
+                nursery.start_soon(_collect, process.stdout, out, trio.Event())
+                nursery.start_soon(_collect, process.stderr, err, ready)
+                await ready.wait()
+                url = f"http://127.0.0.1:{port}/v1"
+                async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+                    body = {"model": "sim", "input": "hi"}
+                    assert (await http.post("/responses", json=body)).status_code == 200
+                    streamed = await http.post("/responses", json={**body, "stream": True})
+                    assert streamed.status_code == 200
+                    bad = await http.post("/responses", json={"model": "nope", "input": "x"})
+                    assert bad.status_code == 404
+                    assert (await http.get("/nowhere")).status_code == 404
+                async with open_ws(url) as ws:
+                    events = await ws.create(model="sim", input="hello")
+                    assert events[-1].type == "response.completed"
+                process.send_signal(signal.SIGTERM)
+                code = await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+    return code, out, err, port
+
+
+async def test_json_logs_are_one_json_object_per_line(tmp_path: Path) -> None:
+    code, out, err, port = await _serve_and_exercise(tmp_path, "--log-format", "json")
+    assert code == 0, err[-10:]
+    assert out == []
+    records = [json.loads(line) for line in err]  # every line, start-up and shutdown included
+    for record in records:
+        assert {"timestamp", "level", "logger", "message"} <= record.keys(), record
+    messages = [r["message"] for r in records]
+    assert f"rollout serving on http://127.0.0.1:{port}/v1 (WebSocket on)" in messages
+    assert not any("Running on" in m for m in messages)  # hypercorn's line, without /v1
+    access = [r for r in records if r["logger"] == "rollout.access"]
+    http = [(r["method"], r["path"], r["status"]) for r in access if r["event"] == "http"]
+    assert http == [
+        ("POST", "/v1/responses", 200),
+        ("POST", "/v1/responses", 200),
+        ("POST", "/v1/responses", 404),
+        ("GET", "/v1/nowhere", 404),
+    ]
+    closed = [r for r in access if r["event"] == "ws_closed"]
+    assert len(closed) == 1 and closed[0]["frames_in"] == 1 and closed[0]["seconds"] > 0
+    assert all(isinstance(r["seconds"], float) for r in access)
+
+
+async def test_text_logs_are_clean_lines(tmp_path: Path) -> None:
+    code, out, err, port = await _serve_and_exercise(tmp_path)
+    assert code == 0, err[-10:]
+    assert out == []
+    serving = [line for line in err if "serving on" in line]
+    assert len(serving) == 1
+    assert serving[0].endswith(
+        f" INFO rollout.server: rollout serving on http://127.0.0.1:{port}/v1 (WebSocket on)"
+    )
+    assert not any("hypercorn" in line or "Running on" in line for line in err), err
+    access = [line for line in err if " rollout.access: " in line]
+    assert len(access) == 5
+    assert " rollout.access: POST /v1/responses 404 " in access[2]
+    assert not any("{" in line for line in err), err  # no JSON mixed into the text
