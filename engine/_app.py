@@ -69,7 +69,9 @@ log = logging.getLogger("rollout.server")
 # torn down, so 1,024 of those stay within a few GB.
 DEFAULT_MAX_CONNECTIONS = 1024
 
-_WEBSOCKET_PATHS = ("/v1/responses", "/responses")
+# WebSocket mode's one endpoint. Every route of the API is under /v1, as a client's base URL
+# is; a path that would match with the prefix gets a 404 that says so (`_did_you_mean`).
+_WEBSOCKET_PATH = "/v1/responses"
 ANY_METHOD = "ANY"  # a route's handler for every method
 
 Handler = Callable[[HttpRequest], Awaitable[int]]
@@ -124,7 +126,7 @@ class RolloutApp:
         return (
             _route(r"/healthz\Z", public=True, ANY=self._health),
             _route(r"/metrics\Z", ANY=self._metrics_text),
-            _route(r"(?:/v1)?/responses/*\Z", POST=responses.create, GET=self._upgrade_over_http),
+            _route(r"/v1/responses/*\Z", POST=responses.create, GET=self._upgrade_over_http),
             _route(r"/v1/responses/compact/*\Z", POST=responses.compact),
             _route(r"/v1/responses/input_tokens/*\Z", POST=responses.input_tokens),
             _route(r"/v1/responses/([A-Za-z0-9_.\-]+)/input_items/?$", GET=responses.input_items),
@@ -133,7 +135,7 @@ class RolloutApp:
                 GET=responses.retrieve,
                 DELETE=responses.delete,
             ),
-            _route(r"(?:/v1)?/chat/completions/*\Z", POST=chat.completions),
+            _route(r"/v1/chat/completions/*\Z", POST=chat.completions),
             _route(r"/v1/models/*\Z", GET=self._models),
             _route(r"/v1/models/(.+)$", GET=self._model),
         )
@@ -221,8 +223,10 @@ class RolloutApp:
     def _refuse_upgrade(self, path: str, allowed: bool) -> tuple[int, dict[str, Any]] | None:
         """The status and body refusing an upgrade, in order: no such endpoint, WebSocket mode
         off, the connection limit (counted), no valid key; None to accept it."""
-        if path not in _WEBSOCKET_PATHS:
-            return 404, error_body(f"No WebSocket endpoint at {path}.", code="not_found")
+        if path != _WEBSOCKET_PATH:
+            hint = " Did you mean /v1/responses? (The base URL ends in /v1.)"
+            hint = hint if path == _WEBSOCKET_PATH.removeprefix("/v1") else ""
+            return 404, error_body(f"No WebSocket endpoint at {path}.{hint}", code="not_found")
         if not self.config.websocket:
             return 426, error_body(
                 "WebSocket mode is disabled on this server; use HTTP POST /v1/responses.",
@@ -319,8 +323,18 @@ class RolloutApp:
         if not allowed:
             return await send_json(send, 401, _invalid_api_key())
         return await send_json(
-            send, 404, error_body(f"No route for {method} {path}.", code="not_found")
+            send,
+            404,
+            error_body(
+                f"No route for {method} {path}.{self._did_you_mean(path)}", code="not_found"
+            ),
         )
+
+    def _did_you_mean(self, path: str) -> str:
+        """For a path of the API without its /v1 prefix, a hint naming the path with it."""
+        if path.startswith("/v1/") or not any(r.pattern.match("/v1" + path) for r in self._routes):
+            return ""
+        return f" Did you mean /v1{path}? (The base URL ends in /v1.)"
 
     # --- small routes ---
     async def _health(self, req: HttpRequest) -> int:

@@ -80,7 +80,7 @@ def code_of(body: Any) -> str | None:
         ("GET", "/metrics/", 404, "not_found"),
         ("PUT", "/v1/responses", 405, "method_not_allowed"),
         ("GET", "/v1/responses", 405, "method_not_allowed"),  # no upgrade header
-        ("GET", "/responses//", 405, "method_not_allowed"),
+        ("GET", "/responses//", 404, "not_found"),  # the API is under /v1 only
         ("GET", "/v1/responses/compact", 405, "method_not_allowed"),
         ("GET", "/v1/responses/compact//", 405, "method_not_allowed"),
         ("GET", "/v1/responses/input_tokens/", 405, "method_not_allowed"),
@@ -92,7 +92,7 @@ def code_of(body: Any) -> str | None:
         ("POST", "/v1/responses/resp_x/input_items", 405, "method_not_allowed"),
         ("GET", "/v1/responses/a/b", 404, "not_found"),
         ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
-        ("GET", "/chat/completions/", 405, "method_not_allowed"),
+        ("GET", "/chat/completions/", 404, "not_found"),
         ("GET", "/v1/models", 200, None),
         ("GET", "/v1/models//", 200, None),
         ("POST", "/v1/models", 405, "method_not_allowed"),
@@ -115,6 +115,85 @@ async def test_only_health_is_served_without_a_key(app: RolloutApp, path: str, s
     assert got_status == status
     if status == 401:
         assert code_of(body) == "invalid_api_key"
+
+
+# One request per route of the API (method, path under /v1), each reaching its route.
+API_ROUTES = [
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses"),
+    ("POST", "/v1/responses/compact"),
+    ("POST", "/v1/responses/input_tokens"),
+    ("GET", "/v1/responses/resp_x/input_items"),
+    ("GET", "/v1/responses/resp_x"),
+    ("DELETE", "/v1/responses/resp_x"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/sim"),
+]
+
+
+async def test_every_api_route_is_in_the_list(app: RolloutApp) -> None:
+    """So that a new route is tested both ways below."""
+    api = [r for r in app._routes if r.pattern.pattern.startswith("/v1/")]
+    for route in api:
+        assert any(route.pattern.match(path) for _, path in API_ROUTES), route.pattern.pattern
+
+
+@pytest.mark.parametrize(("method", "path"), API_ROUTES)
+async def test_every_route_is_under_v1_and_the_404_without_it_says_so(
+    app: RolloutApp, method: str, path: str
+) -> None:
+    status, _, body = await call(app, method, path, b"{")
+    assert code_of(body) != "not_found", (status, body)  # the route answered
+    bare = path.removeprefix("/v1")
+    for without in (bare, bare + "/"):
+        status, _, body = await call(app, method, without, b"{")
+        assert (status, code_of(body)) == (404, "not_found")
+        assert body["error"]["message"] == (
+            f"No route for {method} {without}. Did you mean /v1{without}? "
+            "(The base URL ends in /v1.)"
+        )
+
+
+async def test_other_404s_have_no_hint(app: RolloutApp) -> None:
+    for path in ("/v2/responses", "/nope", "/v1/nope", "/healthz/x"):
+        status, _, body = await call(app, "GET", path)
+        assert (status, body["error"]["message"]) == (404, f"No route for GET {path}.")
+
+
+async def upgrade(app: RolloutApp, path: str) -> tuple[int, Any]:
+    """A WebSocket handshake to `path` in-process: (status, body) of the refusal, or (101,
+    None) when accepted (then the client leaves)."""
+    inbox = [{"type": "websocket.connect"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return inbox.pop(0) if inbox else {"type": "websocket.disconnect", "code": 1000}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": path, "headers": AUTH, "query_string": b""}
+    with trio.fail_after(DEADLINE):
+        await app(scope, receive, send)
+    if sent[0]["type"] == "websocket.accept":
+        return 101, None
+    return sent[0]["status"], json.loads(sent[1]["body"])
+
+
+async def test_the_websocket_endpoint_is_under_v1_and_the_404_without_it_says_so(
+    app: RolloutApp,
+) -> None:
+    assert await upgrade(app, "/v1/responses") == (101, None)
+    assert await upgrade(app, "/v1/responses/") == (101, None)
+    status, body = await upgrade(app, "/responses")
+    assert (status, code_of(body)) == (404, "not_found")
+    assert body["error"]["message"] == (
+        "No WebSocket endpoint at /responses. Did you mean /v1/responses? "
+        "(The base URL ends in /v1.)"
+    )
+    status, body = await upgrade(app, "/v1/other")
+    assert (status, body["error"]["message"]) == (404, "No WebSocket endpoint at /v1/other.")
 
 
 async def test_a_get_with_an_upgrade_header_is_a_malformed_handshake(app: RolloutApp) -> None:
