@@ -224,13 +224,17 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     registry = None
     if args.models is not None:
-        from .engine._config import ConfigError, load_registry
+        import logging
+
+        from .engine._config import ConfigError, load_registry, missing_api_keys
 
         try:
             registry = load_registry(args.models)
         except ConfigError as exc:
             _serve_failed(args, str(exc))
             return 2
+        for warning in missing_api_keys(registry):
+            logging.getLogger("rollout.server").warning(warning)
     if args.store is not None and not is_postgres_url(args.store):
         _serve_failed(args, f"--store: expected a postgresql:// URL, got {args.store!r}")
         return 2

@@ -386,7 +386,10 @@ class RolloutApp:
             req.send,
             404,
             error_body(
-                f"The model `{name}` does not exist.", code="model_not_found", param="model"
+                f"The model `{name}` does not exist; GET /v1/models lists the models of this "
+                "server.",
+                code="model_not_found",
+                param="model",
             ),
         )
 

@@ -15,11 +15,13 @@
     [aliases]
     "gpt-5" = "NAME"                        # any model string, `sim:...` included
 
-The built-in `sim` models stay available alongside.
+The built-in `sim` models stay available alongside: a file that names one of them (as a model
+or an alias) is refused, as is an alias that would hide a model of the file.
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from ._defaults import default_registry
 from ._models import DEFAULT_CONTEXT_WINDOW, ModelRegistry, ModelSpec
 from ._upstream import UpstreamBackend, UpstreamConfig
 
-__all__ = ["ConfigError", "load_registry", "registry_from_mapping"]
+__all__ = ["ConfigError", "load_registry", "missing_api_keys", "registry_from_mapping"]
 
 _UPSTREAM_KEYS = {
     "api_key_env": str,
@@ -76,8 +78,17 @@ def _table(data: dict[str, Any], key: str, where: str) -> dict[str, Any]:
     return value
 
 
+def _not_builtin(name: str, where: str, builtin: list[str]) -> None:
+    if name in builtin:
+        raise ConfigError(
+            f"{where}: `{name}` is a built-in model, which stays available; a models file "
+            f"cannot replace it: use another name (built-in: {', '.join(builtin)})"
+        )
+
+
 def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> ModelRegistry:
     registry = default_registry()
+    builtin = registry.names()
     known = {"models", "aliases"}
     for key in data:
         if key not in known:
@@ -90,6 +101,7 @@ def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> Mo
             raise ConfigError(f"{where}: expected a table")
         if ":" in name:  # `name:k=v` is how clients pass model parameters
             raise ConfigError(f"{where}: a model name can't contain ':'")
+        _not_builtin(name, where, builtin)
         allowed = {"upstream", "model", "context_window", "aliases", "description", *_UPSTREAM_KEYS}
         unknown = sorted(set(table) - allowed)
         if unknown:
@@ -131,11 +143,19 @@ def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> Mo
             )
         )
         for alias in aliases:
+            _not_builtin(alias, f"{where}.aliases", builtin)
             registry.alias(alias, name)
     alias_table = _table(data, "aliases", source)
+    models = set(_table(data, "models", source))
     for alias, target in alias_table.items():
         if not isinstance(target, str):
             raise ConfigError(f"{source}: aliases.{alias}: expected a model string")
+        _not_builtin(alias, f"{source}: aliases.{alias}", builtin)
+        if alias in models:
+            raise ConfigError(
+                f"{source}: aliases.{alias}: `{alias}` is a model of this file; an alias of "
+                "the same name would hide it: use another name"
+            )
         registry.alias(alias, target)
     for alias, target in alias_table.items():  # after all: aliases may chain
         try:
@@ -145,3 +165,20 @@ def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> Mo
                 f"{source}: aliases.{alias}: {target!r} is not a model of the registry"
             ) from None
     return registry
+
+
+def missing_api_keys(registry: ModelRegistry) -> list[str]:
+    """One warning per upstream model whose `api_key_env` names a variable that is unset or
+    empty: its requests would go without a key (and the upstream would likely refuse them)."""
+    warnings = []
+    for spec in registry.specs():
+        backend = spec.backend
+        if not isinstance(backend, UpstreamBackend):
+            continue
+        variable = backend.config.api_key_env
+        if variable and not os.environ.get(variable):
+            warnings.append(
+                f"model `{spec.name}`: api_key_env names {variable}, which is not set; its "
+                f"requests go to {backend.config.base_url} without an API key"
+            )
+    return warnings

@@ -42,7 +42,8 @@ class ModelSpec:
 
 def model_not_found(model: str) -> RemoteProtocolError:
     return RemoteProtocolError.invalid(
-        f"The model `{model}` does not exist or you do not have access to it.",
+        f"The model `{model}` does not exist or you do not have access to it; "
+        "GET /v1/models lists the models of this server.",
         code="model_not_found",
         param="model",
         status=404,

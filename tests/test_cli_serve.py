@@ -116,6 +116,16 @@ def test_port_in_use_in_json_mode_is_one_json_line(tmp_path: Path, listening: in
 # --- a running server's log lines ----------------------------------------------------------
 
 
+# A request for a model the server lacks, over HTTP and WebSocket: where to find the others.
+UNKNOWN_MODEL = {
+    "message": "The model `gpt-4o` does not exist or you do not have access to it; "
+    "GET /v1/models lists the models of this server.",
+    "type": "invalid_request_error",
+    "param": "model",
+    "code": "model_not_found",
+}
+
+
 async def _collect(stream: trio.abc.ReceiveStream, lines: list[str], ready: trio.Event) -> None:
     buffer = b""
     async for chunk in stream:
@@ -154,12 +164,17 @@ async def _serve_and_exercise(tmp_path: Path, *extra: str) -> tuple[int, list[st
                     assert (await http.post("/responses", json=body)).status_code == 200
                     streamed = await http.post("/responses", json={**body, "stream": True})
                     assert streamed.status_code == 200
-                    bad = await http.post("/responses", json={"model": "nope", "input": "x"})
+                    bad = await http.post("/responses", json={"model": "gpt-4o", "input": "x"})
                     assert bad.status_code == 404
+                    assert bad.json() == {"error": UNKNOWN_MODEL}
                     assert (await http.get("/nowhere")).status_code == 404
                 async with open_ws(url) as ws:
                     events = await ws.create(model="sim", input="hello")
                     assert events[-1].type == "response.completed"
+                    await ws.send({"type": "response.create", "model": "gpt-4o", "input": "x"})
+                    await ws.recv()
+                    assert ws.raw[-1]["error"] == UNKNOWN_MODEL
+                    assert (ws.raw[-1]["type"], ws.raw[-1]["status"]) == ("error", 404)
                 process.send_signal(signal.SIGTERM)
                 code = await process.wait()
     finally:
@@ -189,7 +204,7 @@ async def test_json_logs_are_one_json_object_per_line(tmp_path: Path) -> None:
         ("GET", "/v1/nowhere", 404),
     ]
     closed = [r for r in access if r["event"] == "ws_closed"]
-    assert len(closed) == 1 and closed[0]["frames_in"] == 1 and closed[0]["seconds"] > 0
+    assert len(closed) == 1 and closed[0]["frames_in"] == 2 and closed[0]["seconds"] > 0
     assert all(isinstance(r["seconds"], float) for r in access)
 
 

@@ -7,6 +7,7 @@ to a real upstream.
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import tomllib
@@ -122,6 +123,12 @@ BAD: list[tuple[str, str]] = [
     ("aliases = 5\n", "[aliases] must be a table"),
     ("[aliases]\ngpt = 5\n", "aliases.gpt: expected a model string"),
     ('[aliases]\ngpt = "no-such-model"\n', "aliases.gpt: 'no-such-model' is not a model"),
+    # Built-in names stay the built-in models; an alias never hides a model of the file.
+    ('[models.sim]\nupstream = "http://h/v1"\n', "models.sim: `sim` is a built-in model"),
+    (X + 'aliases = ["sim-65"]\n', "models.x.aliases: `sim-65` is a built-in model"),
+    ('[aliases]\nsim = "sim:steps=2"\n', "aliases.sim: `sim` is a built-in model"),
+    ('[aliases]\n"sim-4000" = "sim"\n', "aliases.sim-4000: `sim-4000` is a built-in model"),
+    (X + '[aliases]\nx = "sim"\n', "aliases.x: `x` is a model of this file"),
 ]
 
 
@@ -206,3 +213,47 @@ async def test_a_loaded_file_routes_to_its_upstream(tmp_path: Path) -> None:
     assert texts == [direct.json()["output"][0]["content"][0]["text"]] * 3
     assert {"local", "local-alias", "gpt-5", "sim"} <= {m["id"] for m in models}
     assert upstream(registry, "local").counters.requests == 3
+
+
+def run_serve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rollout", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+    )
+
+
+def test_a_file_naming_a_builtin_model_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "models.toml").write_text('[models.sim]\nupstream = "http://127.0.0.1:9/v1"\n')
+    done = run_serve("--models", "models.toml", "--port", "0", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr == (
+        "rollout serve: models.toml: models.sim: `sim` is a built-in model, which stays "
+        "available; a models file cannot replace it: use another name (built-in: sim, "
+        "sim-1000, sim-4000, sim-65)\n"
+    )
+    assert not (tmp_path / "rollout-data").exists()
+
+
+def test_an_unset_api_key_variable_is_a_warning_at_start(tmp_path: Path) -> None:
+    """The warning comes before the server binds; a port in use then ends the run at once."""
+    (tmp_path / "models.toml").write_text(
+        '[models.hosted]\nupstream = "https://api.example.com/v1"\n'
+        'api_key_env = "ROLLOUT_TEST_UNSET_KEY"\n'
+        '[models.keyed]\nupstream = "https://api.example.com/v1"\napi_key_env = "HOME"\n'
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        done = run_serve("--models", "models.toml", "--port", port, cwd=tmp_path)
+    assert done.returncode == 1
+    warning, failure = done.stderr.splitlines()
+    assert warning.endswith(
+        " WARNING rollout.server: model `hosted`: api_key_env names ROLLOUT_TEST_UNSET_KEY, "
+        "which is not set; its requests go to https://api.example.com/v1 without an API key"
+    )
+    assert failure.startswith("rollout serve: 127.0.0.1:")  # `keyed`'s variable is set
