@@ -62,6 +62,8 @@ from ._ws import WebSocketConnection, WebSocketLimits
 __all__ = ["DEFAULT_MAX_CONNECTIONS", "AppConfig", "RolloutApp", "owner_of"]
 
 access_log = logging.getLogger("rollout.access")
+# Outside the logger tree and above every level: where an app without access lines logs them.
+_NO_ACCESS_LOG = logging.Logger("rollout.access.off", level=logging.CRITICAL + 1)
 log = logging.getLogger("rollout.server")
 
 # Open WebSocket connections at most. An idle one costs ~35 KB; one whose client stopped
@@ -87,6 +89,7 @@ class AppConfig:
     max_cached_responses: int = 8
     max_cached_tokens: int = 8_000_000
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    access_log: bool = True  # a `rollout.access` line per request (off for the warm-up's)
 
 
 @attrs.frozen
@@ -113,6 +116,7 @@ class RolloutApp:
         self.http_requests = 0
         self._started = time.time()
         self._keys = ApiKeys(config.api_keys)
+        self._access_log = access_log if config.access_log else _NO_ACCESS_LOG
         self._metrics = MetricsExporter(engine, self)
         self._routes = self._route_table()
 
@@ -172,7 +176,7 @@ class RolloutApp:
         if refusal is not None:
             status, body = refusal
             await _deny_upgrade(send, status, body)
-            access_log.info(
+            self._access_log.info(
                 "WebSocket %s refused: %d",
                 path,
                 status,
@@ -205,7 +209,7 @@ class RolloutApp:
         finally:
             self.open_connections -= 1
             seconds = round(time.perf_counter() - started, 6)
-            access_log.info(
+            self._access_log.info(
                 "WebSocket %s closed after %.3f s: %d frames in, %d out",
                 path,
                 seconds,
@@ -272,12 +276,12 @@ class RolloutApp:
                 status = await send_json(send, error.status, {"error": to_wire(error.body)})
         finally:
             seconds = round(time.perf_counter() - began, 6)
-            access_log.info(
-                "%s %s %d %.6f s",
+            self._access_log.info(
+                "%s %s %d %.1f ms",
                 method,
                 path,
                 status,
-                seconds,
+                seconds * 1000,
                 extra={
                     "event": "http",
                     "method": method,

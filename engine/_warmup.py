@@ -65,7 +65,7 @@ async def warm_up() -> None:
             ledger=MemoryUsageLedger(),
             render_cache=RenderCache(max_bytes=1 << 20),
         ) as engine:
-            app = RolloutApp(engine, AppConfig())
+            app = RolloutApp(engine, AppConfig(access_log=False))
             first = await _http(app, "/v1/responses", {"input": "Weather in Oslo?"})
             (call,) = first["output"]
             follow_up = {
