@@ -4,12 +4,37 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import __version__
 
 __all__ = ["main"]
+
+
+def _number(kind: type[int] | type[float], *, zero: bool) -> Callable[[str], int | float]:
+    """An argparse type: a number of `kind` > 0 (>= 0 with `zero`); a mistake is argparse's
+    one-line error naming the option."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value >= 0 or (value == 0 and not zero):  # NaN too
+            raise argparse.ArgumentTypeError(
+                f"expected a number {'>=' if zero else '>'} 0, got {text}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_POSITIVE_INT = _number(int, zero=False)
+_POSITIVE = _number(float, zero=False)
+_NON_NEGATIVE_INT = _number(int, zero=True)
+_NON_NEGATIVE = _number(float, zero=True)
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,6 +53,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     p = sub.add_parser(
         "serve",
+        # Short, so that a mistake's message stays two lines; --help lists every option.
+        usage="rollout serve [options] (rollout serve --help lists them)",
         help="serve the Responses API (HTTP, SSE and WebSocket mode) on one port",
         description="Serve the Responses API over HTTP (with server-sent events) and WebSocket "
         "mode on one port, with the built-in simulated models, a SQLite response store and a "
@@ -105,54 +132,54 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--max-message-size",
-        type=int,
+        type=_POSITIVE_INT,
         default=DEFAULT_MAX_MESSAGE_SIZE,
         help="largest request body / WebSocket message in bytes "
         f"(default {DEFAULT_MAX_MESSAGE_SIZE})",
     )
     p.add_argument(
         "--connection-age-limit",
-        type=float,
+        type=_POSITIVE,
         default=DEFAULT_CONNECTION_AGE_LIMIT,
         help="seconds before a WebSocket connection must reconnect (default 3600)",
     )
     p.add_argument(
         "--max-queued-creates",
-        type=int,
+        type=_NON_NEGATIVE_INT,
         default=DEFAULT_MAX_QUEUED_CREATES,
         help=f"response.create events waiting per connection, across its lanes (default "
         f"{DEFAULT_MAX_QUEUED_CREATES})",
     )
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=_POSITIVE_INT,
         default=DEFAULT_MAX_CONNECTIONS,
         help=f"open WebSocket connections at most; more are refused with 503 "
         f"(default {DEFAULT_MAX_CONNECTIONS})",
     )
     p.add_argument(
         "--max-buffered-bytes",
-        type=int,
+        type=_POSITIVE_INT,
         default=DEFAULT_MAX_BUFFERED_BYTES,
         help="bytes of outgoing frames a WebSocket holds for a slow reader "
         f"(default {DEFAULT_MAX_BUFFERED_BYTES})",
     )
     p.add_argument(
         "--send-stall-limit",
-        type=float,
+        type=_POSITIVE,
         default=DEFAULT_SEND_STALL_LIMIT,
         help="seconds a response may wait on a client that does not read before both end "
         f"(default {DEFAULT_SEND_STALL_LIMIT:g})",
     )
     p.add_argument(
         "--rollout-suspend-limit",
-        type=float,
+        type=_POSITIVE,
         default=DEFAULT_ROLLOUT_SUSPEND_LIMIT,
         help="seconds a suspended rollout waits for tool outputs (default 600)",
     )
     p.add_argument(
         "--render-cache-mb",
-        type=float,
+        type=_NON_NEGATIVE,
         default=DEFAULT_RENDER_CACHE_BYTES / 2**20,
         metavar="MB",
         help="memory for conversations rendered once and found again by any connection, "
@@ -160,7 +187,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--render-cache-ttl",
-        type=float,
+        type=_POSITIVE,
         default=DEFAULT_RENDER_CACHE_TTL,
         metavar="SECONDS",
         help="an unused render cache entry (a store: false conversation's only copy) is "
@@ -173,7 +200,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--graceful-timeout",
-        type=float,
+        type=_NON_NEGATIVE,
         default=10.0,
         help="seconds in-flight responses get to finish at shutdown (default 10)",
     )

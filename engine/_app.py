@@ -335,7 +335,13 @@ class RolloutApp:
         )
 
     def _did_you_mean(self, path: str) -> str:
-        """For a path of the API without its /v1 prefix, a hint naming the path with it."""
+        """For a path of the API without its /v1 prefix, a hint naming the path with it; for
+        the root (a browser's first try), where the API is."""
+        if path.rstrip("/") in ("", "/v1"):
+            return (
+                " The API is under /v1: GET /v1/models lists the models, POST /v1/responses "
+                "creates a response."
+            )
         if path.startswith("/v1/") or not any(r.pattern.match("/v1" + path) for r in self._routes):
             return ""
         return f" Did you mean /v1{path}? (The base URL ends in /v1.)"

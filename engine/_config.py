@@ -50,7 +50,9 @@ class ConfigError(ValueError):
 def load_registry(path: Path) -> ModelRegistry:
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return registry_from_mapping(data, source=str(path))
 

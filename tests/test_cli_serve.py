@@ -222,3 +222,32 @@ async def test_text_logs_are_clean_lines(tmp_path: Path) -> None:
     assert len(access) == 5
     assert " rollout.access: POST /v1/responses 404 " in access[2]
     assert not any("{" in line for line in err), err  # no JSON mixed into the text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-connections", "-5"], "argument --max-connections: expected a number > 0, got -5"),
+        (
+            ["--graceful-timeout", "soon"],
+            "argument --graceful-timeout: expected a number, got 'soon'",
+        ),
+        (["--render-cache-ttl", "0"], "argument --render-cache-ttl: expected a number > 0, got 0"),
+    ],
+)
+def test_bad_numbers_are_two_lines(tmp_path: Path, args: list[str], message: str) -> None:
+    done = run("serve", *args, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr == (
+        "usage: rollout serve [options] (rollout serve --help lists them)\n"
+        f"rollout serve: error: {message}\n"
+    )
+    assert not (tmp_path / "rollout-data").exists()
+
+
+def test_a_missing_models_file(tmp_path: Path) -> None:
+    done = run("serve", "--models", "nope.toml", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "rollout serve: nope.toml: No such file or directory\n",
+    )

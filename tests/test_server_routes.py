@@ -161,6 +161,16 @@ async def test_other_404s_have_no_hint(app: RolloutApp) -> None:
         assert (status, body["error"]["message"]) == (404, f"No route for GET {path}.")
 
 
+@pytest.mark.parametrize("path", ["/", "/v1", "/v1/"])
+async def test_the_root_says_where_the_api_is(app: RolloutApp, path: str) -> None:
+    status, _, body = await call(app, "GET", path)
+    assert (status, body["error"]["message"]) == (
+        404,
+        f"No route for GET {path}. The API is under /v1: GET /v1/models lists the models, "
+        "POST /v1/responses creates a response.",
+    )
+
+
 async def upgrade(app: RolloutApp, path: str) -> tuple[int, Any]:
     """A WebSocket handshake to `path` in-process: (status, body) of the refusal, or (101,
     None) when accepted (then the client leaves)."""
