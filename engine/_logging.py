@@ -26,6 +26,24 @@ LogFormat = Literal["text", "json"]
 HTTP_LOGGER = "rollout.http"
 
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The attributes every record has; the rest came as `extra`.
+_STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+
+class TextFormatter(logging.Formatter):
+    """`_TEXT`; a library's record whose message is only a name (stamina's
+    "stamina.retry_scheduled") gets its `extra` fields after it as key=value. rollout's own
+    records say everything in their message (their fields are for the JSON format)."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        if record.name.startswith("rollout"):
+            return line
+        fields = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STANDARD)
+        return f"{line} {fields}" if fields else line
 
 
 def formatter(fmt: LogFormat) -> logging.Formatter:
@@ -36,7 +54,7 @@ def formatter(fmt: LogFormat) -> logging.Formatter:
             rename_fields={"levelname": "level", "name": "logger"},
             timestamp=True,
         )
-    return logging.Formatter(_TEXT)
+    return TextFormatter()
 
 
 def configure_logging(level: str, fmt: LogFormat = "text") -> None:

@@ -251,3 +251,27 @@ def test_a_missing_models_file(tmp_path: Path) -> None:
         2,
         "rollout serve: nope.toml: No such file or directory\n",
     )
+
+
+def test_text_lines_show_a_librarys_fields_and_not_ours() -> None:
+    """stamina logs a retry as its name with the details in `extra`: text shows them; an
+    access line's fields are already its message."""
+    import logging
+
+    from rollout.engine._logging import formatter
+
+    text = formatter("text")
+    retry = logging.makeLogRecord(
+        {"name": "stamina", "levelname": "WARNING", "msg": "stamina.retry_scheduled",
+         "stamina.retry_num": 1, "stamina.caused_by": "ConnectError()"}
+    )  # fmt: skip
+    assert text.format(retry).endswith(
+        " WARNING stamina: stamina.retry_scheduled stamina.retry_num=1 "
+        "stamina.caused_by=ConnectError()"
+    )
+    access = logging.makeLogRecord(
+        {"name": "rollout.access", "levelname": "INFO", "msg": "GET / 404", "event": "http"}
+    )
+    assert text.format(access).endswith(" INFO rollout.access: GET / 404")
+    record = json.loads(formatter("json").format(retry))
+    assert record["stamina.retry_num"] == 1 and record["logger"] == "stamina"
