@@ -11,7 +11,8 @@ stages), `_cache` (a connection's responses), `_render_cache` / `_itemkey` (conv
 rendered once, for every connection), `_segments` (renderings kept with stored responses),
 `_postinfer` (the writer), `_store` / `_memory` / `_ledger` (durability), `_app` and
 its `_responses_api` / `_chat_api` / `_asgi` / `_auth` / `_metrics` / `_http_stream` (HTTP),
-`_ws` (WebSocket mode), `_serve` (hypercorn), `_sim` / `_upstream` / `_chat` (backends).
+`_ws` (WebSocket mode), `_serve` (hypercorn) with `_warmup` and `_logging`, `_sim` /
+`_upstream` / `_chat` (backends).
 """
 
 from ._classify import (
