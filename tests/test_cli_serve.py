@@ -104,6 +104,17 @@ def test_data_dir_that_is_a_file(tmp_path: Path) -> None:
     )
 
 
+def test_a_store_that_is_not_a_database(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "responses.sqlite3").write_bytes(b"not a database " * 10)
+    done = run("serve", "--port", "0", "--data-dir", "data", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr == (
+        "rollout serve: cannot open data/responses.sqlite3: file is not a database; move the "
+        "file away or pick another --data-dir.\n"
+    )
+
+
 def test_port_in_use_in_json_mode_is_one_json_line(tmp_path: Path, listening: int) -> None:
     done = run("serve", "--port", str(listening), "--log-format", "json", cwd=tmp_path)
     assert done.returncode == 1
