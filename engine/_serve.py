@@ -40,7 +40,7 @@ from ._logging import HTTP_LOGGER
 from ._models import ModelRegistry
 from ._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL, RenderCache
 from ._store import open_sqlite_store
-from ._warmup import warm_up
+from ._warmup import warm_up, warm_up_needed
 from ._ws import (
     DEFAULT_CONNECTION_AGE_LIMIT,
     DEFAULT_MAX_BUFFERED_BYTES,
@@ -85,8 +85,9 @@ class ServerConfig:
     max_cached_responses: int = 8
     render_cache_bytes: int = DEFAULT_RENDER_CACHE_BYTES  # 0: no render cache
     render_cache_ttl: float = DEFAULT_RENDER_CACHE_TTL
-    # Send a few requests through a throwaway engine before serving (`_warmup.py`), so the
-    # first client's request is not the one that builds what is built on first use.
+    # Send a few requests through a throwaway engine before serving (`_warmup.py`; once per
+    # process), so the first client's request is not the one that builds what is built on
+    # first use.
     warm_up: bool = True
     registry: ModelRegistry | None = None
     classifier: Classifier | None = None  # None: the default classifiers
@@ -269,7 +270,7 @@ async def serve(
                 max_bytes=config.render_cache_bytes, ttl=config.render_cache_ttl
             ),
         ) as engine:
-            if config.warm_up:
+            if config.warm_up and warm_up_needed():
                 try:
                     await warm_up()
                 except Exception:  # never a reason not to serve: the first requests are slower

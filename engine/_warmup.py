@@ -13,7 +13,7 @@ call, resumed by an append) and a `previous_response_id` continuation.
 The requests go to a throwaway engine of their own (the built-in `sim` model, an in-memory
 store and ledger, its own render cache and counters): nothing reaches the server's store,
 usage ledger, render cache or metrics, and no upstream model is called. What they warm is
-process-wide.
+process-wide, so a process warms up once (`warm_up_needed`): its later servers start at once.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ._ledger import MemoryUsageLedger
 from ._memory import MemoryResponseStore
 from ._render_cache import RenderCache
 
-__all__ = ["WARM_UP_LIMIT", "WarmUpError", "warm_up"]
+__all__ = ["WARM_UP_LIMIT", "WarmUpError", "warm_up", "warm_up_needed"]
 
 # The warm-up's deadline: it takes ~50 ms on a quiet machine; past this, something is wrong.
 WARM_UP_LIMIT = 30.0
@@ -57,6 +57,14 @@ class WarmUpError(Exception):
     """A warm-up request did not end as it should: a bug, reported (the server still starts)."""
 
 
+_warmed = False  # a warm-up completed in this process
+
+
+def warm_up_needed() -> bool:
+    """Whether no warm-up has completed in this process yet."""
+    return not _warmed
+
+
 async def warm_up() -> None:
     """Run the warm-up requests (see the module docstring); `WarmUpError` if one fails."""
     with trio.fail_after(WARM_UP_LIMIT):
@@ -77,6 +85,8 @@ async def warm_up() -> None:
             chat = {"model": "sim", "messages": [{"role": "user", "content": "Hi"}]}
             await _http(app, "/v1/chat/completions", chat)
             await _websocket(app)
+    global _warmed
+    _warmed = True
 
 
 def _output(call_id: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from rollout.engine._warmup import warm_up
+from rollout.engine._warmup import warm_up, warm_up_needed
 
 from tests.server_harness import counters, open_test_server, parse_metrics
 
@@ -106,8 +106,18 @@ def test_without_the_warm_up_they_do(tmp_path: Path, first: str) -> None:
 
 
 async def test_warm_up_leaves_nothing_in_the_servers_store_ledger_or_counters(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import rollout.engine._serve as serve_module
+
+    ran = []
+
+    async def warm_up_and_count() -> None:
+        await warm_up()
+        ran.append(1)
+
+    monkeypatch.setattr(serve_module, "warm_up_needed", lambda: True)  # even if warm already
+    monkeypatch.setattr(serve_module, "warm_up", warm_up_and_count)
     with trio.fail_after(DEADLINE):
         async with open_test_server(tmp_path / "data") as url:
             async with httpx.AsyncClient() as http:
@@ -116,6 +126,7 @@ async def test_warm_up_leaves_nothing_in_the_servers_store_ledger_or_counters(
         assert counters(metrics), "no work counters"
         nonzero = {name for (name, _), value in metrics.items() if value}
         assert nonzero == {"rollout_http_requests_total"}  # this one request, nothing else
+    assert ran == [1]
     for name, table in (("responses", "responses"), ("usage", "usage")):
         with sqlite3.connect(tmp_path / "data" / f"{name}.sqlite3") as db:
             assert db.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
@@ -127,6 +138,24 @@ async def test_warm_up_runs_alone() -> None:
         await warm_up()
 
 
+async def test_a_process_warms_up_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rollout.engine._serve as serve_module
+
+    with trio.fail_after(DEADLINE):
+        await warm_up()
+    assert not warm_up_needed()
+    calls = []
+
+    async def counted() -> None:
+        calls.append(1)
+
+    monkeypatch.setattr(serve_module, "warm_up", counted)
+    with trio.fail_after(DEADLINE):
+        async with open_test_server():
+            pass
+    assert calls == []  # what it would warm is warm already
+
+
 async def test_a_failing_warm_up_is_logged_and_the_server_serves(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -136,6 +165,7 @@ async def test_a_failing_warm_up_is_logged_and_the_server_serves(
         raise RuntimeError("injected")
 
     monkeypatch.setattr(serve_module, "warm_up", broken)
+    monkeypatch.setattr(serve_module, "warm_up_needed", lambda: True)
     with trio.fail_after(DEADLINE):
         async with open_test_server() as url, httpx.AsyncClient() as http:
             resp = await http.post(url + "/responses", json={"model": "sim", "input": "hi"})
