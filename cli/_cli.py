@@ -299,6 +299,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:  # Ctrl-C before the server was up (then it shuts down itself)
         return 130
+    except BaseExceptionGroup as group:  # the same, raised inside the server's task groups
+        if group.split(KeyboardInterrupt)[1] is not None:
+            raise
+        return 130
     return 0
 
 

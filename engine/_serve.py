@@ -5,8 +5,9 @@ opens the store and usage ledger (SQLite files in `data_dir`, or the PostgreSQL 
 `store_url`, which several instances share), the engine, and the ASGI app, and serves until
 SIGINT/SIGTERM (or `shutdown_trigger`). Shutdown is graceful: stop accepting, let in-flight
 responses finish within `graceful_timeout` (then cancel them; their usage is still recorded),
-close idle WebSocket connections with 1001, and flush the ledger. `open_server(config)` does
-the same in the background for tests and embedding, and yields the
+close idle WebSocket connections with 1001, and flush the ledger; a second SIGINT/SIGTERM
+(Ctrl-C again) ends the grace period at once. `open_server(config)` does the same in the
+background for tests and embedding, and yields the
 base URL (`http://host:port/v1`).
 """
 
@@ -140,10 +141,26 @@ def answer_peer_protocol_errors() -> None:
     Connection.events = events  # type: ignore[method-assign]
 
 
-async def _signals() -> None:
+@asynccontextmanager
+async def _open_stop_signals(enabled: bool) -> AsyncIterator[AsyncIterator[int] | None]:
+    """SIGINT and SIGTERM, received for the whole life of `serve` (when `enabled`: no other
+    shutdown trigger): the first starts the graceful shutdown, a second ends its grace period
+    at once (see `_next_signal`), so Ctrl-C twice never becomes a KeyboardInterrupt cutting
+    responses off without their terminal events and usage."""
+    if not enabled:
+        yield None
+        return
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
-        async for signum in received:
-            log.info("received %s, shutting down", signal.Signals(signum).name)
+        yield received
+
+
+async def _next_signal(signals: AsyncIterator[int] | None, message: str) -> None:
+    """Until the next stop signal, logged as `message` % its name; forever without."""
+    if signals is None:
+        await trio.sleep_forever()
+    else:
+        async for signum in signals:
+            log.info(message, signal.Signals(signum).name)
             return
 
 
@@ -258,31 +275,42 @@ async def serve(
         _close(sockets)
         raise
     try:
-        async with open_engine(
-            registry=config.registry,
-            classifier=config.classifier,
-            hosted_tools=config.hosted_tools,
-            store=store,
-            ledger=ledger,
-            rollout_suspend_limit=config.rollout_suspend_limit,
-            compaction_key=compaction_key,
-            render_cache=RenderCache(
-                max_bytes=config.render_cache_bytes, ttl=config.render_cache_ttl
-            ),
-        ) as engine:
+        async with (
+            open_engine(
+                registry=config.registry,
+                classifier=config.classifier,
+                hosted_tools=config.hosted_tools,
+                store=store,
+                ledger=ledger,
+                rollout_suspend_limit=config.rollout_suspend_limit,
+                compaction_key=compaction_key,
+                render_cache=RenderCache(
+                    max_bytes=config.render_cache_bytes, ttl=config.render_cache_ttl
+                ),
+            ) as engine,
+            _open_stop_signals(enabled=shutdown_trigger is None) as signals,
+        ):
             if config.warm_up and warm_up_needed():
                 try:
                     await warm_up()
                 except Exception:  # never a reason not to serve: the first requests are slower
                     log.warning("the warm-up failed; serving anyway", exc_info=True)
             app = RolloutApp(engine, config.app_config())
-            trigger = shutdown_trigger or _signals
             interrupter = trio.CancelScope()
+
+            async def first_signal() -> None:
+                await _next_signal(signals, "received %s, shutting down")
+
+            trigger = shutdown_trigger or first_signal
 
             async def interrupt_after_grace() -> None:
                 with interrupter:
-                    await trio.sleep(config.graceful_timeout)
-                    log.info("grace period over: interrupting the responses still running")
+                    with trio.move_on_after(config.graceful_timeout) as grace:
+                        await _next_signal(signals, "received %s again: stopping now")
+                    if grace.cancelled_caught:
+                        log.info("grace period over: interrupting the responses still running")
+                    else:
+                        log.info("interrupting the responses still running")
                     engine.interrupt_all()
 
             async def shutdown() -> None:

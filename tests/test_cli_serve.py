@@ -137,7 +137,14 @@ UNKNOWN_MODEL = {
 }
 
 
-async def _collect(stream: trio.abc.ReceiveStream, lines: list[str], ready: trio.Event) -> None:
+async def _collect(
+    stream: trio.abc.ReceiveStream,
+    lines: list[str],
+    ready: trio.Event,
+    seen: dict[str, trio.Event] | None = None,
+) -> None:
+    """Read `stream`'s lines into `lines`; set `ready` at "serving on", and each of `seen`'s
+    events at a line containing its key."""
     buffer = b""
     async for chunk in stream:
         buffer += chunk
@@ -146,6 +153,9 @@ async def _collect(stream: trio.abc.ReceiveStream, lines: list[str], ready: trio
             lines.append(raw.decode(errors="replace"))
             if "serving on" in lines[-1]:
                 ready.set()
+            for key, event in (seen or {}).items():
+                if key in lines[-1]:
+                    event.set()
     if buffer:
         lines.append(buffer.decode(errors="replace"))
 
@@ -286,3 +296,60 @@ def test_text_lines_show_a_librarys_fields_and_not_ours() -> None:
     assert text.format(access).endswith(" INFO rollout.access: GET / 404")
     record = json.loads(formatter("json").format(retry))
     assert record["stamina.retry_num"] == 1 and record["logger"] == "stamina"
+
+
+async def test_ctrl_c_twice_stops_at_once_and_cleanly(tmp_path: Path) -> None:
+    """The first SIGINT starts the graceful shutdown (a 60 s grace period here), the second
+    ends it at once: the streamed response still running ends with its terminal event, the
+    process exits 0, and no traceback is printed (it was a KeyboardInterrupt's, exit 1)."""
+    port = free_port()
+    command = [*ROLLOUT, "serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    command += ["--graceful-timeout", "60"]
+    err: list[str] = []
+    ready = trio.Event()
+    events: list[str] = []
+    process = await trio.lowlevel.open_process(
+        command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+    try:
+        with trio.fail_after(DEADLINE):
+            async with trio.open_nursery() as nursery:
+                assert process.stderr is not None
+                shutting = trio.Event()
+                seen = {"received SIGINT, shutting down": shutting}
+                nursery.start_soon(_collect, process.stderr, err, ready, seen)
+                await ready.wait()
+                started = trio.Event()
+
+                async def stream() -> None:
+                    body = {"model": "sim:tokens=100000,tps=50", "input": "Go.", "stream": True}
+                    async with (
+                        httpx.AsyncClient(timeout=30) as http,
+                        http.stream(
+                            "POST", f"http://127.0.0.1:{port}/v1/responses", json=body
+                        ) as resp,
+                    ):
+                        async for line in resp.aiter_lines():
+                            if line.startswith("event: "):
+                                events.append(line.removeprefix("event: "))
+                                if line.endswith("output_text.delta"):
+                                    started.set()
+
+                nursery.start_soon(stream)
+                await started.wait()
+                process.send_signal(signal.SIGINT)
+                await shutting.wait()  # taken (two at once may arrive as one)
+                process.send_signal(signal.SIGINT)
+                with trio.fail_after(20):  # far less than the grace period
+                    code = await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+    assert code == 0, err[-20:]
+    assert events[-1] == "response.failed"  # interrupted, with its terminal event
+    messages = [line.split(": ", 1)[-1] for line in err]
+    assert "received SIGINT, shutting down" in messages
+    assert "received SIGINT again: stopping now" in messages
+    assert not any("Traceback" in line for line in err), err
