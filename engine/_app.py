@@ -33,6 +33,7 @@ import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -90,6 +91,9 @@ class AppConfig:
     max_cached_tokens: int = 8_000_000
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     access_log: bool = True  # a `rollout.access` line per request (off for the warm-up's)
+    # One worker of several (`rollout serve --workers N`): /metrics merges the counts every
+    # worker writes into this directory (see `_metrics.py`).
+    metrics_dir: Path | None = None
 
 
 @attrs.frozen
@@ -117,7 +121,7 @@ class RolloutApp:
         self._started = time.time()
         self._keys = ApiKeys(config.api_keys)
         self._access_log = access_log if config.access_log else _NO_ACCESS_LOG
-        self._metrics = MetricsExporter(engine, self)
+        self.metrics = MetricsExporter(engine, self, shared_dir=config.metrics_dir)
         self._routes = self._route_table()
 
     def _route_table(self) -> tuple[Route, ...]:
@@ -352,8 +356,8 @@ class RolloutApp:
 
     async def _metrics_text(self, req: HttpRequest) -> int:
         """Behind the API key when keys are configured (a scraper sends one)."""
-        content_type = self._metrics.content_type.encode()
-        return await send_raw(req.send, 200, self._metrics.exposition(), content_type)
+        content_type = self.metrics.content_type.encode()
+        return await send_raw(req.send, 200, self.metrics.exposition(), content_type)
 
     async def _upgrade_over_http(self, req: HttpRequest) -> int:
         """`GET /v1/responses` that is no WebSocket handshake (hypercorn routes a valid one to

@@ -8,7 +8,8 @@ responses finish within `graceful_timeout` (then cancel them; their usage is sti
 close idle WebSocket connections with 1001, and flush the ledger; a second SIGINT/SIGTERM
 (Ctrl-C again) ends the grace period at once. `open_server(config)` does the same in the
 background for tests and embedding, and yields the
-base URL (`http://host:port/v1`).
+base URL (`http://host:port/v1`). One process of `rollout serve --workers N` is a `serve` on a
+listening socket its parent bound (`listen_fd`; see `_workers.py`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ class ServerConfig:
     hosted_tools: tuple[HostedTool, ...] = ()  # executors of hosted tools (offered by type)
     # Wraps the ASGI app before it is served (tests serve deliberately broken variants).
     app_wrapper: Callable[[RolloutApp], Any] | None = None
+    # A worker of `rollout serve --workers N`: accept on this inherited listening socket
+    # (bound by the parent; `host` and `port` are then only its address) and share /metrics
+    # counts through this directory.
+    listen_fd: int | None = None
+    metrics_dir: Path | None = None
 
     def app_config(self) -> AppConfig:
         return AppConfig(
@@ -112,6 +118,7 @@ class ServerConfig:
             ),
             max_connections=self.max_connections,
             max_cached_responses=self.max_cached_responses,
+            metrics_dir=self.metrics_dir,
         )
 
 
@@ -206,7 +213,11 @@ def bind_sockets(hconfig: HypercornConfig) -> Sockets:
 
 def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hconfig = HypercornConfig()
-    hconfig.bind = [f"{config.host}:{config.port}"]
+    # A worker of `rollout serve --workers N` accepts on the socket its parent bound.
+    bind = (
+        f"{config.host}:{config.port}" if config.listen_fd is None else f"fd://{config.listen_fd}"
+    )
+    hconfig.bind = [bind]
     hconfig.websocket_deflate = config.websocket_deflate
     # hypercorn closes the socket (1009) above its own limit; ours answers with a
     # `message_too_large` error event below it, so hypercorn's is set above ours.
@@ -321,12 +332,17 @@ async def serve(
             class _Status:
                 def started(self, urls: list[str] | None = None) -> None:
                     bound = (urls or [f"http://{config.host}:{config.port}"])[0]
-                    websocket = "on" if config.websocket else "off"
-                    log.info("rollout serving on %s/v1 (WebSocket %s)", bound, websocket)
+                    if config.listen_fd is None:
+                        websocket = "on" if config.websocket else "off"
+                        log.info("rollout serving on %s/v1 (WebSocket %s)", bound, websocket)
+                    else:  # a worker: its parent says "serving on" once all are
+                        log.info("worker pid %d accepting on %s", os.getpid(), bound)
                     task_status.started(bound + "/v1")
 
             asgi = app if config.app_wrapper is None else config.app_wrapper(app)
             async with trio.open_nursery() as background:
+                if config.metrics_dir is not None:
+                    background.start_soon(app.metrics.sync_forever)
                 await worker_serve(
                     wrap_app(asgi, hconfig.wsgi_max_body_size, "asgi"),  # type: ignore[arg-type]
                     hconfig,
@@ -335,7 +351,9 @@ async def serve(
                     task_status=_Status(),
                 )
                 interrupter.cancel()
+                background.cancel_scope.cancel()  # the metrics writer
             log.info("server stopped; flushing post-inference work")
+        app.metrics.close()  # a worker's final counts, once the ledger is flushed
     finally:
         _close(sockets)
         with trio.CancelScope(shield=True):
