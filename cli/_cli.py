@@ -199,6 +199,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="render every request's whole input (the render cache off: for comparison)",
     )
     p.add_argument(
+        "--workers",
+        type=_POSITIVE_INT,
+        default=1,
+        metavar="N",
+        help="worker processes serving the port (default 1); raise it, up to one per core, "
+        "when one process's CPU is the limit (JSON encoding and frame sending for many "
+        "concurrent streams); workers share the store, a WebSocket stays in its worker",
+    )
+    p.add_argument(
         "--graceful-timeout",
         type=_NON_NEGATIVE,
         default=10.0,
@@ -239,6 +248,7 @@ def _serve_failed(args: argparse.Namespace, message: str) -> None:
 def _serve(args: argparse.Namespace) -> int:
     """Exit status: 0 after a clean shutdown; 2 for arguments or a models file that cannot
     work (nothing was opened); 1 when the server could not start (port, host, data folder)."""
+    import attrs
     import trio
 
     from .engine._logging import configure_logging
@@ -286,6 +296,16 @@ def _serve(args: argparse.Namespace) -> int:
         render_cache_ttl=args.render_cache_ttl,
     )
     try:
+        if args.workers > 1:
+            from .engine._workers import run_workers
+
+            return run_workers(
+                attrs.evolve(config, registry=None),
+                workers=args.workers,
+                models=args.models,
+                log_level=args.log_level,
+                log_format=args.log_format,
+            )
         trio.run(serve, config)
     except StoreError as exc:
         if args.debug:

@@ -1,0 +1,378 @@
+"""`rollout serve --workers N`: N worker processes serving one port.
+
+The parent binds the listening socket once (with hypercorn's own binding code, as one process
+does) and starts N workers with multiprocessing's `spawn` method (a fresh interpreter each,
+as hypercorn's own multi-worker mode does), handing each the socket; each worker is a whole
+`serve()` (its own engine, caches, store and ledger connections) accepting on it through
+hypercorn's `fd://` bind. Each new connection goes to the one worker whose `accept` takes it,
+and a WebSocket stays in that worker for its life, with its connection cache.
+
+One shared socket rather than `SO_REUSEPORT` (one socket per worker, the kernel hashing
+connections across them): a worker that dies leaves the connections waiting in the queue to
+the others (with `SO_REUSEPORT` its queue is lost), no other process of the same user can
+bind the port alongside, `--port 0` works (the parent learns the port), and an idle worker
+tends to accept first, where a hash spreads long-lived WebSockets blindly. The cost is that
+every idle worker wakes for each new connection (one wins the `accept`), negligible at the
+rates of connection setup of agents on persistent WebSockets.
+
+State the workers share is only what is durable: stored responses and the usage ledger, in
+the store (SQLite in WAL mode, each worker with its own connections and a busy timeout; or
+PostgreSQL with `store_url`, each worker with its own pools). The parent opens the store and
+ledger once before any worker starts, so the files, their WAL mode, the tables, their
+migrations and the compaction key are made by one process, never raced. A `store: true`
+response is visible to every worker once its create has completed, so continuation,
+retrieval and deletion work from any worker.
+
+Shutdown: SIGINT or SIGTERM to the parent asks every worker to stop over its control pipe;
+each drains as one process does (`graceful_timeout`, then the responses still running end,
+the ledger is flushed) and exits; the parent kills a worker still alive
+`WORKER_STOP_MARGIN` after that and exits 0 once all stopped cleanly. Workers ignore SIGINT
+(a terminal's Ctrl-C reaches the whole process group; the parent coordinates); a SIGTERM sent
+to one worker stops it gracefully. A parent that dies without a word (SIGKILL) closes the
+control pipes: its workers then stop gracefully too.
+
+A worker that exits while the server runs is reported (its number, pid and exit status) and
+restarted after `WORKER_RESTART_DELAY`; the others go on serving meanwhile. A worker that
+exits before it started serving (a store that cannot open, a bad model file) stops the whole
+server with status 1: a restart would fail the same way.
+
+/metrics aggregates across the workers (see `_metrics.py`): the parent makes the directory
+the workers share their counts through, and removes a dead worker's gauges from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import attrs
+import trio
+from prometheus_client.multiprocess import mark_process_dead
+
+from ._logging import LogFormat, configure_logging
+from ._serve import ServerConfig, _hypercorn_config, _open_durable, bind_sockets, serve
+
+__all__ = ["DEFAULT_WORKERS", "WORKER_RESTART_DELAY", "WORKER_STOP_MARGIN", "run_workers"]
+
+log = logging.getLogger("rollout.server")
+
+DEFAULT_WORKERS = 1
+# A worker that died is restarted after this long (seconds): long enough that a worker dying
+# at once on every start does not spin a core, short enough to be back before clients' retries
+# give up.
+WORKER_RESTART_DELAY = 1.0
+# Past the graceful timeout (and the server's own margin for the last events), the time a
+# worker gets to close its store and exit before it is killed.
+WORKER_STOP_MARGIN = 5.0
+
+_STOP = "stop"  # parent -> worker, on the control pipe
+_READY = "ready"  # worker -> parent: (_READY, pid, base URL)
+
+
+@attrs.frozen(kw_only=True)
+class _WorkerSpec:
+    """What a worker gets (pickled for the spawned interpreter): the config without the model
+    registry, which each worker loads again from the file."""
+
+    config: ServerConfig
+    models: Path | None
+    log_level: str
+    log_format: LogFormat
+    metrics_dir: Path
+
+
+def run_workers(
+    config: ServerConfig,
+    *,
+    workers: int,
+    models: Path | None = None,
+    log_level: str = "info",
+    log_format: LogFormat = "text",
+) -> int:
+    """Serve `config` with `workers` processes until SIGINT/SIGTERM; the exit status (0 when
+    every worker stopped cleanly). `config` must be picklable (no registry, classifier, hosted
+    tools or app wrapper objects: `models` names the registry's file) and name a store that
+    processes can share (a data dir or a store URL). A port that cannot be bound or a data
+    folder that cannot be used raises `StartupError`, a PostgreSQL store that cannot be opened
+    `StoreError`, before any worker starts."""
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, not {workers}")
+    if config.data_dir is None and config.store_url is None:
+        raise ValueError("workers share the store: a data dir or a store URL is needed")
+    supervisor = _Supervisor(
+        config, workers=workers, models=models, log_level=log_level, log_format=log_format
+    )
+    return trio.run(supervisor.run)
+
+
+class _Supervisor:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        workers: int,
+        models: Path | None,
+        log_level: str,
+        log_format: LogFormat,
+    ) -> None:
+        self._config = config
+        self._workers = workers
+        self._models = models
+        self._log_level = log_level
+        self._log_format = log_format
+        self._stopping = trio.Event()
+        self._status = 0
+        self._ready: set[int] = set()
+        self._announced = False
+
+    async def run(self) -> int:
+        config = self._config
+        # Bound (and listening) as one process binds, with its errors; then the store opened.
+        (listener,) = bind_sockets(_hypercorn_config(config)).insecure_sockets
+        self._url = f"http://{_address(listener)}/v1"
+        metrics_dir = Path(tempfile.mkdtemp(prefix="rollout-metrics-"))
+        try:
+            await _prepare_storage(config)
+            spec = _WorkerSpec(
+                config=attrs.evolve(config, registry=None),
+                models=self._models,
+                log_level=self._log_level,
+                log_format=self._log_format,
+                metrics_dir=metrics_dir,
+            )
+            async with trio.open_nursery() as signals:
+                await signals.start(self._signals)
+                async with trio.open_nursery() as slots:
+                    for index in range(1, self._workers + 1):
+                        slots.start_soon(self._slot, spec, index, listener)
+                signals.cancel_scope.cancel()
+            return self._status
+        finally:
+            listener.close()
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+    def _stop(self, status: int = 0) -> None:
+        self._status = self._status or status
+        self._stopping.set()
+
+    async def _signals(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # Installed before the first worker starts and kept until the last has stopped, so a
+        # second signal never kills the parent while its workers drain.
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+            task_status.started()
+            async for signum in received:
+                if not self._stopping.is_set():
+                    name = signal.Signals(signum).name
+                    log.info("received %s, stopping %d workers", name, self._workers)
+                self._stop()
+
+    async def _slot(self, spec: _WorkerSpec, index: int, listener: socket.socket) -> None:
+        """Worker `index`: started, restarted when it dies, until the server stops."""
+        while not self._stopping.is_set():
+            worker = _Worker.start(spec, index, listener)
+            ready, code = await self._supervise(worker)
+            status = _exit_status(code)
+            mark_process_dead(worker.pid, str(spec.metrics_dir))  # type: ignore[no-untyped-call]
+            if self._stopping.is_set():
+                if code == 0:
+                    log.info("worker %d (pid %d) stopped", index, worker.pid)
+                else:
+                    log.error("worker %d (pid %d) %s while stopping", index, worker.pid, status)
+                    self._status = self._status or 1
+                return
+            self._ready.discard(index)
+            if not ready:
+                log.error(
+                    "worker %d (pid %d) %s before it served: stopping the server",
+                    index,
+                    worker.pid,
+                    status,
+                )
+                self._stop(1)
+                return
+            log.error(
+                "worker %d (pid %d) %s; restarting it in %g s",
+                index,
+                worker.pid,
+                status,
+                WORKER_RESTART_DELAY,
+            )
+            with trio.move_on_after(WORKER_RESTART_DELAY):
+                await self._stopping.wait()
+
+    async def _supervise(self, worker: _Worker) -> tuple[bool, int | None]:
+        """Until the worker exits: note when it is ready, ask it to stop when the server
+        stops (killing it if it outstays its grace). Whether it ever was ready, and its exit
+        code."""
+        ready = False
+
+        async def await_ready() -> None:
+            nonlocal ready
+            message = await worker.receive()
+            if message is not None and message[0] == _READY:
+                ready = True
+                self._ready.add(worker.index)
+                log.info("worker %d (pid %d) ready", worker.index, worker.pid)
+                if len(self._ready) == self._workers and not self._announced:
+                    self._announced = True
+                    log.info(
+                        "rollout serving on %s with %d workers (WebSocket %s)",
+                        self._url,
+                        self._workers,
+                        "on" if self._config.websocket else "off",
+                    )
+
+        async def stop_on_request() -> None:
+            await self._stopping.wait()
+            worker.send_stop()
+            await trio.sleep(self._config.graceful_timeout + WORKER_STOP_MARGIN + 1.0)
+            log.error(
+                "worker %d (pid %d) did not stop in time: killing it", worker.index, worker.pid
+            )
+            worker.process.kill()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(await_ready)
+                nursery.start_soon(stop_on_request)
+                await trio.lowlevel.wait_readable(worker.process.sentinel)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                if not _exited(worker.process):
+                    worker.process.kill()
+                    await trio.to_thread.run_sync(worker.process.join)
+                code = worker.process.exitcode
+                worker.close()
+        return ready, code
+
+
+@attrs.define(eq=False)
+class _Worker:
+    index: int
+    process: BaseProcess
+    pid: int
+    control: Connection  # the parent's end of the control pipe
+
+    @classmethod
+    def start(cls, spec: _WorkerSpec, index: int, listener: socket.socket) -> _Worker:
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        process = context.Process(
+            target=_worker_main,
+            args=(spec, index, listener, theirs),
+            name=f"rollout-worker-{index}",
+            daemon=False,
+        )
+        process.start()
+        theirs.close()
+        return cls(index=index, process=process, pid=process.pid or 0, control=ours)
+
+    async def receive(self) -> tuple[object, ...] | None:
+        """The worker's next message, or None once its end is closed (it exited)."""
+        await trio.lowlevel.wait_readable(self.control.fileno())
+        try:
+            message = self.control.recv()
+        except (EOFError, OSError):
+            return None
+        return message if isinstance(message, tuple) else None
+
+    def send_stop(self) -> None:
+        try:
+            self.control.send((_STOP,))
+        except OSError:
+            pass  # it has exited already
+
+    def close(self) -> None:
+        self.control.close()
+        self.process.close()
+
+
+def _exited(process: BaseProcess) -> bool:
+    process.join(timeout=0)
+    return process.exitcode is not None
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _prepare_storage(config: ServerConfig) -> None:
+    """Create (or migrate) the store, the ledger and the compaction key once, as one process
+    opens them, before the workers open them."""
+    store, ledger, _ = await _open_durable(config)
+    await ledger.aclose()
+    await store.aclose()
+
+
+# --- in the worker process --------------------------------------------------------------------
+
+
+def _worker_main(
+    spec: _WorkerSpec, index: int, listener: socket.socket, control: Connection
+) -> None:
+    """A worker process's entry point (spawned: a fresh interpreter)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(spec.log_level, spec.log_format)
+    registry = None
+    if spec.models is not None:
+        from ._config import load_registry
+
+        registry = load_registry(spec.models)
+    config = attrs.evolve(
+        spec.config,
+        registry=registry,
+        listen_fd=listener.detach(),  # hypercorn's socket owns the descriptor from here
+        metrics_dir=spec.metrics_dir,
+    )
+    trio.run(_serve_worker, config, index, control)
+
+
+async def _serve_worker(config: ServerConfig, index: int, control: Connection) -> None:
+    """Serve until the parent asks (or its end of the control pipe closes) or SIGTERM comes.
+    SIGTERM stays handled for the worker's whole life: a service manager may signal every
+    process of the group, and a second SIGTERM must not kill a draining worker."""
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+
+        async def on_signal() -> None:
+            async for _ in signals:
+                if not stop.is_set():
+                    log.info("worker %d received SIGTERM, stopping", index)
+                stop.set()
+
+        async def on_parent() -> None:
+            await trio.lowlevel.wait_readable(control.fileno())
+            stop.set()
+
+        async with trio.open_nursery() as watchers:
+            watchers.start_soon(on_signal)
+            watchers.start_soon(on_parent)
+            async with trio.open_nursery() as server:
+                url = await server.start(
+                    lambda task_status: serve(
+                        config, shutdown_trigger=stop.wait, task_status=task_status
+                    )
+                )
+                try:
+                    control.send((_READY, os.getpid(), url))
+                except OSError:
+                    stop.set()  # the parent is gone
+            watchers.cancel_scope.cancel()

@@ -1,0 +1,247 @@
+"""`rollout serve --workers 2`: one port, two processes, one store.
+
+A real `rollout serve --workers 2` subprocess. Which worker holds a connection is read from
+the kernel (psutil: the worker process whose socket has the client's port as its peer), so
+the tests prove where each request ran: connections land on both workers, a stored chain
+alternates between them, retrieval and deletion work from either, /metrics sums both, a
+worker killed is reported and restarted while the other goes on, and SIGTERM to the parent
+drains an in-flight stream to completion and leaves the ledger equal to the usage clients saw.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import trio
+from rollout import protocol as p
+
+from tests.client_harness import RolloutProcess, open_rollout_process
+from tests.server_harness import WsClient, open_ws
+
+DEADLINE = 90
+MODEL = "sim:tokens=8"
+# Connections opened at most to find one on a given worker: the kernel hands each to whichever
+# worker accepts first, so a few tries suffice; this many bounds a pathological machine.
+MAX_TRIES = 64
+_READY = re.compile(r"worker (\d+) \(pid (\d+)\) ready")
+
+
+def workers(server: RolloutProcess) -> dict[int, int]:
+    """Worker number -> pid, from the parent's log (the latest start of each)."""
+    found: dict[int, int] = {}
+    for line in server.lines:
+        match = _READY.search(line)
+        if match:
+            found[int(match[1])] = int(match[2])
+    return found
+
+
+def worker_of(server: RolloutProcess, client_port: int) -> int:
+    """The pid of the worker holding the connection from `client_port` (0 if none does)."""
+    for pid in workers(server).values():
+        try:
+            connections = psutil.Process(pid).net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue
+        if any(c.raddr and c.raddr.port == client_port for c in connections):
+            return pid
+    return 0
+
+
+@asynccontextmanager
+async def ws_on(server: RolloutProcess, pid: int) -> AsyncIterator[WsClient]:
+    """A WebSocket held by worker `pid` (connections are opened until one lands there)."""
+    for _ in range(MAX_TRIES):
+        async with open_ws(server.url) as ws:
+            if worker_of(server, ws.ws.local.port) == pid:
+                yield ws
+                return
+    raise AssertionError(f"no WebSocket landed on worker {pid} in {MAX_TRIES} tries")
+
+
+@asynccontextmanager
+async def http_on(server: RolloutProcess, pid: int) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client whose kept-alive connection is held by worker `pid`."""
+    for _ in range(MAX_TRIES):
+        async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as client:
+            response = await client.get(server.url.removesuffix("/v1") + "/healthz")
+            port = response.extensions["network_stream"].get_extra_info("client_addr")[1]
+            if worker_of(server, port) == pid:
+                yield client
+                return
+    raise AssertionError(f"no HTTP connection landed on worker {pid} in {MAX_TRIES} tries")
+
+
+@asynccontextmanager
+async def open_workers(data_dir: Path, *args: str) -> AsyncIterator[RolloutProcess]:
+    async with open_rollout_process(
+        data_dir=data_dir, extra_args=["--workers", "2", *args]
+    ) as server:
+        assert sorted(workers(server)) == [1, 2], server.tail()
+        yield server
+
+
+def ledger_totals(data_dir: Path) -> tuple[int, int, int]:
+    """(rows, input tokens, output tokens) in the ledger file, read after the server exited."""
+    conn = sqlite3.connect(data_dir / "usage.sqlite3")
+    try:
+        rows, inp, out = conn.execute(
+            "SELECT count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) "
+            "FROM usage WHERE complete = 1"
+        ).fetchone()
+        return int(rows), int(inp), int(out)
+    finally:
+        conn.close()
+
+
+async def wait_until(predicate: Callable[[], Any]) -> None:
+    """Poll `predicate` (an async callable) until it holds; the caller's deadline bounds it."""
+    while True:
+        if await predicate():
+            return
+        await trio.sleep(0.05)
+
+
+async def test_connections_land_on_both_workers_and_a_chain_alternates(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    seen: list[dict[str, Any]] = []  # every completed response's usage, as clients saw it
+    with trio.fail_after(DEADLINE):
+        async with open_workers(data_dir) as server:
+            pids = workers(server)
+            # Many connections at once: the kernel spreads them over both workers.
+            async with AsyncExitStack() as stack:
+                sockets = [await stack.enter_async_context(open_ws(server.url)) for _ in range(16)]
+                holders = {worker_of(server, ws.ws.local.port) for ws in sockets}
+            assert holders == set(pids.values()), (holders, pids)
+
+            # A stored chain alternating between the workers, over WebSockets held by each.
+            one, two = pids[1], pids[2]
+            async with ws_on(server, one) as ws1, ws_on(server, two) as ws2:
+                previous: str | None = None
+                chain: list[str] = []
+                for turn in range(6):
+                    ws = (ws1, ws2)[turn % 2]
+                    events = await ws.create(
+                        model=MODEL,
+                        input=f"turn {turn}",
+                        previous_response_id=previous,
+                        store=True,
+                    )
+                    final = events[-1]
+                    assert final.type == "response.completed", final
+                    seen.append(p.to_wire(final.response)["usage"])
+                    previous = final.response.id
+                    chain.append(previous)
+                    # Each continuation ran with the whole history: its input grows.
+                    if turn:
+                        assert final.response.usage.input_tokens > seen[-2]["input_tokens"]
+
+            # Retrieval and input items from either worker; deletion from one seen by the other.
+            async with http_on(server, one) as http1, http_on(server, two) as http2:
+                for rid in chain:
+                    for http in (http1, http2):
+                        got = await http.get(f"/responses/{rid}")
+                        assert got.status_code == 200, got.text
+                        assert got.json()["id"] == rid
+                items = await http2.get(f"/responses/{chain[0]}/input_items")
+                assert items.status_code == 200 and items.json()["data"], items.text
+                deleted = await http1.delete(f"/responses/{chain[-1]}")
+                assert deleted.status_code == 200, deleted.text
+                gone = await http2.get(f"/responses/{chain[-1]}")
+                assert gone.status_code == 404, gone.text
+                # The rest of the chain still continues, from the other worker over HTTP.
+                resp = await http2.post(
+                    "/responses",
+                    json={"model": MODEL, "input": "after", "previous_response_id": chain[-2]},
+                )
+                assert resp.json()["status"] == "completed", resp.text
+                seen.append(resp.json()["usage"])
+
+                # /metrics sums the workers: whichever answers counts every response.
+                async def all_counted() -> bool:
+                    for http in (http1, http2):
+                        text = (await http.get(server.url.removesuffix("/v1") + "/metrics")).text
+                        match = re.search(
+                            r'rollout_responses_total\{status="completed"\} (\S+)', text
+                        )
+                        if match is None or float(match[1]) != len(seen):
+                            return False
+                        assert 'rollout_stage_seconds_bucket{le="1",stage="render"}' in text
+                    return True
+
+                await wait_until(all_counted)
+    rows, inp, out = ledger_totals(data_dir)
+    assert rows == len(seen)
+    assert (inp, out) == (
+        sum(u["input_tokens"] for u in seen),
+        sum(u["output_tokens"] for u in seen),
+    )
+
+
+async def test_sigterm_drains_every_worker(tmp_path: Path) -> None:
+    """SIGTERM to the parent: a stream in flight on each worker completes, the parent exits 0
+    (checked by the harness), and the ledger holds exactly the usage the clients saw."""
+    data_dir = tmp_path / "data"
+    seen: list[dict[str, Any]] = []
+    slow = "sim:tokens=40,tps=80"  # half a second of streaming, within the 2 s grace
+    with trio.fail_after(DEADLINE):
+        async with open_workers(data_dir) as server:
+            pids = workers(server)
+            async with ws_on(server, pids[1]) as ws1, ws_on(server, pids[2]) as ws2:
+                for ws in (ws1, ws2):
+                    await ws.send({"type": "response.create", "model": slow, "input": "go"})
+                for ws in (ws1, ws2):  # both streaming
+                    while (await ws.recv()).type != "response.output_text.delta":
+                        pass
+                server.terminate()
+                for ws in (ws1, ws2):
+                    events = await ws.until_terminal()
+                    assert events[-1].type == "response.completed", events[-1]
+                    seen.append(p.to_wire(events[-1].response)["usage"])
+                    assert events[-1].response.usage.output_tokens == 40
+        assert any("received SIGTERM, stopping 2 workers" in line for line in server.lines)
+        for number, pid in pids.items():
+            assert any(f"worker {number} (pid {pid}) stopped" in line for line in server.lines)
+    rows, inp, out = ledger_totals(data_dir)
+    assert rows == 2
+    assert (inp, out) == (
+        sum(u["input_tokens"] for u in seen),
+        sum(u["output_tokens"] for u in seen),
+    )
+
+
+async def test_a_dead_worker_is_reported_and_restarted(tmp_path: Path) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_workers(tmp_path / "data") as server:
+            pids = workers(server)
+            async with ws_on(server, pids[2]) as survivor:
+                psutil.Process(pids[1]).kill()
+                await server.wait_for(lambda s: workers(s)[1] != pids[1])
+                assert any(
+                    f"worker 1 (pid {pids[1]}) was killed by SIGKILL; restarting" in line
+                    for line in server.lines
+                ), server.tail()
+                # The other worker's connection went on; the new worker serves.
+                events = await survivor.create(model=MODEL, input="still here", store=False)
+                assert events[-1].type == "response.completed"
+                async with ws_on(server, workers(server)[1]) as fresh:
+                    events = await fresh.create(model=MODEL, input="new worker", store=False)
+                    assert events[-1].type == "response.completed"
+
+
+@pytest.mark.parametrize("workers_arg", ["0", "-1", "two"])
+def test_workers_must_be_a_positive_count(workers_arg: str, capsys: Any) -> None:
+    from rollout._cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--workers", workers_arg])
+    assert exit_.value.code == 2
+    assert "--workers" in capsys.readouterr().err
