@@ -83,34 +83,51 @@ class Endpoint:
 
 
 class ProcStats:
-    """CPU seconds and peak resident memory of a local process, from /proc."""
+    """CPU seconds and peak resident memory of a local process and its children (the workers
+    of `rollout serve --workers N`), from /proc."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-    def cpu_seconds(self) -> float | None:
+    def _pids(self) -> list[int]:
+        """The process and its live children (a worker's CPU is not the parent's until the
+        worker exits)."""
         try:
-            raw = Path(f"/proc/{self.pid}/stat").read_text()
+            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
         except OSError:
-            return None
-        # Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-        fields = raw.rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / self._tick
+            children = []
+        return [self.pid, *(int(c) for c in children)]
+
+    def cpu_seconds(self) -> float | None:
+        total: float | None = None
+        for pid in self._pids():
+            try:
+                raw = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            # Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+            fields = raw.rsplit(")", 1)[1].split()
+            total = (total or 0.0) + (int(fields[11]) + int(fields[12])) / self._tick
+        return total
 
     def peak_rss_bytes(self) -> int | None:
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
+        """The sum of each process's peak (their peaks need not coincide: an upper bound)."""
+        total: int | None = None
+        for pid in self._pids():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        total = (total or 0) + int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        return total
 
     def reset_peak(self) -> bool:
         """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs). False if refused."""
         try:
-            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+            for pid in self._pids():
+                Path(f"/proc/{pid}/clear_refs").write_text("5")
         except OSError:
             return False
         return True
