@@ -401,3 +401,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 # PostgreSQL: a fresh database per session, a fresh schema per store or ledger (pg_harness.py).
 from tests.pg_harness import postgres_database, postgres_urls  # noqa: E402, F401
+
+# The store several rollout processes share, PostgreSQL and SQLite (store_harness.py).
+from tests.store_harness import shared_store  # noqa: E402, F401

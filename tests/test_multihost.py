@@ -1,4 +1,5 @@
-"""Many hosts: two `rollout serve` instances sharing one store, behind nginx.
+"""Many hosts: two `rollout serve` instances sharing one store (PostgreSQL, as on many hosts;
+and one SQLite data dir, as on one host), behind nginx.
 
 nginx runs the documented example config (`docs/nginx.conf`, with its addresses and port
 replaced) on a free port, in a prefix of its own in the test's tmp dir (`daemon off`, killed
@@ -16,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,6 +30,7 @@ import trio
 from rollout.bench._server import free_port
 
 from tests.client_harness import RolloutProcess, open_rollout_process, require
+from tests.store_harness import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "nginx.conf"
@@ -185,18 +186,6 @@ def drive_chain(base_url: str) -> dict[str, Any]:
     return {"usage": usage}
 
 
-def ledger_totals(data_dir: Path) -> tuple[int, int, int]:
-    conn = sqlite3.connect(data_dir / "usage.sqlite3")
-    try:
-        rows, inp, out = conn.execute(
-            "SELECT count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) "
-            "FROM usage WHERE complete = 1"
-        ).fetchone()
-        return int(rows), int(inp), int(out)
-    finally:
-        conn.close()
-
-
 def served(server: RolloutProcess) -> tuple[int, int]:
     """(WebSocket connections closed, HTTP creates) in an instance's access log."""
     records = server.access()
@@ -208,24 +197,29 @@ def served(server: RolloutProcess) -> tuple[int, int]:
     return sockets, creates
 
 
-async def test_a_chain_alternates_between_instances_behind_nginx(tmp_path: Path) -> None:
+async def test_a_chain_alternates_between_instances_behind_nginx(
+    tmp_path: Path, shared_store: Store
+) -> None:
     nginx_binary()  # skip (or fail under ROLLOUT_REQUIRE_ALL) before starting anything
-    data_dir = tmp_path / "shared"
     with trio.fail_after(DEADLINE):
         async with (
-            open_rollout_process(data_dir=data_dir) as a,
-            open_rollout_process(data_dir=data_dir) as b,
+            open_rollout_process(data_dir=tmp_path / "a", extra_args=shared_store.args) as a,
+            open_rollout_process(data_dir=tmp_path / "b", extra_args=shared_store.args) as b,
             open_nginx(tmp_path / "nginx", address(a), address(b)) as proxy,
         ):
             result = await trio.to_thread.run_sync(drive_chain, proxy, abandon_on_cancel=True)
             # Each instance served its pinned turns: two WebSocket connections and two
             # HTTP creates each (the last, unpinned create went to either).
-            await a.wait_for(lambda s: served(s)[0] == 2)
-            await b.wait_for(lambda s: served(s)[0] == 2)
+            # (An access record is written once its response went out: polled for.)
+            while True:
+                if served(a)[0] + served(b)[0] >= 4 and served(a)[1] + served(b)[1] >= 5:
+                    break
+                await trio.sleep(0.05)
+            assert served(a)[0] == served(b)[0] == 2
             assert served(a)[1] + served(b)[1] == 5
             assert min(served(a)[1], served(b)[1]) >= 2
     seen = result["usage"]
-    rows, inp, out = ledger_totals(data_dir)
+    rows, inp, out = shared_store.totals()
     assert rows == len(seen) == TURNS + 1
     assert (inp, out) == (
         sum(u["input_tokens"] for u in seen),

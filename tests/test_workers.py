@@ -25,6 +25,7 @@ from rollout import protocol as p
 
 from tests.client_harness import RolloutProcess, open_rollout_process
 from tests.server_harness import WsClient, open_ws
+from tests.store_harness import Store
 
 DEADLINE = 90
 MODEL = "sim:tokens=8"
@@ -110,11 +111,12 @@ async def wait_until(predicate: Callable[[], Any]) -> None:
         await trio.sleep(0.05)
 
 
-async def test_connections_land_on_both_workers_and_a_chain_alternates(tmp_path: Path) -> None:
-    data_dir = tmp_path / "data"
+async def test_connections_land_on_both_workers_and_a_chain_alternates(
+    tmp_path: Path, shared_store: Store
+) -> None:
     seen: list[dict[str, Any]] = []  # every completed response's usage, as clients saw it
     with trio.fail_after(DEADLINE):
-        async with open_workers(data_dir) as server:
+        async with open_workers(tmp_path / "data", *shared_store.args) as server:
             pids = workers(server)
             # Many connections at once: the kernel spreads them over both workers.
             async with AsyncExitStack() as stack:
@@ -178,7 +180,7 @@ async def test_connections_land_on_both_workers_and_a_chain_alternates(tmp_path:
                     return True
 
                 await wait_until(all_counted)
-    rows, inp, out = ledger_totals(data_dir)
+    rows, inp, out = shared_store.totals()
     assert rows == len(seen)
     assert (inp, out) == (
         sum(u["input_tokens"] for u in seen),
