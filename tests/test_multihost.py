@@ -14,7 +14,10 @@ equals the sum of the usage the client saw.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +30,7 @@ import httpx
 import openai
 import pytest
 import trio
+from openai.types.websocket_reconnection import ReconnectingEvent
 from rollout.bench._server import free_port
 
 from tests.client_harness import RolloutProcess, open_rollout_process, require
@@ -239,3 +243,84 @@ def test_the_example_config_passes_websocket_upgrades() -> None:
         "proxy_buffering off;",
     ):
         assert needed in example, needed
+
+
+def open_websockets(server: RolloutProcess) -> int:
+    """The instance's `rollout_open_connections` gauge, scraped from it directly."""
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics", trust_env=False).text
+    match = re.search(r'rollout_open_connections\{transport="websocket"\} (\S+)', text)
+    assert match is not None, text
+    return int(float(match[1]))
+
+
+async def test_the_sdk_reconnects_through_the_proxy_when_its_instance_goes_away(
+    tmp_path: Path, shared_store: Store
+) -> None:
+    """One `client.responses.connect()` through the proxy's pool (no pin): its instance stops
+    (SIGTERM: the idle socket closes with 1001, going away); the SDK reconnects by itself
+    through the proxy, lands on the other instance, and the stored chain continues there."""
+    nginx_binary()
+    closes: list[int] = []
+
+    def on_reconnecting(event: ReconnectingEvent) -> None:
+        closes.append(event.close_code)
+
+    with trio.fail_after(DEADLINE):
+        async with (
+            open_rollout_process(data_dir=tmp_path / "a", extra_args=shared_store.args) as a,
+            open_rollout_process(data_dir=tmp_path / "b", extra_args=shared_store.args) as b,
+            open_nginx(tmp_path / "nginx", address(a), address(b)) as proxy,
+        ):
+            client = openai.OpenAI(
+                base_url=proxy,
+                api_key="unused",
+                max_retries=0,
+                timeout=30,
+                http_client=httpx.Client(trust_env=False, timeout=30),
+            )
+            manager = client.responses.connect(
+                on_reconnecting=on_reconnecting, initial_delay=0.05, max_delay=0.5
+            )
+            conn = await trio.to_thread.run_sync(manager.enter)
+            events_in, events = trio.open_memory_channel[Any](math.inf)
+
+            def pump() -> None:  # the SDK's iterator, reconnecting inside, in a thread
+                for event in conn:
+                    trio.from_thread.run_sync(events_in.send_nowait, event)
+
+            async def turn(**fields: Any) -> Any:
+                create = functools.partial(conn.response.create, model=MODEL, store=True, **fields)
+                await trio.to_thread.run_sync(create)
+                async for event in events:
+                    assert event.type not in ("error", "response.failed"), event
+                    if event.type == "response.completed":
+                        return event.response
+                raise AssertionError("the connection ended")
+
+            async def holding(*servers: RolloutProcess) -> list[int]:
+                """The open WebSocket count of each server, once they add up to one."""
+                while True:
+                    counts = [await trio.to_thread.run_sync(open_websockets, s) for s in servers]
+                    if sum(counts) == 1:
+                        return counts
+                    await trio.sleep(0.05)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    functools.partial(trio.to_thread.run_sync, pump, abandon_on_cancel=True)
+                )
+                first = await turn(input="before")
+                gone, other = (a, b) if (await holding(a, b))[0] else (b, a)
+                gone.terminate()
+                await holding(other)  # the SDK reconnected, through the proxy, to the other
+                second = await turn(input="after", previous_response_id=first.id)
+                assert await holding(other) == [1]
+                assert second.usage.input_tokens > first.usage.input_tokens
+                await trio.to_thread.run_sync(conn.close)
+    assert closes == [1001]
+    seen = [first.usage, second.usage]
+    assert shared_store.totals() == (
+        2,
+        sum(u.input_tokens for u in seen),
+        sum(u.output_tokens for u in seen),
+    )
