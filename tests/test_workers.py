@@ -10,8 +10,11 @@ drains an in-flight stream to completion and leaves the ledger equal to the usag
 
 from __future__ import annotations
 
+import os
 import re
-import sqlite3
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -88,19 +91,6 @@ async def open_workers(data_dir: Path, *args: str) -> AsyncIterator[RolloutProce
     ) as server:
         assert sorted(workers(server)) == [1, 2], server.tail()
         yield server
-
-
-def ledger_totals(data_dir: Path) -> tuple[int, int, int]:
-    """(rows, input tokens, output tokens) in the ledger file, read after the server exited."""
-    conn = sqlite3.connect(data_dir / "usage.sqlite3")
-    try:
-        rows, inp, out = conn.execute(
-            "SELECT count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0) "
-            "FROM usage WHERE complete = 1"
-        ).fetchone()
-        return int(rows), int(inp), int(out)
-    finally:
-        conn.close()
 
 
 async def wait_until(predicate: Callable[[], Any]) -> None:
@@ -188,14 +178,13 @@ async def test_connections_land_on_both_workers_and_a_chain_alternates(
     )
 
 
-async def test_sigterm_drains_every_worker(tmp_path: Path) -> None:
+async def test_sigterm_drains_every_worker(tmp_path: Path, shared_store: Store) -> None:
     """SIGTERM to the parent: a stream in flight on each worker completes, the parent exits 0
     (checked by the harness), and the ledger holds exactly the usage the clients saw."""
-    data_dir = tmp_path / "data"
     seen: list[dict[str, Any]] = []
     slow = "sim:tokens=40,tps=80"  # half a second of streaming, within the 2 s grace
     with trio.fail_after(DEADLINE):
-        async with open_workers(data_dir) as server:
+        async with open_workers(tmp_path / "data", *shared_store.args) as server:
             pids = workers(server)
             async with ws_on(server, pids[1]) as ws1, ws_on(server, pids[2]) as ws2:
                 for ws in (ws1, ws2):
@@ -212,7 +201,7 @@ async def test_sigterm_drains_every_worker(tmp_path: Path) -> None:
         assert any("received SIGTERM, stopping 2 workers" in line for line in server.lines)
         for number, pid in pids.items():
             assert any(f"worker {number} (pid {pid}) stopped" in line for line in server.lines)
-    rows, inp, out = ledger_totals(data_dir)
+    rows, inp, out = shared_store.totals()
     assert rows == 2
     assert (inp, out) == (
         sum(u["input_tokens"] for u in seen),
@@ -247,3 +236,35 @@ def test_workers_must_be_a_positive_count(workers_arg: str, capsys: Any) -> None
         main(["serve", "--workers", workers_arg])
     assert exit_.value.code == 2
     assert "--workers" in capsys.readouterr().err
+
+
+def test_a_worker_that_cannot_start_stops_the_server(tmp_path: Path) -> None:
+    """A worker dying before it served (here: its model file is missing; the parent does not
+    read it) is not restarted in a loop: the server stops with status 1, saying why."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from rollout.engine._logging import configure_logging\n"
+        "from rollout.engine._serve import ServerConfig\n"
+        "from rollout.engine._workers import run_workers\n"
+        "configure_logging('info')\n"
+        f"config = ServerConfig(port=0, data_dir=Path({str(tmp_path / 'data')!r}))\n"
+        f"sys.exit(run_workers(config, workers=2, models=Path({str(tmp_path / 'no.toml')!r})))\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=DEADLINE)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 1, stderr
+    assert "before it served: stopping the server" in stderr, stderr
+    assert "restarting" not in stderr, stderr
