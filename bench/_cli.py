@@ -120,6 +120,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--local deflate=--websocket-deflate --local plain=--no-websocket-deflate)",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="start the local `rollout serve` servers with --workers N (those whose --local "
+        "arguments do not set it; e.g. --local w1='--workers 1' --local w2='--workers 2' "
+        "compares one process with two)",
+    )
+    p.add_argument(
         "--with-local",
         action="store_true",
         help="with --url or --local: also start and benchmark a local `rollout serve` with its "
@@ -189,6 +197,13 @@ def _servers(args: argparse.Namespace) -> tuple[Any, ...]:
         servers.append(ServerSpec(label=label, url=url))
     if not servers or args.with_local:
         servers.insert(0, ServerSpec(label="rollout"))
+    if args.workers is not None:
+        servers = [
+            attrs.evolve(s, serve_args=(*s.serve_args, "--workers", str(args.workers)))
+            if s.url is None and "--workers" not in s.serve_args
+            else s
+            for s in servers
+        ]
     labels = [s.label for s in servers]
     if len(set(labels)) != len(labels):
         raise SystemExit(f"rollout bench: server labels must differ: {labels}")

@@ -268,3 +268,29 @@ def test_a_worker_that_cannot_start_stops_the_server(tmp_path: Path) -> None:
     assert process.returncode == 1, stderr
     assert "before it served: stopping the server" in stderr, stderr
     assert "restarting" not in stderr, stderr
+
+
+async def test_bench_counts_the_workers(tmp_path: Path) -> None:
+    """`rollout bench --workers N` starts its local servers with it, and the bench's server
+    CPU and memory include the workers (the parent alone does almost nothing)."""
+    from rollout._cli import build_parser
+    from rollout.bench._cli import _servers
+    from rollout.bench._server import ProcStats
+
+    args = build_parser().parse_args(["bench", "--workers", "2", "--local", "one=--workers 1"])
+    assert [s.serve_args for s in _servers(args)] == [("--workers", "1")]
+    args = build_parser().parse_args(["bench", "--workers", "2"])
+    assert [s.serve_args for s in _servers(args)] == [("--workers", "2")]
+
+    with trio.fail_after(DEADLINE):
+        async with open_workers(tmp_path / "data") as server:
+            stats = ProcStats(server.pid)
+            alone = psutil.Process(server.pid)
+            workers_cpu = sum(
+                sum(psutil.Process(pid).cpu_times()[:2]) for pid in workers(server).values()
+            )
+            total = stats.cpu_seconds()
+            assert total is not None
+            assert total >= sum(alone.cpu_times()[:2]) + workers_cpu - 0.05
+            peak = stats.peak_rss_bytes()
+            assert peak is not None and peak > alone.memory_info().rss * 2
