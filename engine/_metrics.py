@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -173,11 +173,14 @@ class _RolloutCollector:
 class _SharedFiles:
     """This process's multiprocess-mode files: the collector's families, written in place."""
 
+    # The mode's file of each metric type: its merge reads the type from the name, and a
+    # gauge's way of merging (`livesum`: the sum over the live processes) from the name too.
+    _FILES = {"counter": "counter", "gauge": "gauge_livesum", "histogram": "histogram"}
+
     def __init__(self, directory: Path, pid: int) -> None:
-        self._files = {
-            "counter": MmapedDict(str(directory / f"counter_{pid}.db")),  # type: ignore[no-untyped-call]
-            "gauge": MmapedDict(str(directory / f"gauge_livesum_{pid}.db")),  # type: ignore[no-untyped-call]
-            "histogram": MmapedDict(str(directory / f"histogram_{pid}.db")),  # type: ignore[no-untyped-call]
+        self._files: dict[str, Any] = {
+            kind: MmapedDict(str(directory / f"{name}_{pid}.db"))  # type: ignore[no-untyped-call]
+            for kind, name in self._FILES.items()
         }
 
     def write(self, families: Iterable[Metric]) -> None:
@@ -199,11 +202,11 @@ class _SharedFiles:
                     list(sample.labels.values()),
                     family.documentation,
                 )
-                file.write_value(key, value, 0.0)  # type: ignore[no-untyped-call]
+                file.write_value(key, value, 0.0)
 
     def close(self) -> None:
         for file in self._files.values():
-            file.close()  # type: ignore[no-untyped-call]
+            file.close()
 
 
 class _MergedCollector:

@@ -305,7 +305,10 @@ def _exit_status(code: int | None) -> str:
     if code is None:
         return "is still running"
     if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
     return f"exited with status {code}"
 
 

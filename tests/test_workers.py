@@ -294,3 +294,51 @@ async def test_bench_counts_the_workers(tmp_path: Path) -> None:
             assert total >= sum(alone.cpu_times()[:2]) + workers_cpu - 0.05
             peak = stats.peak_rss_bytes()
             assert peak is not None and peak > alone.memory_info().rss * 2
+
+
+def test_metrics_merge_every_workers_files(tmp_path: Path) -> None:
+    """What each worker writes (its own totals) merges into one set of series: counters and
+    histograms summed over every worker that ran, gauges over the live ones, bucket labels
+    spelled as one process spells them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.metrics_core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+    from prometheus_client.multiprocess import mark_process_dead
+    from rollout.engine._metrics import _MergedCollector, _SharedFiles
+
+    def families(n: int) -> list[Any]:
+        work = CounterMetricFamily("rollout_work_total", "Work.", labels=["counter"])
+        work.add_metric(["tokens_rendered"], n)
+        open_ = GaugeMetricFamily("rollout_open_connections", "Open.", labels=["transport"])
+        open_.add_metric(["websocket"], n)
+        stages = HistogramMetricFamily("rollout_stage_seconds", "Stages.", labels=["stage"])
+        stages.add_metric(["render"], [("0.1", n), ("1", 2 * n), ("+Inf", 3 * n)], n / 10)
+        return [work, open_, stages]
+
+    def scrape() -> str:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_MergedCollector(tmp_path))
+        return generate_latest(registry).decode()
+
+    one, two = _SharedFiles(tmp_path, 101), _SharedFiles(tmp_path, 102)
+    one.write(families(1))
+    two.write(families(2))
+    text = scrape()
+    assert 'rollout_work_total{counter="tokens_rendered"} 3.0' in text
+    assert 'rollout_open_connections{transport="websocket"} 3.0' in text
+    assert 'rollout_stage_seconds_bucket{le="0.1",stage="render"} 3.0' in text
+    assert 'rollout_stage_seconds_bucket{le="1",stage="render"} 6.0' in text
+    assert 'rollout_stage_seconds_bucket{le="+Inf",stage="render"} 9.0' in text
+    assert 'rollout_stage_seconds_count{stage="render"} 9.0' in text
+    assert "rollout_stage_seconds_sum" in text and 'le="1.0"' not in text
+    one.write(families(5))  # a worker writes its totals again: they replace its earlier ones
+    assert 'rollout_work_total{counter="tokens_rendered"} 7.0' in scrape()
+    two.close()
+    mark_process_dead(102, str(tmp_path))  # the parent, when worker 102 exits
+    text = scrape()
+    assert 'rollout_open_connections{transport="websocket"} 5.0' in text  # live ones only
+    assert 'rollout_work_total{counter="tokens_rendered"} 7.0' in text  # its counts stay
+    one.close()
