@@ -357,8 +357,11 @@ async def _serve_worker(config: ServerConfig, index: int, control: Connection) -
 
         async def on_signal() -> None:
             async for _ in signals:
-                if not stop.is_set():
-                    log.info("worker %d received SIGTERM, stopping", index)
+                log.info(
+                    "worker %d received SIGTERM, %s",
+                    index,
+                    "draining" if stop.is_set() else "stopping",
+                )
                 stop.set()
 
         async def on_parent() -> None:

@@ -36,6 +36,7 @@ MODEL = "sim:tokens=8"
 # worker accepts first, so a few tries suffice; this many bounds a pathological machine.
 MAX_TRIES = 64
 _READY = re.compile(r"worker (\d+) \(pid (\d+)\) ready")
+_SIGTERM = re.compile(r"worker \d+ received SIGTERM")
 
 
 def workers(server: RolloutProcess) -> dict[int, int]:
@@ -178,11 +179,16 @@ async def test_connections_land_on_both_workers_and_a_chain_alternates(
     )
 
 
-async def test_sigterm_drains_every_worker(tmp_path: Path, shared_store: Store) -> None:
-    """SIGTERM to the parent: a stream in flight on each worker completes, the parent exits 0
-    (checked by the harness), and the ledger holds exactly the usage the clients saw."""
+@pytest.mark.parametrize("signalled", ["parent", "group"])
+async def test_sigterm_drains_every_worker(
+    tmp_path: Path, shared_store: Store, signalled: str
+) -> None:
+    """SIGTERM to the parent (or, as a service manager may, to the whole process group, and
+    again while the workers drain): a stream in flight on each worker completes, the parent
+    exits 0 (checked by the harness), and the ledger holds exactly the usage the clients
+    saw."""
     seen: list[dict[str, Any]] = []
-    slow = "sim:tokens=40,tps=80"  # half a second of streaming, within the 2 s grace
+    slow = "sim:tokens=80,tps=80"  # a second of streaming, within the 2 s grace
     with trio.fail_after(DEADLINE):
         async with open_workers(tmp_path / "data", *shared_store.args) as server:
             pids = workers(server)
@@ -192,12 +198,20 @@ async def test_sigterm_drains_every_worker(tmp_path: Path, shared_store: Store) 
                 for ws in (ws1, ws2):  # both streaming
                     while (await ws.recv()).type != "response.output_text.delta":
                         pass
-                server.terminate()
+                if signalled == "parent":
+                    server.terminate()
+                else:
+                    server.terminated = True  # the harness then only waits for the exit
+                    os.killpg(server.pid, signal.SIGTERM)
+                    await server.wait_for(  # both workers took the first
+                        lambda s: sum(bool(_SIGTERM.search(line)) for line in s.lines) == 2
+                    )
+                    os.killpg(server.pid, signal.SIGTERM)
                 for ws in (ws1, ws2):
                     events = await ws.until_terminal()
                     assert events[-1].type == "response.completed", events[-1]
                     seen.append(p.to_wire(events[-1].response)["usage"])
-                    assert events[-1].response.usage.output_tokens == 40
+                    assert events[-1].response.usage.output_tokens == 80
         assert any("received SIGTERM, stopping 2 workers" in line for line in server.lines)
         for number, pid in pids.items():
             assert any(f"worker {number} (pid {pid}) stopped" in line for line in server.lines)
