@@ -28,8 +28,10 @@ each drains as one process does (`graceful_timeout`, then the responses still ru
 the ledger is flushed) and exits; the parent kills a worker still alive
 `WORKER_STOP_MARGIN` after that and exits 0 once all stopped cleanly. Workers ignore SIGINT
 (a terminal's Ctrl-C reaches the whole process group; the parent coordinates); a SIGTERM sent
-to one worker stops it gracefully. A parent that dies without a word (SIGKILL) closes the
-control pipes: its workers then stop gracefully too.
+to one worker stops it gracefully, and so do more (a service manager may signal the whole
+group), so unlike one process a second signal does not cut the drain short. A parent that
+dies without a word (SIGKILL) closes the control pipes: its workers then stop gracefully
+too.
 
 A worker that exits while the server runs is reported (its number, pid and exit status) and
 restarted after `WORKER_RESTART_DELAY`; the others go on serving meanwhile. A worker that
