@@ -357,7 +357,7 @@ class RolloutApp:
     async def _metrics_text(self, req: HttpRequest) -> int:
         """Behind the API key when keys are configured (a scraper sends one)."""
         content_type = self.metrics.content_type.encode()
-        return await send_raw(req.send, 200, self.metrics.exposition(), content_type)
+        return await send_raw(req.send, 200, await self.metrics.scrape(), content_type)
 
     async def _upgrade_over_http(self, req: HttpRequest) -> int:
         """`GET /v1/responses` that is no WebSocket handshake (hypercorn routes a valid one to

@@ -29,16 +29,26 @@ the workers (no worker label: one deployment, one set of series), with prometheu
 multiprocess mode: each worker writes the families above into its own files in a directory the
 workers share (`counter_PID.db`, `gauge_livesum_PID.db`, `histogram_PID.db`: the mode's mmap
 files, written by `MmapedDict` as its metric values write them), every
-`METRICS_SYNC_INTERVAL` and at each of its own scrapes; the scraped worker merges every
+`METRICS_SYNC_INTERVAL`, and whenever a scrape asks; the scraped worker merges every
 worker's files with `MultiProcessCollector`. Counters and histograms sum over every worker that
 ever ran (a restarted worker's earlier counts stay, so counters never go back); gauges sum over
-the live workers (the parent removes a dead worker's gauge file). A scrape sees its own
-worker's counts as they are and the others' as of at most `METRICS_SYNC_INTERVAL` ago.
+the live workers (the parent removes a dead worker's files with `forget_worker`).
+
+A scrape is as exact as one process's: the scraped worker stamps a request file
+(`sync-request-PID`, the monotonic clock, which every process on the host shares), every
+worker polls the requests every `METRICS_POLL_INTERVAL`, writes its counts and stamps its
+acknowledgement (`sync-ack-PID`), and the scrape merges once every live worker has
+acknowledged it, or after `METRICS_SYNC_WAIT` (a worker stuck that long is shown as of its
+last write). So a client that saw a turn end and then scrapes sees that turn's counts,
+whichever worker ran it and whichever answers the scrape.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import struct
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,17 +63,29 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from ._counters import LATENCY_BUCKETS
 from ._engine import Engine
 
-__all__ = ["METRICS_SYNC_INTERVAL", "MetricsExporter", "ServerStats"]
+__all__ = [
+    "METRICS_POLL_INTERVAL",
+    "METRICS_SYNC_INTERVAL",
+    "METRICS_SYNC_WAIT",
+    "MetricsExporter",
+    "ServerStats",
+    "forget_worker",
+]
 
-# How often (seconds) a worker writes its counts for the other workers' scrapes: the staleness
-# bound of the other workers' share of a scrape. Writing is one pass over about a hundred
-# samples into a memory-mapped file, so once a second costs nothing measurable.
+# How often (seconds) a worker writes its counts unasked. Writing is one pass over about a
+# hundred samples into a memory-mapped file, so once a second costs nothing measurable.
 METRICS_SYNC_INTERVAL = 1.0
+# How often (seconds) a worker looks for scrapes' requests (a directory listing and a few
+# 8-byte reads): the delay a scrape adds, about this much.
+METRICS_POLL_INTERVAL = 0.01
+# How long (seconds) a scrape waits for every worker's acknowledgement before it answers with
+# what the files hold.
+METRICS_SYNC_WAIT = 0.5
 
 
 class ServerStats(Protocol):
@@ -171,17 +193,40 @@ class _RolloutCollector:
 
 
 class _SharedFiles:
-    """This process's multiprocess-mode files: the collector's families, written in place."""
+    """This process's multiprocess-mode files (the collector's families, written in place) and
+    its scrape requests and acknowledgements."""
 
     # The mode's file of each metric type: its merge reads the type from the name, and a
     # gauge's way of merging (`livesum`: the sum over the live processes) from the name too.
     _FILES = {"counter": "counter", "gauge": "gauge_livesum", "histogram": "histogram"}
 
     def __init__(self, directory: Path, pid: int) -> None:
+        self.directory = directory
+        self.pid = pid
         self._files: dict[str, Any] = {
             kind: MmapedDict(str(directory / f"{name}_{pid}.db"))  # type: ignore[no-untyped-call]
             for kind, name in self._FILES.items()
         }
+        self._request = _Stamp(directory / f"{_REQUEST}{pid}")
+        self._ack = _Stamp(directory / f"{_ACK}{pid}")
+
+    def request(self, when: float) -> None:
+        self._request.write(when)
+
+    def acknowledge(self, when: float) -> None:
+        self._ack.write(when)
+
+    def latest_request(self) -> float:
+        """The newest request of any scrape, of any worker."""
+        return max((_Stamp.read(p) for p in self.directory.glob(f"{_REQUEST}*")), default=0.0)
+
+    def all_acknowledged(self, since: float) -> bool:
+        """Has every live worker (one with a gauge file) written its counts after `since`?"""
+        for gauges in self.directory.glob("gauge_livesum_*.db"):
+            pid = gauges.name.removeprefix("gauge_livesum_").removesuffix(".db")
+            if pid != str(self.pid) and _Stamp.read(self.directory / f"{_ACK}{pid}") < since:
+                return False
+        return True
 
     def write(self, families: Iterable[Metric]) -> None:
         for family in families:
@@ -207,6 +252,42 @@ class _SharedFiles:
     def close(self) -> None:
         for file in self._files.values():
             file.close()
+        self._request.close()
+        self._ack.close()
+
+
+_REQUEST = "sync-request-"
+_ACK = "sync-ack-"
+
+
+class _Stamp:
+    """A monotonic-clock reading in a file of its own (8 bytes, written in place)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.write(0.0)
+
+    def write(self, when: float) -> None:
+        os.pwrite(self._fd, struct.pack("d", when), 0)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    @staticmethod
+    def read(path: Path) -> float:
+        try:
+            with path.open("rb") as f:
+                raw = f.read(8)
+        except FileNotFoundError:
+            return 0.0  # a worker that just exited (or not yet started)
+        return float(struct.unpack("d", raw)[0]) if len(raw) == 8 else 0.0
+
+
+def forget_worker(directory: Path, pid: int) -> None:
+    """After worker `pid` exited: its gauges and its scrape files go (its counts stay)."""
+    mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+    for name in (f"{_REQUEST}{pid}", f"{_ACK}{pid}"):
+        (directory / name).unlink(missing_ok=True)
 
 
 class _MergedCollector:
@@ -252,19 +333,44 @@ class MetricsExporter:
         self._encode, self.content_type = choose_encoder("")
 
     def exposition(self) -> bytes:
+        """The text of every series now (a worker's: with the others' as last written)."""
         self.sync()
         return self._encode(self.registry)
+
+    async def scrape(self) -> bytes:
+        """The text of every series, for `GET /metrics`: a worker first has every other worker
+        write its counts (see the module docstring)."""
+        shared = self._shared
+        if shared is not None:
+            asked = time.monotonic()
+            shared.request(asked)
+            with trio.move_on_after(METRICS_SYNC_WAIT):
+                while True:
+                    if shared.all_acknowledged(asked):
+                        break
+                    await trio.sleep(METRICS_POLL_INTERVAL / 2)
+        return self.exposition()
 
     def sync(self) -> None:
         """Write this worker's counts for the other workers' scrapes (no-op alone)."""
         if self._shared is not None:
+            stamp = time.monotonic()
             self._shared.write(self._collector.collect())
+            self._shared.acknowledge(stamp)
 
-    async def sync_forever(self, interval: float = METRICS_SYNC_INTERVAL) -> None:
-        """`sync` every `interval` seconds, for a worker's background."""
+    async def sync_forever(self) -> None:
+        """A worker's background: `sync` when a scrape asks, and every
+        `METRICS_SYNC_INTERVAL` seconds unasked."""
+        shared = self._shared
+        if shared is None:
+            return
+        synced = -math.inf
         while True:
-            self.sync()
-            await trio.sleep(interval)
+            now = time.monotonic()
+            if shared.latest_request() > synced or now - synced >= METRICS_SYNC_INTERVAL:
+                synced = now
+                self.sync()
+            await trio.sleep(METRICS_POLL_INTERVAL)
 
     def close(self) -> None:
         """A last `sync` (a stopping worker's final counts), then close the files."""

@@ -57,9 +57,9 @@ from pathlib import Path
 
 import attrs
 import trio
-from prometheus_client.multiprocess import mark_process_dead
 
 from ._logging import LogFormat, configure_logging
+from ._metrics import forget_worker
 from ._serve import ServerConfig, _hypercorn_config, _open_durable, bind_sockets, serve
 
 __all__ = ["DEFAULT_WORKERS", "WORKER_RESTART_DELAY", "WORKER_STOP_MARGIN", "run_workers"]
@@ -182,7 +182,7 @@ class _Supervisor:
             worker = _Worker.start(spec, index, listener)
             ready, code = await self._supervise(worker)
             status = _exit_status(code)
-            mark_process_dead(worker.pid, str(spec.metrics_dir))  # type: ignore[no-untyped-call]
+            forget_worker(spec.metrics_dir, worker.pid)
             if self._stopping.is_set():
                 if code == 0:
                     log.info("worker %d (pid %d) stopped", index, worker.pid)

@@ -15,7 +15,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -94,14 +94,6 @@ async def open_workers(data_dir: Path, *args: str) -> AsyncIterator[RolloutProce
         yield server
 
 
-async def wait_until(predicate: Callable[[], Any]) -> None:
-    """Poll `predicate` (an async callable) until it holds; the caller's deadline bounds it."""
-    while True:
-        if await predicate():
-            return
-        await trio.sleep(0.05)
-
-
 async def test_connections_land_on_both_workers_and_a_chain_alternates(
     tmp_path: Path, shared_store: Store
 ) -> None:
@@ -115,13 +107,29 @@ async def test_connections_land_on_both_workers_and_a_chain_alternates(
                 holders = {worker_of(server, ws.ws.local.port) for ws in sockets}
             assert holders == set(pids.values()), (holders, pids)
 
-            # A stored chain alternating between the workers, over WebSockets held by each.
             one, two = pids[1], pids[2]
-            async with ws_on(server, one) as ws1, ws_on(server, two) as ws2:
+            async with (
+                ws_on(server, one) as ws1,
+                ws_on(server, two) as ws2,
+                http_on(server, one) as http1,
+                http_on(server, two) as http2,
+            ):
+
+                async def completed(http: httpx.AsyncClient) -> float:
+                    """`/metrics`' completed responses, as the worker `http` reaches sums them
+                    (no waiting: a scrape sees every turn a client saw end)."""
+                    text = (await http.get(server.url.removesuffix("/v1") + "/metrics")).text
+                    assert 'rollout_stage_seconds_bucket{le="1",stage="render"}' in text
+                    match = re.search(r'rollout_responses_total\{status="completed"\} (\S+)', text)
+                    assert match is not None, text
+                    return float(match[1])
+
+                # A stored chain alternating between the workers, over WebSockets held by each;
+                # after each turn, the other worker's /metrics counts it.
                 previous: str | None = None
                 chain: list[str] = []
                 for turn in range(6):
-                    ws = (ws1, ws2)[turn % 2]
+                    ws, other = ((ws1, http2), (ws2, http1))[turn % 2]
                     events = await ws.create(
                         model=MODEL,
                         input=f"turn {turn}",
@@ -136,9 +144,10 @@ async def test_connections_land_on_both_workers_and_a_chain_alternates(
                     # Each continuation ran with the whole history: its input grows.
                     if turn:
                         assert final.response.usage.input_tokens > seen[-2]["input_tokens"]
+                    assert await completed(other) == turn + 1
 
-            # Retrieval and input items from either worker; deletion from one seen by the other.
-            async with http_on(server, one) as http1, http_on(server, two) as http2:
+                # Retrieval and input items from either worker; deletion on one, seen by the
+                # other.
                 for rid in chain:
                     for http in (http1, http2):
                         got = await http.get(f"/responses/{rid}")
@@ -157,20 +166,7 @@ async def test_connections_land_on_both_workers_and_a_chain_alternates(
                 )
                 assert resp.json()["status"] == "completed", resp.text
                 seen.append(resp.json()["usage"])
-
-                # /metrics sums the workers: whichever answers counts every response.
-                async def all_counted() -> bool:
-                    for http in (http1, http2):
-                        text = (await http.get(server.url.removesuffix("/v1") + "/metrics")).text
-                        match = re.search(
-                            r'rollout_responses_total\{status="completed"\} (\S+)', text
-                        )
-                        if match is None or float(match[1]) != len(seen):
-                            return False
-                        assert 'rollout_stage_seconds_bucket{le="1",stage="render"}' in text
-                    return True
-
-                await wait_until(all_counted)
+                assert await completed(http1) == await completed(http2) == len(seen)
     rows, inp, out = shared_store.totals()
     assert rows == len(seen)
     assert (inp, out) == (
