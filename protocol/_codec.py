@@ -728,7 +728,7 @@ def _steer_message_problem(item: Any, where: str) -> str | None:
     if isinstance(content, list):
         for j, part in enumerate(content):
             ptype = part.get("type") if isinstance(part, dict) else None
-            if ptype not in _STEER_PART_TYPES:
+            if not isinstance(ptype, str) or ptype not in _STEER_PART_TYPES:
                 return (
                     f"Invalid '{where}.content[{j}]': a steering message's content parts are "
                     "input_text, input_image or input_file."

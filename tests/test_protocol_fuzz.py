@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from rollout import protocol as p
 
@@ -167,6 +167,14 @@ def test_escaped_surrogates(key: str, value: str) -> None:
 
 @SETTINGS
 @given(value=mutations(client_events))
+# Found by this test: a steering content part whose type is not a string raised TypeError.
+@example(
+    value={
+        "type": "response.steer",
+        "previous_response_id": "0",
+        "input": [{"role": "user", "content": [{"type": [], "text": ""}]}],
+    }
+)
 def test_mutated_client_events(value: Any) -> None:
     feed_json(json.dumps(value, ensure_ascii=False))
     feed_msgpack(msgpack.packb(value))
