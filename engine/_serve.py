@@ -9,7 +9,7 @@ close idle WebSocket connections with 1001, and flush the ledger; a second SIGIN
 (Ctrl-C again) ends the grace period at once. `open_server(config)` does the same in the
 background for tests and embedding, and yields the
 base URL (`http://host:port/v1`). One process of `rollout serve --workers N` is a `serve` on a
-listening socket its parent bound (`listen_fd`; see `_workers.py`).
+socket it bound with `SO_REUSEPORT` (`listen_fd`; see `_workers.py`).
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ class ServerConfig:
     hosted_tools: tuple[HostedTool, ...] = ()  # executors of hosted tools (offered by type)
     # Wraps the ASGI app before it is served (tests serve deliberately broken variants).
     app_wrapper: Callable[[RolloutApp], Any] | None = None
-    # A worker of `rollout serve --workers N`: accept on this inherited listening socket
-    # (bound by the parent; `host` and `port` are then only its address) and share /metrics
-    # counts through this directory.
+    # A worker of `rollout serve --workers N`: listen on this bound socket (its own, with
+    # `SO_REUSEPORT`; `host` and `port` are then only its address) and share /metrics counts
+    # through this directory.
     listen_fd: int | None = None
     metrics_dir: Path | None = None
 
@@ -182,38 +182,43 @@ def bind_sockets(hconfig: HypercornConfig) -> Sockets:
     (bind,) = hconfig.bind
     try:
         sockets = hconfig.create_sockets()
-    except OverflowError:  # a port over 65535 (the CLI refuses it first)
-        raise StartupError(f"{bind} is not a valid address: a port is 0-65535.") from None
-    except socket.gaierror as exc:
-        raise StartupError(
-            f"cannot listen on {bind}: unknown host ({exc.strerror}); use an IP address or a "
-            "name that resolves (--host)."
-        ) from None
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            raise StartupError(
-                f"{bind} is already in use (another rollout serve?); stop that server or pick "
-                "another --port."
-            ) from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise StartupError(
-                f"cannot listen on {bind}: no such address on this machine; use one of its "
-                "addresses, 127.0.0.1 or 0.0.0.0 (--host)."
-            ) from None
-        if exc.errno == errno.EACCES:
-            raise StartupError(
-                f"cannot listen on {bind}: permission denied (ports below 1024 need "
-                "privileges); pick a port from 1024 up (--port)."
-            ) from None
-        raise StartupError(f"cannot listen on {bind}: {exc.strerror or exc}.") from None
+    except (OverflowError, OSError) as exc:
+        raise bind_error(bind, exc) from None
     for sock in sockets.insecure_sockets:
         sock.listen(hconfig.backlog)
     return sockets
 
 
+def bind_error(bind: str, exc: OverflowError | OSError) -> StartupError:
+    """The `StartupError` for binding `bind` (host:port) failing with `exc`."""
+    if isinstance(exc, OverflowError):  # a port over 65535 (the CLI refuses it first)
+        return StartupError(f"{bind} is not a valid address: a port is 0-65535.")
+    if isinstance(exc, socket.gaierror):
+        return StartupError(
+            f"cannot listen on {bind}: unknown host ({exc.strerror}); use an IP address or a "
+            "name that resolves (--host)."
+        )
+    if exc.errno == errno.EADDRINUSE:
+        return StartupError(
+            f"{bind} is already in use (another rollout serve?); stop that server or pick "
+            "another --port."
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return StartupError(
+            f"cannot listen on {bind}: no such address on this machine; use one of its "
+            "addresses, 127.0.0.1 or 0.0.0.0 (--host)."
+        )
+    if exc.errno == errno.EACCES:
+        return StartupError(
+            f"cannot listen on {bind}: permission denied (ports below 1024 need "
+            "privileges); pick a port from 1024 up (--port)."
+        )
+    return StartupError(f"cannot listen on {bind}: {exc.strerror or exc}.")
+
+
 def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
     hconfig = HypercornConfig()
-    # A worker of `rollout serve --workers N` accepts on the socket its parent bound.
+    # A worker of `rollout serve --workers N` listens on the socket it bound.
     bind = (
         f"{config.host}:{config.port}" if config.listen_fd is None else f"fd://{config.listen_fd}"
     )

@@ -1,19 +1,21 @@
 """`rollout serve --workers N`: N worker processes serving one port.
 
-The parent binds the listening socket once (with hypercorn's own binding code, as one process
-does) and starts N workers with multiprocessing's `spawn` method (a fresh interpreter each,
-as hypercorn's own multi-worker mode does), handing each the socket; each worker is a whole
-`serve()` (its own engine, caches, store and ledger connections) accepting on it through
-hypercorn's `fd://` bind. Each new connection goes to the one worker whose `accept` takes it,
-and a WebSocket stays in that worker for its life, with its connection cache.
+The parent starts N workers with multiprocessing's `spawn` method (a fresh interpreter each,
+as hypercorn's own multi-worker mode does); each worker is a whole `serve()` (its own engine,
+caches, store and ledger connections) listening on the port through a socket of its own with
+`SO_REUSEPORT`, handed to hypercorn as an `fd://` bind. The kernel spreads new connections
+over the workers' sockets by a hash of their addresses, and a WebSocket stays in the worker
+that accepted it for its life, with its connection cache. The parent binds the port first,
+without listening (so it takes no connection): a port in use fails there, with the one-line
+error of one process, `--port 0` picks the port every worker then joins, and the port stays
+held while workers restart.
 
-One shared socket rather than `SO_REUSEPORT` (one socket per worker, the kernel hashing
-connections across them): a worker that dies leaves the connections waiting in the queue to
-the others (with `SO_REUSEPORT` its queue is lost), no other process of the same user can
-bind the port alongside, `--port 0` works (the parent learns the port), and an idle worker
-tends to accept first, where a hash spreads long-lived WebSockets blindly. The cost is that
-every idle worker wakes for each new connection (one wins the `accept`), negligible at the
-rates of connection setup of agents on persistent WebSockets.
+`SO_REUSEPORT` rather than one listening socket shared by every worker: with one shared
+socket, connections that arrive together (a benchmark's, or a fleet of agents reconnecting)
+all went to whichever worker woke first (16 of 16 in a loaded test run); the kernel's hash
+spreads them evenly, which is what lets N workers use N cores. The cost: a worker that dies
+loses the connections waiting in its own accept queue (they are reset, and clients
+reconnect), and processes of the same user may join the port's group.
 
 State the workers share is only what is durable: stored responses and the usage ledger, in
 the store (SQLite in WAL mode, each worker with its own connections and a busy timeout; or
@@ -60,9 +62,15 @@ import trio
 
 from ._logging import LogFormat, configure_logging
 from ._metrics import forget_worker
-from ._serve import ServerConfig, _hypercorn_config, _open_durable, bind_sockets, serve
+from ._serve import ServerConfig, _open_durable, bind_error, serve
 
-__all__ = ["DEFAULT_WORKERS", "WORKER_RESTART_DELAY", "WORKER_STOP_MARGIN", "run_workers"]
+__all__ = [
+    "DEFAULT_WORKERS",
+    "WORKER_RESTART_DELAY",
+    "WORKER_STOP_MARGIN",
+    "reuseport_socket",
+    "run_workers",
+]
 
 log = logging.getLogger("rollout.server")
 
@@ -85,6 +93,7 @@ class _WorkerSpec:
     registry, which each worker loads again from the file."""
 
     config: ServerConfig
+    address: tuple[str, int]  # (host, port) every worker binds with SO_REUSEPORT
     models: Path | None
     log_level: str
     log_format: LogFormat
@@ -137,14 +146,20 @@ class _Supervisor:
 
     async def run(self) -> int:
         config = self._config
-        # Bound (and listening) as one process binds, with its errors; then the store opened.
-        (listener,) = bind_sockets(_hypercorn_config(config)).insecure_sockets
-        self._url = f"http://{_address(listener)}/v1"
+        # The port held (bound, not listening) before the store opens, as one process does.
+        host = config.host.strip("[]")
+        try:
+            holder = reuseport_socket(host, config.port)
+        except (OverflowError, OSError) as exc:
+            raise bind_error(f"{config.host}:{config.port}", exc) from None
+        address: tuple[str, int] = holder.getsockname()[:2]
+        self._url = f"http://{_address(holder)}/v1"
         metrics_dir = Path(tempfile.mkdtemp(prefix="rollout-metrics-"))
         try:
             await _prepare_storage(config)
             spec = _WorkerSpec(
                 config=attrs.evolve(config, registry=None),
+                address=address,
                 models=self._models,
                 log_level=self._log_level,
                 log_format=self._log_format,
@@ -154,11 +169,11 @@ class _Supervisor:
                 await signals.start(self._signals)
                 async with trio.open_nursery() as slots:
                     for index in range(1, self._workers + 1):
-                        slots.start_soon(self._slot, spec, index, listener)
+                        slots.start_soon(self._slot, spec, index)
                 signals.cancel_scope.cancel()
             return self._status
         finally:
-            listener.close()
+            holder.close()
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
     def _stop(self, status: int = 0) -> None:
@@ -176,10 +191,10 @@ class _Supervisor:
                     log.info("received %s, stopping %d workers", name, self._workers)
                 self._stop()
 
-    async def _slot(self, spec: _WorkerSpec, index: int, listener: socket.socket) -> None:
+    async def _slot(self, spec: _WorkerSpec, index: int) -> None:
         """Worker `index`: started, restarted when it dies, until the server stops."""
         while not self._stopping.is_set():
-            worker = _Worker.start(spec, index, listener)
+            worker = _Worker.start(spec, index)
             ready, code = await self._supervise(worker)
             status = _exit_status(code)
             forget_worker(spec.metrics_dir, worker.pid)
@@ -265,12 +280,12 @@ class _Worker:
     control: Connection  # the parent's end of the control pipe
 
     @classmethod
-    def start(cls, spec: _WorkerSpec, index: int, listener: socket.socket) -> _Worker:
+    def start(cls, spec: _WorkerSpec, index: int) -> _Worker:
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe()
         process = context.Process(
             target=_worker_main,
-            args=(spec, index, listener, theirs),
+            args=(spec, index, theirs),
             name=f"rollout-worker-{index}",
             daemon=False,
         )
@@ -314,6 +329,20 @@ def _exit_status(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with `SO_REUSEPORT` (and `SO_REUSEADDR`, as
+    hypercorn binds), not listening yet."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _address(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -330,12 +359,11 @@ async def _prepare_storage(config: ServerConfig) -> None:
 # --- in the worker process --------------------------------------------------------------------
 
 
-def _worker_main(
-    spec: _WorkerSpec, index: int, listener: socket.socket, control: Connection
-) -> None:
+def _worker_main(spec: _WorkerSpec, index: int, control: Connection) -> None:
     """A worker process's entry point (spawned: a fresh interpreter)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(spec.log_level, spec.log_format)
+    listener = reuseport_socket(*spec.address)  # hypercorn listens on it
     registry = None
     if spec.models is not None:
         from ._config import load_registry

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -352,3 +353,22 @@ def test_metrics_merge_every_workers_files(tmp_path: Path) -> None:
     assert 'rollout_open_connections{transport="websocket"} 5.0' in text  # live ones only
     assert 'rollout_work_total{counter="tokens_rendered"} 7.0' in text  # its counts stay
     one.close()
+
+
+def test_a_port_in_use_is_one_line_before_any_worker_starts(tmp_path: Path) -> None:
+    """The parent holds the port before anything else, as one process binds: a port another
+    server listens on (without SO_REUSEPORT) is refused with one process's one-line error."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "rollout", "serve", "--workers", "2"]
+        command += ["--port", str(port), "--data-dir", str(tmp_path / "data")]
+        process = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE,
+            stdin=subprocess.DEVNULL,
+        )
+    assert process.returncode == 1, process.stderr
+    assert f"127.0.0.1:{port} is already in use" in process.stderr
+    assert "worker" not in process.stderr and not (tmp_path / "data").exists()
