@@ -7,6 +7,8 @@ import functools
 import json
 import math
 import os
+import signal
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 if TYPE_CHECKING:
+    import trio
     from rich.console import Console
 
     from ._context import Case, Options
@@ -399,15 +402,43 @@ async def _preflight_and_run(
     cases: list[Case],
     progress: bool,
     finished: list[CheckResult],
-) -> Report | Problem:
+) -> Report | Problem | None:
     """The preflight's problem, or the run's report (each result also appended to
-    `finished`, which outlives an interrupted run)."""
+    `finished`, which outlives an interrupted run); None when Ctrl-C stopped it.
+
+    Ctrl-C is received as a signal and cancels the run as a whole (rather than trio's default
+    KeyboardInterrupt, raised in whichever task runs at the time, which could leave a check
+    neither finished nor failed)."""
+    import trio
+
     from ._preflight import preflight
 
-    problem = await preflight(base_url, options)
-    if problem is not None:
-        return problem
-    return await _run_with_progress(base_url, options, console, len(cases), progress, finished)
+    outcome: list[Report | Problem] = []
+
+    async def run(cancel: trio.CancelScope) -> None:
+        problem = await preflight(base_url, options)
+        if problem is not None:
+            outcome.append(problem)
+        else:
+            outcome.append(
+                await _run_with_progress(base_url, options, console, len(cases), progress, finished)
+            )
+        cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        if threading.current_thread() is threading.main_thread():
+            nursery.start_soon(_cancel_on_sigint, nursery.cancel_scope)
+        nursery.start_soon(run, nursery.cancel_scope)
+    return outcome[0] if outcome else None
+
+
+async def _cancel_on_sigint(scope: trio.CancelScope) -> None:
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
 
 
 async def _run_with_progress(
