@@ -90,7 +90,7 @@ class ServerProcess:
             self.lines.append(line)
             match = _SERVING.search(line)
             if match and not serving.is_set():
-                self.url = match[1] + "/v1"
+                self.url = match[1].removesuffix("/v1") + "/v1"
                 serving.set()
         serving.set()  # exited: stop waiting
 
