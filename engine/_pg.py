@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
 
 import trio
 
+from ._store import schema_steps
+
 # psycopg is imported where it is used: `import rollout.engine` stays as fast without it.
 if TYPE_CHECKING:
     import psycopg
@@ -137,30 +139,21 @@ def ensure_schema(
         row = conn.execute(
             "SELECT version FROM schema_versions WHERE component = %s", (component,)
         ).fetchone()
+        steps = schema_steps(
+            component, None if row is None else int(row[0]), version, schema, migrations
+        )
+        for statement in steps:
+            conn.execute(statement)
         if row is None:
-            for statement in schema:
-                conn.execute(statement)
             conn.execute(
                 "INSERT INTO schema_versions (component, version) VALUES (%s, %s)",
                 (component, version),
             )
-            return
-        found = int(row[0])
-        if found > version:
-            raise RuntimeError(
-                f"the {component} tables have schema version {found}, newer than this "
-                f"rollout's {version}: upgrade rollout to use this database"
+        else:
+            conn.execute(
+                "UPDATE schema_versions SET version = %s WHERE component = %s",
+                (version, component),
             )
-        for step in range(found, version):
-            if step not in migrations:
-                raise RuntimeError(
-                    f"no migration of the {component} tables from schema version {step}"
-                )
-            for statement in migrations[step]:
-                conn.execute(statement)
-        conn.execute(
-            "UPDATE schema_versions SET version = %s WHERE component = %s", (version, component)
-        )
 
 
 def retrying(fn: Callable[[Conn], T], conn: Conn) -> T:

@@ -186,6 +186,32 @@ def connect(
     return conn
 
 
+def schema_steps(
+    component: str,
+    found: int | None,
+    version: int,
+    schema: Sequence[str],
+    migrations: dict[int, tuple[str, ...]],
+) -> list[str]:
+    """The statements that bring `component`'s tables from schema version `found` (None: no
+    tables yet) to `version`: the whole schema, or the migrations in order. Raises
+    `RuntimeError` for tables newer than this rollout or a missing migration. Shared by the
+    SQLite and PostgreSQL stores (the statements are the backend's own)."""
+    if found is None:
+        return list(schema)
+    if found > version:
+        raise RuntimeError(
+            f"the {component} tables have schema version {found}, newer than this "
+            f"rollout's {version}: upgrade rollout to use them"
+        )
+    steps: list[str] = []
+    for step in range(found, version):
+        if step not in migrations:
+            raise RuntimeError(f"no migration of the {component} tables from schema version {step}")
+        steps.extend(migrations[step])
+    return steps
+
+
 def ensure_schema(
     conn: sqlite3.Connection,
     *,
@@ -201,27 +227,17 @@ def ensure_schema(
         row = conn.execute(
             "SELECT version FROM schema_versions WHERE component = ?", (component,)
         ).fetchone()
+        steps = schema_steps(
+            component, None if row is None else int(row[0]), version, schema, migrations
+        )
+        for statement in steps:
+            conn.execute(statement)
         if row is None:
-            for statement in schema:
-                conn.execute(statement)
             conn.execute(
                 "INSERT INTO schema_versions (component, version) VALUES (?, ?)",
                 (component, version),
             )
         else:
-            found = int(row[0])
-            if found > version:
-                raise RuntimeError(
-                    f"the {component} tables have schema version {found}, newer than this "
-                    f"rollout's {version}: upgrade rollout to read this file"
-                )
-            for step in range(found, version):
-                if step not in migrations:
-                    raise RuntimeError(
-                        f"no migration of the {component} tables from schema version {step}"
-                    )
-                for statement in migrations[step]:
-                    conn.execute(statement)
             conn.execute(
                 "UPDATE schema_versions SET version = ? WHERE component = ?", (version, component)
             )
