@@ -15,7 +15,9 @@ unmodified client can drive it:
 | tokens      | 32        | length of a text answer, in tokens                                    |
 | tps         | unlimited | sampled tokens per second                                             |
 | ttft_ms     | 0         | delay before the first token                                          |
-| interval_ms | 5         | after the first token, deltas are coalesced to one per interval       |
+| interval_ms | 5         | the engine step: tokens go out at steps one interval apart on one     |
+|             |           | clock shared by every response, as a batched inference engine's do;   |
+|             |           | a delta carries every token sampled by its step (0: no steps)         |
 | reasoning   | 0         | a `reasoning` output item of this many tokens before each turn's       |
 |             |           | answer or calls (when `max_output_tokens` leaves room for it and more) |
 
@@ -170,9 +172,9 @@ class SimBackend:
             request.max_output_tokens if request.max_output_tokens is not None else MAX_SIM_TOKENS
         )
         start = trio.current_time()
-        clock = _Pacer(start + p.ttft, p.tps)
+        clock = _Pacer(start + p.ttft, p.tps, p.interval)
         if p.ttft:
-            await trio.sleep_until(start + p.ttft)
+            await trio.sleep_until(clock.on_step(start + p.ttft))
         if p.reasoning and p.reasoning < budget:
             summary = _words(rng, p.reasoning)
             budget -= p.reasoning
@@ -210,9 +212,11 @@ class SimBackend:
             emitted = 0
             while emitted < n:
                 size = 1 if emitted == 0 else max(1, min(n - emitted, clock.per_interval(p)))
+                await clock.wait(emitted + size)
+                if emitted:  # woken late: every token due by now goes in this delta
+                    size = max(size, min(n, clock.due()) - emitted)
                 text = "".join(pieces[emitted : emitted + size])
                 emitted += size
-                await clock.wait(emitted)
                 yield TextDelta(text, size)
             if n < len(pieces):
                 # Cut off by max_output_tokens: the message is left open (like a function call
@@ -230,19 +234,21 @@ class SimBackend:
             i = 0
             while i < len(pieces):
                 size = 1 if used == 0 else max(1, clock.per_interval(p))
-                take = pieces[i : i + size]
-                if used + len(take) > budget:
-                    take = take[: max(0, int(budget - used))]
+                take = min(size, len(pieces) - i)
+                if used + take > budget:
+                    take = max(0, int(budget - used))
                     if take:
-                        used += len(take)
+                        used += take
                         await clock.wait(used)
-                        yield ArgsDelta("".join(take), len(take))
+                        yield ArgsDelta("".join(pieces[i : i + take]), take)
                     yield Finish("max_output_tokens")
                     return
-                used += len(take)
-                i += len(take)
-                await clock.wait(used)
-                yield ArgsDelta("".join(take), len(take))
+                await clock.wait(used + take)
+                if used:  # woken late: every token due by now goes in this delta
+                    take = max(take, min(len(pieces) - i, int(budget - used), clock.due() - used))
+                used += take
+                yield ArgsDelta("".join(pieces[i : i + take]), take)
+                i += take
             yield CallEnd()
         yield Finish("tool_calls")
 
@@ -355,13 +361,18 @@ def _acknowledgement(images: int, files: int) -> list[str]:
 
 
 class _Pacer:
-    """Tokens become available at `first + n / tps` on trio's clock."""
+    """Tokens become available at `first + n / tps` on trio's clock, and go out at the engine
+    step that follows: like a batched inference engine, the simulated model advances every
+    sequence it serves at the same steps, one every `interval` seconds on one clock, so the
+    deltas of concurrent responses go out together (and a server wakes once per step for all
+    of them, not once per response)."""
 
-    __slots__ = ("first", "tps")
+    __slots__ = ("first", "step", "tps")
 
-    def __init__(self, first: float, tps: float) -> None:
+    def __init__(self, first: float, tps: float, step: float) -> None:
         self.first = first
         self.tps = tps
+        self.step = step
 
     def per_interval(self, p: SimParams) -> int:
         if math.isinf(self.tps):
@@ -373,9 +384,21 @@ class _Pacer:
         if not math.isinf(self.tps):
             self.first += n_tokens / self.tps
 
+    def on_step(self, t: float) -> float:
+        """The first engine step at or after time `t`."""
+        if self.step <= 0:
+            return t
+        return math.ceil(t / self.step - 1e-9) * self.step
+
     async def wait(self, n_tokens: int) -> None:
         if not math.isinf(self.tps):
-            await trio.sleep_until(self.first + n_tokens / self.tps)
+            await trio.sleep_until(self.on_step(self.first + n_tokens / self.tps))
+
+    def due(self) -> int:
+        """Tokens sampled by now (0 when unpaced: the caller's own size stands)."""
+        if math.isinf(self.tps):
+            return 0
+        return int((trio.current_time() - self.first) * self.tps + 1e-9)
 
 
 # --- JSON schema instances -------------------------------------------------------------------

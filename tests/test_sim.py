@@ -343,6 +343,58 @@ async def test_pacing_follows_ttft_and_tps(autojump_clock: trio.testing.MockCloc
     assert delta_times == sorted(delta_times)
 
 
+async def test_concurrent_responses_step_together(autojump_clock: trio.testing.MockClock) -> None:
+    """Like a batched inference engine, the model emits at steps one `interval_ms` apart on one
+    clock: two responses started 1.3 ms apart send their deltas at the same instants (so a
+    server wakes once per step for both, not once per response)."""
+    times: dict[str, list[float]] = {"a": [], "b": []}
+
+    def emitter(name: str) -> Any:
+        async def emit(event: p.ServerEvent) -> None:
+            if event.type == "response.output_text.delta":
+                times[name].append(trio.current_time())
+
+        return emit
+
+    async def one(engine: Engine, name: str, delay: float) -> None:
+        await trio.sleep(delay)
+        model = "sim:tps=1000,ttft_ms=20,tokens=100,interval_ms=5"
+        await engine.session().create(p.ResponseCreate(model=model, input="hi"), emitter(name))
+
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine, trio.open_nursery() as nursery:
+            nursery.start_soon(one, engine, "a", 0.0011)
+            nursery.start_soon(one, engine, "b", 0.0024)
+    assert len(times["a"]) > 10 and len(times["b"]) > 10
+    for t in times["a"] + times["b"]:
+        assert t / 0.005 == pytest.approx(round(t / 0.005), abs=1e-6)  # on a step
+    assert set(times["a"][1:]) == set(times["b"][1:])
+
+
+async def test_a_late_delta_carries_every_token_due(autojump_clock: trio.testing.MockClock) -> None:
+    """A consumer that falls behind (here: one delta's emit takes 50 ms) gets the tokens
+    sampled meanwhile in the next delta, not as a backlog of one delta per step."""
+    sizes: list[int] = []
+    stalled = False
+
+    async def emit(event: p.ServerEvent) -> None:
+        nonlocal stalled
+        if isinstance(event, p.OutputTextDelta):
+            sizes.append(len(event.delta.split()))
+            if len(sizes) == 3 and not stalled:
+                stalled = True
+                await trio.sleep(0.05)
+
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            model = "sim:tps=1000,ttft_ms=0,tokens=200,interval_ms=5"
+            state = await engine.session().create(p.ResponseCreate(model=model, input="hi"), emit)
+    assert state is not None and state.response.status == "completed"
+    assert sum(sizes) == 200
+    assert sizes[3] >= 50  # the 50 ms stall's tokens, at once
+    assert max(sizes[4:]) <= 6  # then one step's worth again
+
+
 async def test_pacing_of_function_calls(autojump_clock: trio.testing.MockClock) -> None:
     with trio.fail_after(DEADLINE):
         async with open_engine() as engine:
