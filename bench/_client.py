@@ -43,14 +43,13 @@ import httpx
 import trio
 from rollout.protocol import ProtocolError, SseDecoder
 from rollout.spec import WsClient
-from trio_websocket import ConnectionClosed, HandshakeError
 
 from ._errors import ServerError
 from ._records import RolloutRecord, Stream, TurnRecord
 from ._scenario import INSTRUCTIONS, TOOL_NAME, Scenario
 from ._server import Endpoint
 from ._streams import check_streams, measure_encoding
-from ._ws import WsSocket, open_bench_ws
+from ._ws import ConnectionClosed, HandshakeError, WsSocket, open_bench_ws
 
 __all__ = [
     "MODES",
@@ -139,7 +138,10 @@ class _TurnReader:
                 turn.first_delta = (_delta_kind(kind), event["delta"])
             turn.last_token = now
             turn.deltas += 1
-            self.deltas.setdefault(event["item_id"], []).append(event["delta"])
+            pieces = self.deltas.get(event["item_id"])
+            if pieces is None:
+                pieces = self.deltas[event["item_id"]] = []
+            pieces.append(event["delta"])
         elif kind == "response.output_item.done":
             self.items.append(event["item"])
         elif kind == "rollout.timing":
@@ -328,7 +330,8 @@ class _WsTransport(_Transport):
         self, ws: WsSocket, spec: RolloutSpec, *, rollout: bool, store: bool = False
     ) -> None:
         self.mode = "ws-rollout" if rollout else "ws-chain-stored" if store else "ws-chain"
-        self.ws = WsClient(conn=ws.conn, timeout=spec.timeout, strict=True)
+        self.socket = ws
+        self.ws = WsClient(conn=ws, timeout=spec.timeout, strict=True)
         self.counts = ws.counts
         self.spec = spec
         self.rollout = rollout
@@ -360,20 +363,27 @@ class _WsTransport(_Transport):
         text = client.encode(message)
         reader = _TurnReader(record, self.mode)
         before = self.counts.snapshot()
-        record.sent = time.perf_counter()
+        now = record.sent = time.perf_counter()
         appended = message["type"] == "response.append"
         frames = record.frames = [] if self.spec.keep_frames else None
+        socket = self.socket
+        queued = socket.messages  # what each read completed (WsClient.next_event, inlined)
         try:
-            await client.conn.send_message(text)
+            await socket.send_message(text)
             while True:
-                # WsClient.next_event, keeping the frame's size for the suspension events
-                frame = await client.conn.get_message()
+                if not queued:
+                    while not queued:
+                        await socket.read()
+                    now = time.perf_counter()  # when this read's messages arrived
+                frame = queued.popleft()
                 if frames is not None:
                     frames.append(frame if isinstance(frame, str) else frame.decode())
                 event = json.loads(frame)
                 client.follow(event)
-                reader.feed(event, time.perf_counter())
+                reader.feed(event, now)
                 kind = event.get("type")
+                if kind in _DELTAS:  # (no delta ends a turn: the connection would refuse it)
+                    continue
                 if self.rollout and kind == "response.done":
                     record.done_bytes = _payload_bytes(frame)
                 elif appended and kind == "response.in_progress" and record.resume_bytes is None:
@@ -475,7 +485,6 @@ def _open_ws(endpoint: Endpoint, *, timing: bool) -> AbstractAsyncContextManager
         offer_deflate=True,
         max_message_size=CLIENT_MAX_MESSAGE_SIZE,
         receive_buffer_size=CLIENT_RECEIVE_BUFFER,
-        message_queue_size=64,
     )
 
 
@@ -550,7 +559,7 @@ async def probe_rollout_extension(
     try:
         with trio.fail_after(limit):
             async with _open_ws(endpoint, timing=False) as ws:
-                client = WsClient(conn=ws.conn, timeout=limit)
+                client = WsClient(conn=ws, timeout=limit)
                 await client.send(message)
                 while True:
                     event = await client.next_event()

@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 import trio
-import trio_websocket
 from hypercorn.protocol.ws_stream import Handshake
 from rollout._cli import build_parser
 from rollout.bench._client import probe_websocket_deflate
 from rollout.bench._server import Endpoint
-from rollout.bench._ws import open_bench_ws
+from rollout.bench._ws import ConnectionRejected, open_bench_ws
 from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE, without_deflate_offers
 from rollout.engine._serve import ServerConfig
 from websockets.sync.client import connect
@@ -117,11 +116,11 @@ async def trio_client_create(url: str) -> tuple[bool, int, int]:
     """A create over the benchmark's trio client (offering the extension): (negotiated, bytes
     received on the wire, bytes of message payloads received)."""
     async with open_bench_ws(
-        ws_url(url), max_message_size=1 << 24, message_queue_size=64, receive_buffer_size=None
+        ws_url(url), max_message_size=1 << 24, receive_buffer_size=65536
     ) as ws:
         body: dict[str, Any] = {"type": "response.create", "model": "sim:tokens=300", "input": "Hi"}
-        await ws.conn.send_message(json.dumps(body))
-        while json.loads(await ws.conn.get_message())["type"] != "response.completed":
+        await ws.send_message(json.dumps(body))
+        while json.loads(await ws.get_message())["type"] != "response.completed":
             pass
         return ws.deflate, ws.counts.wire_in, ws.counts.payload_in
 
@@ -145,12 +144,9 @@ async def test_two_servers_each_with_its_own_setting() -> None:
 async def test_trio_client_reports_a_refused_upgrade_as_itself() -> None:
     with trio.fail_after(DEADLINE):
         async with open_test_server(websocket=False) as url:
-            with pytest.raises(trio_websocket.ConnectionRejected) as refused:
+            with pytest.raises(ConnectionRejected) as refused:
                 async with open_bench_ws(
-                    ws_url(url),
-                    max_message_size=1024,
-                    message_queue_size=1,
-                    receive_buffer_size=None,
+                    ws_url(url), max_message_size=1024, receive_buffer_size=1024
                 ):
                     pass  # pragma: no cover
             assert refused.value.status_code == 426
