@@ -433,6 +433,7 @@ async def run_rollout(
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; the modes are {', '.join(MODES)}")
     record = RolloutRecord(mode=mode)
+    spec.scenario.prepare(EXTRA_TURNS)  # the tool outputs, before the first turn's clock
     try:
         with trio.fail_after(spec.timeout):
             async with AsyncExitStack() as stack:

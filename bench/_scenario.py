@@ -14,6 +14,7 @@ model's output, not the tool outputs, is what grows the rollout.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from typing import Any
@@ -71,9 +72,15 @@ _WORDS = (
 WORDS: tuple[str, ...] = tuple(" " + w for w in _WORDS)
 
 
+# Distinct filler texts kept (a scenario's prompt and tool outputs: at most 61 per preset).
+FILLER_CACHE = 256
+
+
+@functools.lru_cache(maxsize=FILLER_CACHE)
 def filler_text(n_tokens: int, seed: str) -> str:
     """A deterministic text of exactly `n_tokens` o200k tokens (the first word without its
-    leading space is still one token for every word of the list)."""
+    leading space is still one token for every word of the list). Kept once made: the
+    client's turns send tool outputs, and generating them is not what a wave measures."""
     rng = random.Random(seed)
     return "".join(rng.choice(WORDS) for _ in range(n_tokens)).lstrip()
 
@@ -113,6 +120,13 @@ class Scenario:
 
     def prompt(self) -> str:
         return filler_text(self.prompt_tokens, f"{self.name}:prompt")
+
+    def prepare(self, extra_steps: int = 0) -> None:
+        """Make the prompt and every tool output up to `steps + extra_steps` now (`filler_text`
+        keeps them), so that a rollout's turns only look them up."""
+        self.prompt()
+        for step in range(self.steps + extra_steps):
+            self.tool_output(step)
 
     def tools(self) -> list[dict[str, Any]]:
         """One function tool whose arguments the sim model fills to `output_tokens` tokens
