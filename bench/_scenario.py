@@ -72,7 +72,7 @@ _WORDS = (
 WORDS: tuple[str, ...] = tuple(" " + w for w in _WORDS)
 
 
-# Distinct filler texts kept (a scenario's prompt and tool outputs: at most 61 per preset).
+# Distinct filler texts kept (a preset's prompt and tool outputs: at most 63, long-output's).
 FILLER_CACHE = 256
 
 
