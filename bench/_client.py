@@ -22,8 +22,11 @@ and, in a counting pass, the deltas of the server's /metrics work counters.
 Events are decoded with `json.loads` and dispatched on `type` only: the client must stay cheaper
 than the server it measures. Over WebSocket the client is `rollout.spec.WsClient` (strict)
 on its cheap path: `ClientConnection.receive_json` reads four keys of the parsed event to
-follow the protocol and says when the turn is over; server-sent events are read with the
-protocol's `SseDecoder`. The WebSocket offers permessage-deflate, as the openai SDK and Codex
+follow the protocol and says when the turn is over (asked after every event but a delta, which
+never ends one). The turn's own task reads the socket (`_ws.py`: wsproto, no reader task), and
+takes every message a read completed, stamped with the read's time; tool outputs are made once
+per scenario, before the first turn. Server-sent events are read with the protocol's
+`SseDecoder`. The WebSocket offers permessage-deflate, as the openai SDK and Codex
 do (the server decides; `_ws.py`), and each turn records its bytes on the wire and of the
 messages' payloads, both ways; a ws-rollout turn also the payload bytes of its suspension
 events (the resumed `response.in_progress` that acknowledged it, the `response.done` that
@@ -578,7 +581,7 @@ async def probe_rollout_extension(
 
 
 def _reason(exc: BaseException) -> str:
-    """An exception in words, with its cause when it says nothing itself (trio-websocket's
+    """An exception in words, with its cause when it says nothing itself (`_ws.py`'s
     `HandshakeError()` wrapping the `OSError` of a refused connection)."""
     text = str(exc)
     if not text and exc.__cause__ is not None:
