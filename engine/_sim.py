@@ -202,9 +202,9 @@ class SimBackend:
                 )
                 pieces = [document[i : i + 4] for i in range(0, len(document), 4)] or [""]
             else:
-                pieces = _acknowledgement(*request.media_since_user) + [
-                    rng.choice(_VOCAB) for _ in range(p.tokens)
-                ]
+                pieces = _acknowledgement(*request.media_since_user) + rng.choices(
+                    _VOCAB, k=p.tokens
+                )
                 if pieces:
                     pieces[0] = pieces[0].lstrip()
             n = min(len(pieces), budget)
@@ -230,24 +230,24 @@ class SimBackend:
         used = 0
         for call, payload in zip(calls, payloads, strict=True):
             yield CallStart(call.name, call.namespace, call.kind)
-            pieces = [payload[i : i + 4] for i in range(0, len(payload), 4)] or [""]
+            n_pieces = max(1, -(-len(payload) // 4))  # a token is 4 characters of arguments
             i = 0
-            while i < len(pieces):
+            while i < n_pieces:
                 size = 1 if used == 0 else max(1, clock.per_interval(p))
-                take = min(size, len(pieces) - i)
+                take = min(size, n_pieces - i)
                 if used + take > budget:
                     take = max(0, int(budget - used))
                     if take:
                         used += take
                         await clock.wait(used)
-                        yield ArgsDelta("".join(pieces[i : i + take]), take)
+                        yield ArgsDelta(payload[4 * i : 4 * (i + take)], take)
                     yield Finish("max_output_tokens")
                     return
                 await clock.wait(used + take)
                 if used:  # woken late: every token due by now goes in this delta
-                    take = max(take, min(len(pieces) - i, int(budget - used), clock.due() - used))
+                    take = max(take, min(n_pieces - i, int(budget - used), clock.due() - used))
                 used += take
-                yield ArgsDelta("".join(pieces[i : i + take]), take)
+                yield ArgsDelta(payload[4 * i : 4 * (i + take)], take)
                 i += take
             yield CallEnd()
         yield Finish("tool_calls")
@@ -385,10 +385,10 @@ class _Pacer:
             self.first += n_tokens / self.tps
 
     def on_step(self, t: float) -> float:
-        """The first engine step at or after time `t`."""
+        """The engine step nearest to time `t` (so the steps add no delay on average)."""
         if self.step <= 0:
             return t
-        return math.ceil(t / self.step - 1e-9) * self.step
+        return round(t / self.step) * self.step
 
     async def wait(self, n_tokens: int) -> None:
         if not math.isinf(self.tps):
@@ -494,15 +494,13 @@ def _instance(schema: Any, rng: random.Random, depth: int, budget: _Budget) -> A
     lo_len = _size(schema, "minLength", 1)
     hi_len = _size(schema, "maxLength", max(lo_len, 24))
     budget.take(chars=lo_len)
-    text = "".join(rng.choice(_VOCAB) for _ in range(4)).strip()
-    if len(text) < lo_len:  # words until long enough (joined once: linear in lo_len)
-        pieces, length = [text], len(text)
-        while length < lo_len:
-            piece = rng.choice(_VOCAB)
-            pieces.append(piece)
-            length += len(piece)
-        text = "".join(pieces)
-    return text[:hi_len]
+    text = "".join(rng.choices(_VOCAB, k=4)).strip()
+    pieces, length = [text], len(text)
+    while length < lo_len:  # words, drawn in batches, until long enough (linear in lo_len)
+        more = "".join(rng.choices(_VOCAB, k=(lo_len - length) // 4 + 1))
+        pieces.append(more)
+        length += len(more)
+    return "".join(pieces)[:hi_len]
 
 
 def _bounds(schema: dict[str, Any], *, integer: bool) -> tuple[float, float]:
