@@ -76,8 +76,11 @@ async def test_two_servers_share_stored_responses_and_usage(
                     hydrated.append((rendered, response["usage"]["input_tokens"]))
                 previous = response["id"]
                 ids.append(previous)
-            # Flat: this turn's input and output, never the history (which grows each turn).
-            assert len({r for r, _ in hydrated}) == 1, hydrated
+            # Flat: this turn's input and output, never the history (which grows each turn by
+            # ~50 tokens). The simulated model's words are not always one o200k token each
+            # once joined, so the previous output's rendering may differ by a token or two.
+            rendered_per_turn = [r for r, _ in hydrated]
+            assert max(rendered_per_turn) - min(rendered_per_turn) <= 2, hydrated
             assert hydrated[-1][0] * 4 < hydrated[-1][1], hydrated
             for url in servers:
                 for rid in ids:
