@@ -277,7 +277,10 @@ def _concurrency(plt: Any, results: dict[str, Any]) -> Any:
         linestyle=":",
         label="model time / turn threshold (91%)",
     )
-    axes[1].set_ylim(0, 110)
+    # Up to the highest point drawn (a stream can run above the model's rate once it
+    # catches up after a late start: its late tokens arrive together).
+    drawn = [w["pace_ratio"] * 100 for w in waves if w.get("pace_ratio") is not None]
+    axes[1].set_ylim(0, max([110.0, *(v * 1.05 for v in drawn)]))
     axes[1].set_ylabel("%")
     axes[1].legend(fontsize=7, loc="lower left")
     axes[2].set_title("throughput (output tokens/s received, all rollouts)", fontsize=10)
