@@ -105,6 +105,7 @@ MAX_SIM_PARALLEL = 128
 MAX_SIM_REASONING = 100_000  # tokens of one reasoning item
 MAX_SIM_TPS = 10_000_000  # far beyond any model; past it, "unlimited" (tps=0) says it better
 MAX_SIM_DELAY_MS = 3_600_000  # an hour: longer delays only hold a connection for nothing
+MIN_SIM_STEP = 1e-6  # seconds: a shorter `interval_ms` (down to denormals) means no steps
 
 
 class SimParams:
@@ -372,7 +373,8 @@ class _Pacer:
     def __init__(self, first: float, tps: float, step: float) -> None:
         self.first = first
         self.tps = tps
-        self.step = step
+        # A step shorter than `MIN_SIM_STEP` is no step (and `t / step` cannot overflow).
+        self.step = step if step >= MIN_SIM_STEP else 0.0
 
     def per_interval(self, p: SimParams) -> int:
         if math.isinf(self.tps):

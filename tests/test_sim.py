@@ -396,6 +396,20 @@ async def test_a_late_delta_carries_every_token_due(autojump_clock: trio.testing
     assert max(sizes[4:]) <= 6  # then one step's worth again
 
 
+@pytest.mark.parametrize("interval", ["0", "1e-310", "5e-324", "1e-9"])
+async def test_a_vanishing_step_streams_without_steps(
+    autojump_clock: trio.testing.MockClock, interval: str
+) -> None:
+    """An `interval_ms` too small to be a step (down to a denormal, whose division would
+    overflow) streams unstepped instead of failing the response."""
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine:
+            model = f"sim:tps=1000,ttft_ms=3,tokens=20,interval_ms={interval}"
+            r = await respond(engine, model=model, input="hi")
+    assert r.status == "completed"
+    assert r.usage is not None and r.usage.output_tokens == 20
+
+
 async def test_pacing_of_function_calls(autojump_clock: trio.testing.MockClock) -> None:
     with trio.fail_after(DEADLINE):
         async with open_engine() as engine:
