@@ -199,10 +199,7 @@ async def _serve_and_exercise(tmp_path: Path, *extra: str) -> tuple[int, list[st
                 process.send_signal(signal.SIGTERM)
                 code = await process.wait()
     finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
+        await _reap(process)
     return code, out, err, port
 
 
@@ -343,13 +340,18 @@ async def test_ctrl_c_twice_stops_at_once_and_cleanly(tmp_path: Path) -> None:
                 with trio.fail_after(20):  # far less than the grace period
                     code = await process.wait()
     finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
+        await _reap(process)
     assert code == 0, err[-20:]
     assert events[-1] == "response.failed"  # interrupted, with its terminal event
     messages = [line.split(": ", 1)[-1] for line in err]
     assert "received SIGINT, shutting down" in messages
     assert "received SIGINT again: stopping now" in messages
     assert not any("Traceback" in line for line in err), err
+
+
+async def _reap(process: trio.Process) -> None:
+    """Kill a server the test left running, and wait for it (even when cancelled)."""
+    if process.returncode is None:
+        process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
