@@ -52,6 +52,8 @@ class HypercornConfig(Config):
     docstring); True is hypercorn's own behaviour."""
 
     websocket_deflate: bool = True
+    # Write each chunk with one system call when the socket takes it (`rollout.engine._write`).
+    direct_writes: bool = True
 
 
 def without_deflate_offers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -43,6 +43,7 @@ from ._models import ModelRegistry
 from ._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL, RenderCache
 from ._store import open_sqlite_store
 from ._warmup import warm_up, warm_up_needed
+from ._write import write_directly
 from ._ws import (
     DEFAULT_CONNECTION_AGE_LIMIT,
     DEFAULT_MAX_BUFFERED_BYTES,
@@ -283,6 +284,7 @@ async def serve(
     then the data folder opened; either failing is a `StartupError`."""
     answer_peer_protocol_errors()
     decline_deflate_offers()
+    write_directly()
     hconfig = _hypercorn_config(config)
     sockets = bind_sockets(hconfig)
     try:
