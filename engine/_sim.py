@@ -175,7 +175,7 @@ class SimBackend:
         start = trio.current_time()
         clock = _Pacer(start + p.ttft, p.tps, p.interval)
         if p.ttft:
-            await trio.sleep_until(clock.on_step(start + p.ttft))
+            await clock.until(clock.on_step(start + p.ttft))
         if p.reasoning and p.reasoning < budget:
             summary = _words(rng, p.reasoning)
             budget -= p.reasoning
@@ -361,6 +361,49 @@ def _acknowledgement(images: int, files: int) -> list[str]:
     return [f" I see {images} image{'s' * (images != 1)} and {files} file{'s' * (files != 1)}."]
 
 
+class _StepTimers:
+    """One timer per engine step for all the responses of a run that wait for it: the first
+    to wait sleeps until the step and wakes the others with an event. A trio sleep is a
+    deadline on a cancel scope, and its expiry a cancellation delivered to the sleeper; one
+    per step instead of one per response per step is most of the simulated model's cost with
+    many responses streaming (`bench/README.md`). A sleeper cancelled before the step wakes
+    the others early, and one of them sleeps on in its place."""
+
+    __slots__ = ("_due",)
+
+    def __init__(self) -> None:
+        self._due: dict[float, trio.Event] = {}  # each step being waited for: its wake-up
+
+    async def until(self, t: float) -> None:
+        if trio.current_time() >= t:
+            await trio.lowlevel.checkpoint()
+            return
+        while trio.current_time() < t:
+            woken = self._due.get(t)
+            if woken is not None:
+                await woken.wait()
+                continue
+            woken = self._due[t] = trio.Event()
+            try:
+                await trio.sleep_until(t)
+            finally:
+                del self._due[t]
+                woken.set()
+
+
+_STEP_TIMERS: trio.lowlevel.RunVar[_StepTimers] = trio.lowlevel.RunVar("rollout_sim_steps")
+
+
+def _step_timers() -> _StepTimers:
+    """The run's step timers (a run's own: steps are on its clock)."""
+    try:
+        return _STEP_TIMERS.get()
+    except LookupError:
+        timers = _StepTimers()
+        _STEP_TIMERS.set(timers)
+        return timers
+
+
 class _Pacer:
     """Tokens become available at `first + n / tps` on trio's clock, and go out at the engine
     step that follows: like a batched inference engine, the simulated model advances every
@@ -394,7 +437,14 @@ class _Pacer:
 
     async def wait(self, n_tokens: int) -> None:
         if not math.isinf(self.tps):
-            await trio.sleep_until(self.on_step(self.first + n_tokens / self.tps))
+            await self.until(self.on_step(self.first + n_tokens / self.tps))
+
+    async def until(self, t: float) -> None:
+        """Sleep until `t`: on a step, with the other responses waiting for it."""
+        if self.step <= 0:
+            await trio.sleep_until(t)
+        else:
+            await _step_timers().until(t)
 
     def due(self) -> int:
         """Tokens sampled by now (0 when unpaced: the caller's own size stands)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import jsonschema
@@ -26,7 +27,7 @@ import trio
 import trio.testing
 from rollout import protocol as p
 from rollout.engine import Engine, O200kTokenizer, open_engine
-from rollout.engine._sim import schema_instance
+from rollout.engine._sim import _StepTimers, schema_instance
 
 from tests.engine_harness import strip_ids
 
@@ -370,6 +371,77 @@ async def test_concurrent_responses_step_together(autojump_clock: trio.testing.M
         assert t / 0.005 == pytest.approx(round(t / 0.005), abs=1e-6)  # on a step
     both = set(times["a"]) | set(times["b"])  # the same instants, not interleaved ones
     assert len(both) <= max(len(times["a"]), len(times["b"])) + 2
+
+
+async def test_responses_waiting_for_a_step_share_one_timer(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty responses streaming together set one trio deadline per engine step between
+    them (the first to wait for a step sleeps, the others wait for it), not one per response
+    per step: a trio sleep is a cancel scope and a delivered cancellation, the simulated
+    model's largest cost with many responses streaming."""
+    sleeps = 0
+    real_sleep_until = trio.sleep_until
+
+    async def counting(deadline: float) -> None:
+        nonlocal sleeps
+        sleeps += 1
+        await real_sleep_until(deadline)
+
+    monkeypatch.setattr(trio, "sleep_until", counting)
+    deltas = 0
+
+    async def emit(event: p.ServerEvent) -> None:
+        nonlocal deltas
+        deltas += event.type == "response.output_text.delta"
+
+    async def one(engine: Engine, i: int) -> None:
+        await trio.sleep(i * 0.0001)
+        model = "sim:tps=1000,ttft_ms=20,tokens=100,interval_ms=5"
+        await engine.session().create(p.ResponseCreate(model=model, input=f"hi {i}"), emit)
+
+    with trio.fail_after(DEADLINE):
+        async with open_engine() as engine, trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(one, engine, i)
+    assert deltas >= 20 * 20
+    assert 20 <= sleeps <= 30  # ~22 steps (TTFT, then 100 tokens 5 a step), not ~440
+
+
+async def test_a_step_sleeper_cancelled_hands_the_step_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first to wait for a step sleeps for everyone; cancelled before the step, it wakes
+    the others, one of which sleeps on: they still wake at the step, not before, not never."""
+    timers = _StepTimers()
+    woke: dict[str, float] = {}
+
+    async def wait(name: str) -> None:
+        await timers.until(1.0)
+        woke[name] = trio.current_time()
+
+    with trio.fail_after(DEADLINE):
+        async with trio.open_nursery() as nursery:
+            first = trio.CancelScope()
+            nursery.start_soon(_cancellable, wait, "first", first)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(wait, "second")
+            nursery.start_soon(wait, "third")
+            await trio.sleep(0.5)
+            first.cancel()
+    assert woke == {"second": 1.0, "third": 1.0}
+    assert not timers._due
+    with trio.fail_after(DEADLINE):
+        before = trio.current_time()
+        await timers.until(0.2)  # already past: a checkpoint, no wait
+        assert trio.current_time() == before
+
+
+async def _cancellable(
+    fn: Callable[[str], Awaitable[None]], name: str, scope: trio.CancelScope
+) -> None:
+    with scope:
+        await fn(name)
 
 
 async def test_a_late_delta_carries_every_token_due(autojump_clock: trio.testing.MockClock) -> None:
