@@ -15,6 +15,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 import attrs
+import trio
 from rollout.protocol import (
     BuilderState,
     BuiltinTool,
@@ -40,7 +41,6 @@ from ._interfaces import (
     Finish,
     HostedCall,
     ReasoningDone,
-    SampleEvent,
     SampleRequest,
     TextDelta,
     TextEnd,
@@ -50,7 +50,7 @@ from ._pipeline import Pipeline
 from ._state import ResponseState
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import Awaitable, Callable
 
     from ._services import EngineServices
     from ._steer import Steering
@@ -107,52 +107,62 @@ async def sample_turn(
     measured: Finish | None = None  # its token counts, when the backend measured them
     called = False  # a client tool call was made in this turn: it runs to its end
     async with aclosing(state.route.backend.sample(sample_request)) as events:
-        while True:
-            safe = (
-                steering is not None
-                and hosted is None
-                and not called
-                and stream.state in _SAFE_STATES
-            )
-            if safe and steering is not None and steering.requested:
-                finish = "steered"
-                break
-            ev = await _next_event(events, steering if safe else None)
-            if ev is None:
-                break
-            if ev is _STEERED:
-                finish = "steered"
-                break
-            assert not isinstance(ev, _Steered)
-            if isinstance(ev, TextDelta):
-                progress.output_tokens += ev.n_tokens
-                await emit(stream.text_delta(ev.text))
-            elif isinstance(ev, ArgsDelta) and hosted is not None:
-                progress.output_tokens += ev.n_tokens
-                hosted[1].append(ev.text)
-            elif isinstance(ev, ArgsDelta):
-                progress.output_tokens += ev.n_tokens
-                delta = stream.arguments_delta(ev.text)
-                if delta is not None:
-                    await emit(delta)
-            elif isinstance(ev, ReasoningDone):
-                progress.output_tokens += ev.n_tokens
-                for e in stream.add_item(_reasoning_item(ev)):
-                    await emit(e)
-            elif isinstance(ev, CallStart) and ev.kind in engine.hosted:
-                hosted = (ev, [])
-            elif isinstance(ev, CallEnd) and hosted is not None:
-                for item in await _run_hosted(engine, state, hosted[0], "".join(hosted[1])):
-                    for e in stream.add_item(item):
+        # Steering's way in: armed only while the turn waits for the backend at a safe point.
+        with trio.CancelScope() as stop:
+            while True:
+                safe = (
+                    steering is not None
+                    and hosted is None
+                    and not called
+                    and stream.state in _SAFE_STATES
+                )
+                if safe and steering is not None:
+                    if steering.requested:
+                        finish = "steered"
+                        break
+                    steering.wait_here(stop)
+                    try:
+                        ev = await anext(events, None)
+                    finally:
+                        steering.done_waiting()
+                    if stop.cancel_called:  # steered as the event came: stop before it
+                        finish = "steered"
+                        break
+                else:
+                    ev = await anext(events, None)
+                if ev is None:
+                    break
+                if isinstance(ev, TextDelta):
+                    progress.output_tokens += ev.n_tokens
+                    await emit(stream.text_delta(ev.text))
+                elif isinstance(ev, ArgsDelta) and hosted is not None:
+                    progress.output_tokens += ev.n_tokens
+                    hosted[1].append(ev.text)
+                elif isinstance(ev, ArgsDelta):
+                    progress.output_tokens += ev.n_tokens
+                    delta = stream.arguments_delta(ev.text)
+                    if delta is not None:
+                        await emit(delta)
+                elif isinstance(ev, ReasoningDone):
+                    progress.output_tokens += ev.n_tokens
+                    for e in stream.add_item(_reasoning_item(ev)):
                         await emit(e)
-                hosted, ran_hosted = None, True
-            elif isinstance(ev, Finish):
-                finish = ev.reason
-                measured = ev
-            else:
-                called = called or isinstance(ev, CallEnd)
-                for e in _item_boundary(stream, ev):
-                    await emit(e)
+                elif isinstance(ev, CallStart) and ev.kind in engine.hosted:
+                    hosted = (ev, [])
+                elif isinstance(ev, CallEnd) and hosted is not None:
+                    for item in await _run_hosted(engine, state, hosted[0], "".join(hosted[1])):
+                        for e in stream.add_item(item):
+                            await emit(e)
+                    hosted, ran_hosted = None, True
+                elif isinstance(ev, Finish):
+                    finish = ev.reason
+                    measured = ev
+                else:
+                    called = called or isinstance(ev, CallEnd)
+                    for e in _item_boundary(stream, ev):
+                        await emit(e)
+        if stop.cancelled_caught:  # steered while it waited
+            finish = "steered"
     engine.counters.tokens_sampled += progress.output_tokens
     if measured is not None:
         _take_measured(progress, measured, cached, state.context_tokens)
@@ -168,26 +178,6 @@ async def sample_turn(
 # Where a turn may be stopped by steering: between items, or inside a message (never inside
 # a tool call, whose item would be cut).
 _SAFE_STATES = frozenset({BuilderState.ACTIVE, BuilderState.IN_MESSAGE})
-
-
-class _Steered:
-    """The wait for the backend's next event was stopped by steering input."""
-
-
-_STEERED = _Steered()
-
-
-async def _next_event(
-    events: AsyncIterator[SampleEvent], steering: Steering | None
-) -> SampleEvent | _Steered | None:
-    """The backend's next event (None at its end); at a safe point (`steering` given) the
-    wait ends early, with `_STEERED`, when steering input is accepted meanwhile."""
-    if steering is None:
-        return await anext(events, None)
-    event: SampleEvent | None = None
-    with steering.safe_point() as scope:
-        event = await anext(events, None)
-    return _STEERED if scope.cancelled_caught else event
 
 
 def _reasoning_item(ev: ReasoningDone) -> Reasoning:

@@ -4,7 +4,7 @@ response, its acknowledgements, the safe boundary, and input parked for a contin
 - `Steering` is the coroutine's side (`_rollout._Run` holds one per response). `submit` queues
   a steer and answers it in the response's stream (`response.steer.accepted`, or a failure:
   `steering_not_supported`, `too_many_pending_steers`); from then on `requested` is true, and
-  the coroutine stops at its next safe boundary (`safe_point`, `_sampling.sample_turn`; between
+  the coroutine stops at its next safe boundary (`wait_here`, `_sampling.sample_turn`; between
   sampling steps, `_Run.loop`) with `response.incomplete`, reason `steered`. The session then
   commits the queued input to a successor (`Session._respond`), or, when the response ended
   owing client tool results, answers each steer with `response.steer.pending` and parks it.
@@ -20,10 +20,9 @@ sent, so sequence numbers go out in order.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -223,16 +222,15 @@ class Steering:
         if self._registry is not None and self.response_id is not None:
             self._registry.pop(self.response_id, None)
 
-    @contextlib.contextmanager
-    def safe_point(self) -> Iterator[trio.CancelScope]:
-        """A wait the coroutine may be stopped in: steering input accepted meanwhile cancels
-        the wait (the caller then stops with `steered`)."""
-        with trio.CancelScope() as scope:
-            self._scope = scope
-            try:
-                yield scope
-            finally:
-                self._scope = None
+    def wait_here(self, scope: trio.CancelScope) -> None:
+        """The coroutine waits at a safe point, in `scope`: steering input accepted meanwhile
+        cancels it (the caller then stops with `steered`). One scope serves a whole turn's
+        waits (`_sampling.sample_turn`): a cancel scope per wait cost more than the wait."""
+        self._scope = scope
+
+    def done_waiting(self) -> None:
+        """The wait at the safe point is over: input accepted from now on only queues."""
+        self._scope = None
 
     # --- after the end (the session) --------------------------------------------------------
 

@@ -41,9 +41,18 @@ from rollout.engine import (
     open_engine,
 )
 from rollout.engine._errors import BackendError
-from rollout.engine._interfaces import ArgsDelta, CallStart, SampleEvent, SampleRequest
+from rollout.engine._interfaces import (
+    ArgsDelta,
+    CallStart,
+    Finish,
+    SampleEvent,
+    SampleRequest,
+    TextDelta,
+    TextEnd,
+    TextStart,
+)
 from rollout.engine._sim import SimBackend
-from rollout.engine._steer import MAX_PENDING_STEERS, Steering
+from rollout.engine._steer import MAX_PENDING_STEERS, QueuedSteer, Steering
 
 DEADLINE = 60
 SDK_EVENT: TypeAdapter[ResponsesServerEvent] = TypeAdapter(ResponsesServerEvent)
@@ -707,6 +716,37 @@ async def test_a_successor_that_cannot_be_created_returns_the_input(
         assert not wire.client.awaiting
 
 
+async def test_steering_that_lands_as_the_backend_delivers_stops_before_that_event(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The race at a safe point: steering input is accepted (queued, the waiting turn's scope
+    cancelled) after the backend produced its next event but before the turn resumed. The
+    turn stops there, without that event: nothing is emitted in a cancelled scope, and the
+    message ends `incomplete` with exactly the text its deltas carried."""
+    backend = RacingBackend()
+    registry = ModelRegistry([ModelSpec(name="racing", backend=backend)])
+    events: list[p.ServerEvent] = []
+
+    async def emit(event: p.ServerEvent) -> None:
+        events.append(event)
+        await trio.lowlevel.checkpoint()  # a transport's send checkpoints
+
+    with trio.fail_after(DEADLINE):
+        async with open_engine(registry=registry) as engine:
+            backend.session = session = engine.session()
+            await session.create(p.ResponseCreate(model="racing", input="go", store=False), emit)
+    first = next(e for e in events if isinstance(e, p.ResponseIncomplete))
+    assert first.response.incomplete_details is not None
+    assert first.response.incomplete_details.reason == "steered"
+    [message] = first.response.output
+    assert isinstance(message, p.Message) and message.status == "incomplete"
+    upto = events.index(first)
+    deltas = [e.delta for e in events[:upto] if isinstance(e, p.OutputTextDelta)]
+    assert deltas == ["one"]
+    assert [part.text for part in message.content] == ["one"]  # type: ignore[union-attr]
+    assert isinstance(events[-1], p.ResponseCompleted)  # the successor, with the input
+
+
 # --- helpers ----------------------------------------------------------------------------------
 
 
@@ -743,3 +783,31 @@ def _no_ids(item: p.Item) -> dict[str, Any]:
     wire = p.to_wire(item)
     wire.pop("id", None)
     return dict(wire)
+
+
+class RacingBackend:
+    """Streams a message; as its second delta is delivered, steering input lands on the
+    response (queued, and the safe point's scope cancelled, as `Steering.submit` ends) before
+    the turn has resumed."""
+
+    session: Session | None = None
+    raced = False
+
+    async def sample(self, request: SampleRequest) -> AsyncGenerator[SampleEvent, None]:
+        yield TextStart()
+        yield TextDelta("one", 1)
+        if self.raced:  # the successor that continues with the steering input: no race
+            yield TextEnd()
+            yield Finish("stop")
+            return
+        self.raced = True
+        assert self.session is not None
+        [steering] = self.session.steerable.values()
+        steer = p.ResponseSteer(previous_response_id=steering.response_id or "", input="stop")
+        steering.queued.append(QueuedSteer(id="steer_race", steer=steer, items=[]))
+        assert steering._scope is not None  # the turn waits at a safe point
+        steering._scope.cancel()
+        yield TextDelta(" two", 1)  # delivered with no checkpoint: the turn resumes with it
+        yield TextDelta(" three", 1)
+        yield TextEnd()
+        yield Finish("stop")
