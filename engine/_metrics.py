@@ -34,13 +34,13 @@ worker's files with `MultiProcessCollector`. Counters and histograms sum over ev
 ever ran (a restarted worker's earlier counts stay, so counters never go back); gauges sum over
 the live workers (the parent removes a dead worker's files with `forget_worker`).
 
-A scrape is as exact as one process's: the scraped worker stamps a request file
-(`sync-request-PID`, the monotonic clock, which every process on the host shares), every
-worker polls the requests every `METRICS_POLL_INTERVAL`, writes its counts and stamps its
-acknowledgement (`sync-ack-PID`), and the scrape merges once every live worker has
-acknowledged it, or after `METRICS_SYNC_WAIT` (a worker stuck that long is shown as of its
-last write). So a client that saw a turn end and then scrapes sees that turn's counts,
-whichever worker ran it and whichever answers the scrape.
+A scrape is as exact as one process's: the scraped worker stamps the request file the workers
+share (`sync-request`, the monotonic clock, which every process on the host shares; a later
+scrape's stamp is later), every worker polls it every `METRICS_POLL_INTERVAL` (one 8-byte
+read), writes its counts and stamps its acknowledgement (`sync-ack-PID`), and the scrape
+merges once every live worker has acknowledged it, or after `METRICS_SYNC_WAIT` (a worker
+stuck that long is shown as of its last write). So a client that saw a turn end and then
+scrapes sees that turn's counts, whichever worker ran it and whichever answers the scrape.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class _SharedFiles:
             kind: MmapedDict(str(directory / f"{name}_{pid}.db"))  # type: ignore[no-untyped-call]
             for kind, name in self._FILES.items()
         }
-        self._request = _Stamp(directory / f"{_REQUEST}{pid}")
+        self._request = _Stamp(directory / _REQUEST, reset=False)  # every worker's
         self._ack = _Stamp(directory / f"{_ACK}{pid}")
 
     def request(self, when: float) -> None:
@@ -217,8 +217,9 @@ class _SharedFiles:
         self._ack.write(when)
 
     def latest_request(self) -> float:
-        """The newest request of any scrape, of any worker."""
-        return max((_Stamp.read(p) for p in self.directory.glob(f"{_REQUEST}*")), default=0.0)
+        """The newest request of any scrape, of any worker (one 8-byte read: every worker
+        polls it every `METRICS_POLL_INTERVAL`)."""
+        return self._request.value()
 
     def all_acknowledged(self, since: float) -> bool:
         """Has every live worker (one with a gauge file) written its counts after `since`?"""
@@ -256,19 +257,26 @@ class _SharedFiles:
         self._ack.close()
 
 
-_REQUEST = "sync-request-"
+_REQUEST = "sync-request"
 _ACK = "sync-ack-"
 
 
 class _Stamp:
-    """A monotonic-clock reading in a file of its own (8 bytes, written in place)."""
+    """A monotonic-clock reading in a file of its own (8 bytes, written in place). `reset`:
+    start it at 0 (a worker's own acknowledgement); the shared request file keeps what
+    another worker's scrape wrote."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, reset: bool = True) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        self.write(0.0)
+        if reset:
+            self.write(0.0)
 
     def write(self, when: float) -> None:
         os.pwrite(self._fd, struct.pack("d", when), 0)
+
+    def value(self) -> float:
+        raw = os.pread(self._fd, 8, 0)
+        return float(struct.unpack("d", raw)[0]) if len(raw) == 8 else 0.0
 
     def close(self) -> None:
         os.close(self._fd)
@@ -284,10 +292,9 @@ class _Stamp:
 
 
 def forget_worker(directory: Path, pid: int) -> None:
-    """After worker `pid` exited: its gauges and its scrape files go (its counts stay)."""
+    """After worker `pid` exited: its gauges and its acknowledgement go (its counts stay)."""
     mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
-    for name in (f"{_REQUEST}{pid}", f"{_ACK}{pid}"):
-        (directory / name).unlink(missing_ok=True)
+    (directory / f"{_ACK}{pid}").unlink(missing_ok=True)
 
 
 class _MergedCollector:
