@@ -43,6 +43,9 @@ from ._events import (
     CLIENT_EVENT_TYPES,
     SERVER_EVENT_TYPES,
     ClientEvent,
+    CustomToolCallInputDelta,
+    FunctionCallArgumentsDelta,
+    OutputTextDelta,
     ResponseCreate,
     ServerEvent,
     SseErrorEvent,
@@ -813,10 +816,76 @@ def to_wire(obj: Any) -> Any:
 
 def encode_json(obj: Any, *, extra: Mapping[str, Any] | None = None) -> str:
     """`obj` as compact JSON; `extra`: keys added to the object (a server event's lane)."""
+    fields = _DELTA_FIELDS.get(type(obj))
+    if fields is not None:
+        text = _encode_delta(obj, fields, extra)
+        if text is not None:
+            return text
+    return _encode_generic(obj, extra)
+
+
+def _encode_generic(obj: Any, extra: Mapping[str, Any] | None) -> str:
     wire = _STRICT.unstructure(obj)
     if extra:
         wire.update(extra)
     return json.dumps(wire, ensure_ascii=False, separators=(",", ":"))
+
+
+# The delta events, most of what a stream sends: written straight from their fields, in the
+# order and spelling the generic path writes them (`tests/test_protocol_roundtrip.py` checks
+# the two agree on arbitrary events), about a quarter of its cost. Field name -> is it an int.
+_DELTA_FIELDS: dict[type[Any], tuple[tuple[str, bool], ...]] = {
+    OutputTextDelta: (
+        ("sequence_number", True),
+        ("item_id", False),
+        ("output_index", True),
+        ("content_index", True),
+        ("delta", False),
+    ),
+    FunctionCallArgumentsDelta: (
+        ("sequence_number", True),
+        ("item_id", False),
+        ("output_index", True),
+        ("delta", False),
+    ),
+    CustomToolCallInputDelta: (
+        ("sequence_number", True),
+        ("item_id", False),
+        ("output_index", True),
+        ("delta", False),
+    ),
+}
+
+
+def _encode_delta(
+    event: Any, fields: tuple[tuple[str, bool], ...], extra: Mapping[str, Any] | None
+) -> str | None:
+    """A delta event as the generic path writes it, or None where that path must decide
+    (an event with its own lane or with logprobs, an unexpected value or extra key)."""
+    if event.stream_id is not None or getattr(event, "logprobs", None):
+        return None
+    parts = ['{"type":', _json_str(event.type)]
+    for name, integer in fields:
+        value = getattr(event, name)
+        if integer and type(value) is int:
+            parts += (',"', name, '":', str(value))
+        elif not integer and type(value) is str:
+            parts += (',"', name, '":', _json_str(value))
+        else:
+            return None
+    if isinstance(event, OutputTextDelta):
+        parts.append(',"logprobs":[]')
+    if extra:
+        for key, value in extra.items():
+            if key != "stream_id" or type(value) is not str:
+                return None
+            parts += (',"stream_id":', _json_str(value))
+    parts.append("}")
+    return "".join(parts)
+
+
+# A str as JSON, as `json.dumps(..., ensure_ascii=False)` writes one (its C encoder).
+_json_str: Callable[[str], str] = json.encoder.encode_basestring
 
 
 def encode_msgpack(obj: Any) -> bytes:

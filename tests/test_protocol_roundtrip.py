@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rollout import protocol as p
+from rollout.protocol._codec import _DELTA_FIELDS, _encode_delta, _encode_generic, encode_json
 from rollout.protocol._items import CONTENT_PART_TYPES, ITEM_TYPES
 from rollout.protocol._response import OMIT_IF_NONE
 from rollout.protocol._shapes import BUILTIN_TOOL_SHAPES, OPAQUE_ITEM_SHAPES
@@ -96,6 +97,30 @@ def test_server_event_roundtrip(tag: str, fmt: str, data: st.DataObject) -> None
     # is there only on a named lane (absent on the default lane, never null).
     fields = {a.name for a in attrs.fields(type(event))}
     assert set(load(wire, fmt)) == fields - ({"stream_id"} if event.stream_id is None else set())
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "response.output_text.delta",
+        "response.function_call_arguments.delta",
+        "response.custom_tool_call_input.delta",
+    ],
+)
+@SETTINGS
+@given(data=st.data())
+def test_delta_events_encode_as_the_generic_path_does(tag: str, data: st.DataObject) -> None:
+    """The delta events are written straight from their fields (`_codec._encode_delta`): the
+    same text as the generic encoder's, for any delta text (every code point, lone surrogates
+    included), on the default lane or with the lane added by the connection."""
+    event = data.draw(SERVER_EVENT_STRATEGIES[tag])
+    delta = data.draw(st.text(alphabet=st.characters(blacklist_categories=()), max_size=40))
+    event = attrs.evolve(event, delta=delta)
+    lane = data.draw(st.none() | st.text(max_size=12))
+    extra = None if lane is None else {"stream_id": lane}
+    assert encode_json(event, extra=extra) == _encode_generic(event, extra)
+    if event.stream_id is None and not getattr(event, "logprobs", None):
+        assert _encode_delta(event, _DELTA_FIELDS[type(event)], extra) is not None  # fast
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
