@@ -55,6 +55,21 @@ def small_buffers(*socks: trio.socket.SocketType) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
 
 
+async def others_ran_during(server: TCPServer, data: bytes) -> bool:
+    """Send `data` while another task is runnable: did it run before the send returned (did
+    the send pass through trio's scheduler)?"""
+    ran = False
+
+    async def other() -> None:
+        nonlocal ran
+        ran = True
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await server.protocol_send(RawData(data=data))
+        return ran
+
+
 async def drain(sock: trio.socket.SocketType, n: int, into: list[bytes], go: trio.Event) -> None:
     """Read `n` bytes once `go` is set; shielded with its own deadline, so that a test failing
     around it cannot leave a shielded writer waiting for a reader that was cancelled."""
@@ -92,18 +107,9 @@ async def test_a_chunk_the_kernel_takes_is_written_without_a_checkpoint() -> Non
     a, b = trio.socket.socketpair()
     with a, b:
         server = server_on(a)
-        ran = False
-
-        async def other() -> None:
-            nonlocal ran
-            ran = True
-
         with trio.fail_after(DEADLINE):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(other)
-                await server.protocol_send(RawData(data=b"frame-1"))
-                assert not ran  # no checkpoint: the other task is still waiting to run
-                assert await read_exactly(b, 7) == b"frame-1"
+            assert not await others_ran_during(server, b"frame-1")  # no checkpoint
+            assert await read_exactly(b, 7) == b"frame-1"
         assert not server.send_lock.locked()
         assert server.protocol.events == []  # type: ignore[attr-defined]
 
@@ -174,17 +180,8 @@ async def test_a_server_without_the_setting_keeps_hypercorns_path() -> None:
     a, b = trio.socket.socketpair()
     with a, b:
         server = server_on(a, Config())
-        ran = False
-
-        async def other() -> None:
-            nonlocal ran
-            ran = True
-
         with trio.fail_after(DEADLINE):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(other)
-                await server.protocol_send(RawData(data=b"plain"))
-                assert ran
+            assert await others_ran_during(server, b"plain")
             assert await read_exactly(b, 5) == b"plain"
 
 
