@@ -10,6 +10,13 @@ worker serving 48 concurrent rollouts at 4,000 tokens/s put 22% of its samples u
 hypercorn's send path (9% with this patch, most of it the system call).
 
 The patch writes directly when it can do so without changing what hypercorn guarantees:
+- only on a WebSocket (an HTTP/1.1 connection upgraded: its protocol's stream is a
+  `WSStream`). HTTP responses keep hypercorn's path, whose checkpoints matter there: a
+  response the app sends before it read the request body (a 401, say) ends the exchange,
+  and hypercorn keeps the connection alive only if its reader has taken in the rest of the
+  request by then. Written without a checkpoint, the response won that race, hypercorn
+  closed the connection, and a client reusing it saw "server disconnected" (httpx, in
+  `tests/test_server_http.py::test_auth`, about one run in six);
 - only for a plain `trio.SocketStream` (TLS streams take the original path: their bytes are
   not the chunk's);
 - only while no other task holds the connection's `send_lock` (then no write of another task
@@ -30,9 +37,9 @@ wait elsewhere between chunks.
 One idempotent patch, inert unless the server's hypercorn config asks for it
 (`HypercornConfig.direct_writes`, on for `rollout serve`): other hypercorn servers in the
 process keep hypercorn's behaviour. `tests/test_direct_write.py` pins what this relies on
-(the method's name and signature, `send_lock`, `stream`) and its behaviour: no checkpoint,
-order under a full buffer, a held lock, a peer gone, a cancelled sender, another server's
-config.
+(the method's name and signature, `send_lock`, `stream`, `protocol.protocol.stream`) and its
+behaviour: no checkpoint, order under a full buffer, a held lock, a peer gone, a cancelled
+sender, another server's config, an HTTP stream.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ def write_directly() -> None:
     """Make hypercorn's trio servers whose config has `direct_writes = True` write each chunk
     with one system call when the socket takes it at once. Idempotent."""
     from hypercorn.events import Closed, RawData
+    from hypercorn.protocol.ws_stream import WSStream
     from hypercorn.trio.tcp_server import TCPServer
 
     original = TCPServer.protocol_send
@@ -69,6 +77,7 @@ def write_directly() -> None:
             or not isinstance(stream, trio.SocketStream)  # (final: exactly a plain socket)
             or lock.locked()
             or not getattr(self.config, "direct_writes", False)
+            or not isinstance(getattr(self.protocol.protocol, "stream", None), WSStream)
         ):
             await original(self, event)
             return

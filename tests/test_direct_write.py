@@ -13,12 +13,17 @@ from __future__ import annotations
 import inspect
 import json
 import socket
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, RawData
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.protocol.ws_stream import WSStream
 from hypercorn.trio.tcp_server import TCPServer
 from rollout.bench._ws import open_bench_ws
 from rollout.engine._deflate import HypercornConfig
@@ -31,21 +36,26 @@ DRAIN_DEADLINE = 5  # a shielded reader's own (only a failing test waits for it)
 
 
 class FakeProtocol:
-    """What hypercorn's connection protocol is told (`Closed` when the peer went away)."""
+    """What hypercorn's connection protocol is told (`Closed` when the peer went away), on a
+    connection whose stream is a WebSocket's (`websocket=False`: an HTTP request's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, websocket: bool = True) -> None:
         self.events: list[Any] = []
+        stream = WSStream.__new__(WSStream) if websocket else HTTPStream.__new__(HTTPStream)
+        self.protocol = SimpleNamespace(stream=stream)  # as `ProtocolWrapper.protocol`
 
     async def handle(self, event: Any) -> None:
         self.events.append(event)
 
 
-def server_on(sock: trio.socket.SocketType, config: Config | None = None) -> TCPServer:
+def server_on(
+    sock: trio.socket.SocketType, config: Config | None = None, *, websocket: bool = True
+) -> TCPServer:
     """A hypercorn TCPServer over one end of a socket pair, as its constructor builds it."""
     write_directly()
     stream = trio.SocketStream(sock)
     server = TCPServer(None, config or HypercornConfig(), None, None, stream)  # type: ignore[arg-type]
-    server.protocol = FakeProtocol()  # type: ignore[assignment]
+    server.protocol = FakeProtocol(websocket=websocket)  # type: ignore[assignment]
     return server
 
 
@@ -88,8 +98,11 @@ async def read_exactly(sock: trio.socket.SocketType, n: int) -> bytes:
 
 
 def test_hypercorn_internals_the_patch_relies_on() -> None:
-    """`protocol_send(self, event)`, and `send_lock` and `stream` set by the constructor: if
-    this fails, hypercorn changed and `engine/_write.py` needs a look."""
+    """`protocol_send(self, event)`, `send_lock` and `stream` set by the constructor, and an
+    upgraded HTTP/1.1 connection's stream at `ProtocolWrapper.protocol.stream`: if this fails,
+    hypercorn changed and `engine/_write.py` needs a look."""
+    assert "self.protocol = " in inspect.getsource(ProtocolWrapper.__init__)
+    assert "self.stream = WSStream(" in inspect.getsource(H11Protocol._create_stream)
     write_directly()
     assert getattr(TCPServer.protocol_send, "_rollout_patched", False)
     a, b = trio.socket.socketpair()
@@ -174,6 +187,18 @@ async def test_a_peer_gone_is_a_closed_connection(how: str) -> None:
         assert not server.send_lock.locked()
 
 
+async def test_an_http_response_keeps_hypercorns_path() -> None:
+    """HTTP responses are written as hypercorn writes them (with its checkpoints, which let
+    its reader finish taking in a request before a response that did not read it ends the
+    exchange): only WebSocket frames are written directly."""
+    a, b = trio.socket.socketpair()
+    with a, b:
+        server = server_on(a, websocket=False)
+        with trio.fail_after(DEADLINE):
+            assert await others_ran_during(server, b"HTTP/1.1 401")
+            assert await read_exactly(b, 12) == b"HTTP/1.1 401"
+
+
 async def test_a_server_without_the_setting_keeps_hypercorns_path() -> None:
     """hypercorn's plain `Config` (another server in the process) is not affected: its send
     goes through the lock and a checkpoint, so another runnable task runs first."""
@@ -212,14 +237,21 @@ async def test_a_cancelled_sender_still_finishes_its_chunk() -> None:
 
 async def test_a_served_stream_goes_through_it() -> None:
     """A real `rollout serve` WebSocket turn, written through the patch: every frame arrives
-    whole and in order (the server's own grammar and the client's parser check both)."""
-    calls = 0
+    whole and in order (the server's own grammar and the client's parser check both), and the
+    frames went out directly, not through trio's `send_all` (hypercorn's path)."""
+    calls = send_alls = 0
     original = TCPServer.protocol_send
+    original_send_all = trio.SocketStream.send_all
 
     async def counting(self: TCPServer, event: Any) -> None:
         nonlocal calls
         calls += 1
         await original(self, event)
+
+    async def counting_send_all(self: trio.SocketStream, data: Any) -> None:
+        nonlocal send_alls
+        send_alls += 1
+        await original_send_all(self, data)
 
     with trio.fail_after(DEADLINE):
         async with open_test_server() as base:
@@ -228,6 +260,7 @@ async def test_a_served_stream_goes_through_it() -> None:
                 async with open_bench_ws(
                     ws_url(base), max_message_size=1 << 24, receive_buffer_size=65536
                 ) as ws:
+                    trio.SocketStream.send_all = counting_send_all  # type: ignore[method-assign]
                     await ws.send_message(
                         json.dumps(
                             {
@@ -243,9 +276,11 @@ async def test_a_served_stream_goes_through_it() -> None:
                         events.append(json.loads(await ws.get_message()))
             finally:
                 TCPServer.protocol_send = original  # type: ignore[method-assign]
+                trio.SocketStream.send_all = original_send_all  # type: ignore[method-assign]
     types = [e["type"] for e in events]
     assert types[0] == "response.created"
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == next(e["text"] for e in events if e["type"] == "response.output_text.done")
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert calls >= len(events)
+    assert send_alls <= 2  # the client's message (and a close), not the server's frames
