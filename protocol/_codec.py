@@ -831,29 +831,19 @@ def _encode_generic(obj: Any, extra: Mapping[str, Any] | None) -> str:
     return json.dumps(wire, ensure_ascii=False, separators=(",", ":"))
 
 
+def _delta_fields(cls: type[Any]) -> tuple[tuple[str, bool], ...]:
+    """A delta event's fields between its `type` and its `logprobs` and `stream_id`, in
+    order, each with whether it is an int (else a str)."""
+    skip = ("type", "logprobs", "stream_id")
+    return tuple((f.name, f.type in (int, "int")) for f in attrs.fields(cls) if f.name not in skip)
+
+
 # The delta events, most of what a stream sends: written straight from their fields, in the
 # order and spelling the generic path writes them (`tests/test_protocol_roundtrip.py` checks
-# the two agree on arbitrary events), about a quarter of its cost. Field name -> is it an int.
+# the two agree on arbitrary events), in under half its time.
 _DELTA_FIELDS: dict[type[Any], tuple[tuple[str, bool], ...]] = {
-    OutputTextDelta: (
-        ("sequence_number", True),
-        ("item_id", False),
-        ("output_index", True),
-        ("content_index", True),
-        ("delta", False),
-    ),
-    FunctionCallArgumentsDelta: (
-        ("sequence_number", True),
-        ("item_id", False),
-        ("output_index", True),
-        ("delta", False),
-    ),
-    CustomToolCallInputDelta: (
-        ("sequence_number", True),
-        ("item_id", False),
-        ("output_index", True),
-        ("delta", False),
-    ),
+    cls: _delta_fields(cls)
+    for cls in (OutputTextDelta, FunctionCallArgumentsDelta, CustomToolCallInputDelta)
 }
 
 
