@@ -795,10 +795,7 @@ def _machine() -> dict[str, Any]:
     cpu_model = None
     memory = None
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
+        cpu_model = _cpu_model(Path("/proc/cpuinfo").read_text())
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 memory = int(line.split()[1]) * 1024
@@ -819,6 +816,27 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def _cpu_model(cpuinfo: str) -> str | None:
+    """The first CPU's model name, with its family, model and stepping where the kernel gives
+    them: two VMs that both say "AMD EPYC" can differ twofold in speed (two processor
+    generations were seen here under that one name), and these numbers tell them apart."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block ends at its blank line
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if name is None:
+        return None
+    signature = [
+        f"{label} {fields[key]}"
+        for label, key in (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
+        if key in fields
+    ]
+    return f"{name} ({', '.join(signature)})" if signature else name
+
+
 def _loadavg() -> list[float] | None:
     """The 1, 5 and 15 minute load averages: other work on the machine shows here."""
     try:
@@ -830,9 +848,8 @@ def _loadavg() -> list[float] | None:
 def _versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for dist in (
-        "rollout",
+        "rollout-engine",
         "trio",
-        "trio-websocket",
         "httpx",
         "hypercorn",
         "wsproto",

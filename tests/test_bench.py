@@ -32,7 +32,7 @@ from rollout.bench._cli import add_parser, build_config
 from rollout.bench._client import Stream, parse_server_timing
 from rollout.bench._goals import PACE_CONCURRENCY
 from rollout.bench._report import print_tables, summary_tables, to_markdown
-from rollout.bench._runner import PACE_EXCESS, PACE_FRACTION
+from rollout.bench._runner import PACE_EXCESS, PACE_FRACTION, _cpu_model, _versions
 from rollout.bench._server import free_port, parse_counters, parse_stage_sums
 from rollout.bench._stats import percentile, stats
 from rollout.bench._streams import check_streams
@@ -85,6 +85,32 @@ def test_writes_table_json_and_plots(tiny_run: tuple[dict[str, Any], Path, str])
     meta = results["meta"]
     assert meta["machine"]["cpu_count"] and meta["machine"]["python"]
     assert meta["versions"]["trio"]
+    assert meta["versions"]["rollout-engine"]  # the benchmark's own distribution, by its name
+
+
+_CPUINFO_TWO_AMD = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+stepping\t: 1
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: Other
+stepping\t: 0
+"""
+
+
+def test_machine_record_tells_processor_generations_apart() -> None:
+    # Two VMs of this project both said "AMD EPYC", and one was twice as fast as the other.
+    assert _cpu_model(_CPUINFO_TWO_AMD) == "AMD EPYC (family 26, model 2, stepping 1)"
+    assert _cpu_model("model name\t: Some CPU\n") == "Some CPU"  # no signature: the name
+    assert _cpu_model("processor\t: 0\n") is None
+    versions = _versions()
+    assert versions["rollout-engine"] and "rollout" not in versions
 
 
 def test_report_of_earlier_results(
