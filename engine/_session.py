@@ -43,8 +43,9 @@ from ._cache import ResponseCache
 from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, restore_state
 from ._errors import previous_response_not_found, server_error, shutting_down
 from ._ids import new_id
-from ._interfaces import StoredResponse
+from ._interfaces import StoredResponse, UsageRecord
 from ._pipeline import Prepared as PipelinePrepared
+from ._postinfer import PostJob, WriteFailed
 from ._rollout import Emit, Prepared, Rollout, run_response, steering_unsupported
 from ._segments import restore_segments
 from ._state import ResponseState
@@ -254,8 +255,27 @@ class Session:
             owner=self.owner,
         )
         usage = Usage.of(input_tokens=source.context_tokens, output_tokens=window.item_tokens)
+        compaction_id = new_id("resp")
+        # What the client is told it used goes into the ledger before the reply, as a
+        # response's usage does before its terminal event: one record, step 0.
+        record = UsageRecord(
+            response_id=compaction_id,
+            step=0,
+            owner=self.owner,
+            model=source.route.model,
+            input_tokens=usage.input_tokens,
+            cached_tokens=0,
+            output_tokens=usage.output_tokens,
+            complete=True,
+            created_at=engine.wall_clock(),
+        )
+        try:
+            await engine.post.commit(PostJob(records=(record,)))
+        except WriteFailed:
+            log.warning("compaction %s failed: its usage did not go through", compaction_id)
+            raise server_error() from None
         return {
-            "id": new_id("resp"),
+            "id": compaction_id,
             "object": "response.compaction",
             "created_at": engine.now(),
             "output": [to_wire(as_listed(i)) for i in [*window.items, item]],

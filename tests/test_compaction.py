@@ -24,6 +24,7 @@ compaction (`context_management`), and the seal.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,15 @@ import trio
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from rollout import protocol as p
-from rollout.engine import Engine, MemoryResponseStore, ResponseState, Session, open_engine
+from rollout.engine import (
+    Engine,
+    MemoryResponseStore,
+    MemoryUsageLedger,
+    ResponseState,
+    Session,
+    UsageRecord,
+    open_engine,
+)
 from rollout.engine._compact import SnapshotSeal
 
 from tests.engine_harness import (
@@ -707,3 +716,43 @@ async def test_chain_from_a_compaction_item_continues_from_the_store() -> None:
             cached = await session.create(follow)  # the same connection: its cache
     assert cached is not None and hydrated is not None
     assert hydrated.context() == cached.context()
+
+
+# --- what a compaction costs goes into the ledger ---------------------------------------------
+
+
+class _DownLedger(MemoryUsageLedger):
+    """A ledger whose database is down: every async write fails."""
+
+    async def record(self, records: Sequence[UsageRecord]) -> None:
+        raise OSError("the database is down")
+
+
+async def test_a_compactions_usage_is_in_the_ledger_when_its_reply_is() -> None:
+    """The usage a compaction reports is recorded once, under its id, before `compact`
+    returns (nothing flushed first): the ledger's total is what clients were told."""
+    with trio.fail_after(DEADLINE):
+        ledger = MemoryUsageLedger()
+        async with open_engine(ledger=ledger) as engine:
+            session = engine.session(owner="team-a")
+            state = await session.create(p.ResponseCreate(model=MODEL, input=TURNS[0]))
+            assert state is not None
+            compacted = await session.compact(
+                p.ResponseCreate(model="sim", previous_response_id=state.id), budget_tokens=300
+            )
+            rows = await ledger.rows(compacted["id"])
+            usage = compacted["usage"]
+            assert [
+                (r.step, r.owner, r.model, r.input_tokens, r.output_tokens, r.complete)
+                for r in rows
+            ] == [(0, "team-a", "sim", usage["input_tokens"], usage["output_tokens"], True)]
+            assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+
+
+async def test_a_compaction_whose_usage_cannot_be_recorded_is_a_server_error() -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_engine(ledger=_DownLedger()) as engine:
+            session = engine.session()
+            with pytest.raises(p.RemoteProtocolError) as raised:
+                await session.compact(p.ResponseCreate(model="sim", input=TURNS[0]))
+    assert raised.value.status == 500 and raised.value.body.code == "server_error"
