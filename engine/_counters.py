@@ -41,6 +41,7 @@ class Counters:
     store_reads: int = 0
     store_writes: int = 0
     ledger_records: int = 0
+    usage_records_dropped: int = 0  # a failed ledger write's records past MAX_UNWRITTEN_USAGE
     post_inference_runs: int = 0
     samplings: int = 0
     rollout_suspensions: int = 0  # rollouts suspended at tool calls (`response.done` sent)

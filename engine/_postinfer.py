@@ -20,13 +20,22 @@ lost:
   `record_sync` before it dies, and usage submitted after that is written the same way by
   its submitter (store writes still queued are lost in that case only; they are a cache of
   the conversation, usage is money);
+- a ledger write that fails (the database is down) fails the commits waiting on it (those
+  responses end `failed`, never acknowledged), and its records stay with the writer, which
+  tries them again in a transaction of their own (never a group's: whatever is wrong with them
+  fails no other response) after the next group's write goes through, or every
+  `USAGE_RETRY_INTERVAL` while no group comes (rows are idempotent on `(response_id, step)`,
+  so a write that landed unseen does no harm); at most `MAX_UNWRITTEN_USAGE` records wait so,
+  past that the oldest are dropped, logged and counted (`usage_records_dropped`);
 - reads see writes still queued (read-your-writes inside a process): `pending_get` answers for
-  a response whose store write has not landed yet, so a store=true follow-up never misses.
+  a response whose store write has not landed yet, so a store=true follow-up never misses; a
+  write that failed is forgotten at once (its response failed: it is not found).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -37,7 +46,9 @@ from ._interfaces import ResponseStore, StoredResponse, UsageLedger, UsageRecord
 
 __all__ = [
     "MAX_GROUP_COMMIT",
+    "MAX_UNWRITTEN_USAGE",
     "POST_INFERENCE_QUEUE_LIMIT",
+    "USAGE_RETRY_INTERVAL",
     "PostInference",
     "PostJob",
     "WriteFailed",
@@ -50,6 +61,11 @@ log = logging.getLogger("rollout.post")
 POST_INFERENCE_QUEUE_LIMIT = 1024
 # Jobs written by one group commit at most (one ledger transaction for all their records).
 MAX_GROUP_COMMIT = 256
+# Usage records whose ledger write failed, kept for the next try (about 200 bytes each): a
+# database outage of minutes under load. Past it the oldest are dropped, logged and counted.
+MAX_UNWRITTEN_USAGE = 100_000
+# Seconds between tries of those records while no new job comes to carry them.
+USAGE_RETRY_INTERVAL = 1.0
 
 
 class WriteFailed(Exception):
@@ -92,10 +108,18 @@ class PostInference:
         self._idle = trio.Event()
         self._idle.set()
         self._outstanding = 0  # submitted and not yet written
+        # A failed ledger write's records, for the next try, by `(response_id, step)`: a
+        # response whose commit failed and that tries again waits here once.
+        self._unwritten: dict[tuple[str, int], UsageRecord] = {}
 
     @property
     def backlog(self) -> int:
         return self._outstanding
+
+    @property
+    def unwritten_usage(self) -> int:
+        """Usage records waiting for the ledger to come back."""
+        return len(self._unwritten)
 
     def pending_get(self, response_id: str) -> StoredResponse | None:
         return self._pending.get(response_id)
@@ -166,7 +190,14 @@ class PostInference:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
-            async for job in self._recv:
+            while True:
+                try:
+                    job = await self._next_job()
+                except trio.EndOfChannel:
+                    break  # closed and drained: what still waits is written below
+                if job is None:  # the retry interval passed with nothing new
+                    await self._retry_usage(ledger_up=False)
+                    continue
                 batch, self._overflow = [*self._overflow, job], []
                 while len(batch) < MAX_GROUP_COMMIT:
                     try:
@@ -182,13 +213,19 @@ class PostInference:
                 finally:
                     for done in batch:
                         self._done_one()
+                        if error is not None and done.stored is not None:
+                            self._forget_stored(done.stored)  # its response failed
                         if done.receipt is not None:
                             done.receipt.error = error
                             done.receipt.written.set()
+                if self._unwritten and error is None:  # the ledger is back: after the acks
+                    await self._retry_usage(ledger_up=True)
         finally:
             # Cancelled (or closed): whatever usage is still queued is written now.
             self._torn_down = True
-            leftover = [record for job in self._overflow for record in job.records]
+            leftover = [*self._unwritten.values()]
+            self._unwritten = {}
+            leftover += [record for job in self._overflow for record in job.records]
             for _ in self._overflow:
                 self._done_one()
             self._overflow = []
@@ -199,7 +236,62 @@ class PostInference:
                     break
                 leftover.extend(job.records)
                 self._done_one()
-            self._write_now(leftover)
+            try:
+                self._write_now(leftover)
+            except Exception:  # the ledger is down as the engine stops: nothing else can
+                log.exception("%d usage records could not be written at shutdown", len(leftover))
+
+    async def _next_job(self) -> PostJob | None:
+        """The next job, or None when records wait for a retry and `USAGE_RETRY_INTERVAL`
+        passed with no job. `trio.EndOfChannel` once the channel is closed and drained."""
+        with trio.move_on_after(USAGE_RETRY_INTERVAL if self._unwritten else math.inf):
+            return await self._recv.receive()
+        return None
+
+    def _forget_stored(self, stored: StoredResponse) -> None:
+        rid = stored.response.id
+        if self._pending.get(rid) is stored:
+            del self._pending[rid]
+
+    async def _write_usage(self, records: Sequence[UsageRecord]) -> None:
+        """One ledger transaction for a group's records. On failure they wait for a retry
+        (bounded) and the error propagates to the group's commits."""
+        assert self.ledger is not None
+        try:
+            await self.ledger.record(records)  # one transaction for the whole group
+        except trio.Cancelled:  # the engine is torn down mid-write (idempotent rows)
+            self._write_now(records)
+            raise
+        except Exception:
+            self._keep(records)
+            raise
+        self.counters.ledger_records += len(records)
+
+    def _keep(self, records: Sequence[UsageRecord]) -> None:
+        for record in records:
+            self._unwritten[record.response_id, record.step] = record
+        overflow = len(self._unwritten) - MAX_UNWRITTEN_USAGE
+        if overflow > 0:
+            log.error("the ledger is down: %d usage records dropped (oldest)", overflow)
+            self.counters.usage_records_dropped += overflow
+            for key in list(self._unwritten)[:overflow]:
+                del self._unwritten[key]
+
+    async def _retry_usage(self, *, ledger_up: bool) -> None:
+        """The waiting records, in a transaction of their own: never part of a group's, so
+        whatever is wrong with them fails no response. Cancelled, they stay for teardown."""
+        assert self.ledger is not None
+        rows = list(self._unwritten.values())
+        try:
+            await self.ledger.record(rows)
+        except Exception as exc:
+            if ledger_up:  # a group's write just went through: these rows are refused
+                log.error("the ledger refused %d waiting usage records: %r", len(rows), exc)
+            else:
+                log.warning("the ledger is still down (%d usage records wait): %r", len(rows), exc)
+            return
+        self._unwritten = {}
+        self.counters.ledger_records += len(rows)
 
     def _write_now(self, records: Sequence[UsageRecord]) -> None:
         """Blocking write, only once the writer is cancelled with its engine (teardown)."""
@@ -210,12 +302,7 @@ class PostInference:
     async def _process(self, batch: Sequence[PostJob]) -> None:
         records = [record for job in batch for record in job.records]
         if records and self.ledger is not None:
-            try:
-                await self.ledger.record(records)  # one transaction for the whole group
-            except trio.Cancelled:  # the engine is torn down mid-write (idempotent rows)
-                self._write_now(records)
-                raise
-            self.counters.ledger_records += len(records)
+            await self._write_usage(records)
         wrote = False
         for job in batch:
             stored = job.stored
@@ -225,8 +312,7 @@ class PostInference:
                     await self.store.put(stored)
                     self.counters.store_writes += 1
                     wrote = True
-                    if self._pending.get(rid) is stored:
-                        del self._pending[rid]
+                    self._forget_stored(stored)
         if records or wrote:
             self.counters.post_inference_runs += 1
 

@@ -336,8 +336,7 @@ class _Run:
             final_state = await self._commit_final(state, final)
         except WriteFailed:
             log.warning("response %s failed: its commit did not go through", self.response_id)
-            self.session.cache.evict(final.id)
-            self.engine.post.submit_nowait(PostJob(records=self.records))  # one more try
+            self.session.cache.evict(final.id)  # (its usage waits with the writer for a retry)
             self.committed = True
             self._evict_parent()
             failed = ResponseFailed(

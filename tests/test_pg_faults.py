@@ -193,8 +193,8 @@ async def test_sigkill_mid_stream_loses_nothing_acknowledged(
 # --- PostgreSQL restarted under load ---------------------------------------------------------
 
 # A request while the database is down waits for a pooled connection (`_pg.POOL_TIMEOUT`, 5 s),
-# and a response whose commit failed tries once more to commit its usage before it fails: two
-# waits, plus slack for a loaded machine. Longer than this is a hang.
+# and its commit may queue behind the writer's retry of earlier failed usage (another 5 s):
+# two waits, plus slack for a loaded machine. Longer than this is a hang.
 MAX_FAILURE_SECONDS = 25.0
 RESTART_CLIENTS = 3
 

@@ -152,8 +152,9 @@ class FailingLedger(MemoryUsageLedger):
 @pytest.mark.parametrize("store", [False, True])
 async def test_a_commit_that_fails_ends_the_response_with_server_error(store: bool) -> None:
     """The response cannot be acknowledged as durable: instead of its terminal event, a
-    `response.failed` with `server_error` (same sequence number), and its usage goes back to
-    the writer for one more try."""
+    `response.failed` with `server_error` (same sequence number); its usage waits with the
+    writer for the ledger to come back (tests/test_postinfer.py), and a stored copy is not
+    found."""
     events: list[p.ServerEvent] = []
 
     async def emit(event: p.ServerEvent) -> None:
@@ -167,6 +168,9 @@ async def test_a_commit_that_fails_ends_the_response_with_server_error(store: bo
             )
             await engine.post.flushed()
             assert engine.counters.responses_failed == 1
+            # Never written, so never found: not by a retrieval, not as a previous response.
+            rid = events[0].response.id  # type: ignore[attr-defined]
+            assert await engine.get_stored(rid, owner=None) is None
     assert state is None
     final = events[-1]
     assert isinstance(final, p.ResponseFailed), final
