@@ -294,6 +294,7 @@ def _serve(args: argparse.Namespace) -> int:
         graceful_timeout=args.graceful_timeout,
         render_cache_bytes=0 if args.no_render_cache else int(args.render_cache_mb * 2**20),
         render_cache_ttl=args.render_cache_ttl,
+        freeze_heap=True,  # this process is the server's own (engine/_heap.py)
     )
     try:
         if args.workers > 1:

@@ -36,6 +36,7 @@ from ._app import DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
 from ._deflate import DEFAULT_WEBSOCKET_DEFLATE, HypercornConfig, decline_deflate_offers
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
 from ._errors import EngineError
+from ._heap import freeze_startup_heap
 from ._interfaces import Classifier, HostedTool, ResponseStore, UsageLedger
 from ._ledger import open_sqlite_ledger
 from ._logging import HTTP_LOGGER
@@ -92,6 +93,10 @@ class ServerConfig:
     # process), so the first client's request is not the one that builds what is built on
     # first use.
     warm_up: bool = True
+    # After the warm-up, set the heap built so far aside from the garbage collector
+    # (`_heap.py`): a decision about the whole process, so `rollout serve` makes it and an
+    # application serving in its own process does not by default.
+    freeze_heap: bool = False
     registry: ModelRegistry | None = None
     classifier: Classifier | None = None  # None: the default classifiers
     hosted_tools: tuple[HostedTool, ...] = ()  # executors of hosted tools (offered by type)
@@ -313,6 +318,9 @@ async def serve(
                     await warm_up()
                 except Exception:  # never a reason not to serve: the first requests are slower
                     log.warning("the warm-up failed; serving anyway", exc_info=True)
+            if config.freeze_heap:
+                frozen = freeze_startup_heap()
+                log.debug("%d objects of the startup heap frozen", frozen)
             app = RolloutApp(engine, config.app_config())
             interrupter = trio.CancelScope()
 
