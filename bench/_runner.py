@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import gc
 import math
 import os
 import platform
@@ -38,6 +39,7 @@ from typing import Any
 import attrs
 import httpx
 import trio
+from rollout.engine._heap import freeze_startup_heap
 
 from ._client import (
     MODES,
@@ -307,6 +309,7 @@ async def _run_phases(
         await _sweep(config, benches)
         await _concurrency(config, benches)
     finally:
+        gc.unfreeze()  # what the phases froze goes back to the collector
         for bench in benches:
             bench.finish()
 
@@ -405,6 +408,10 @@ class _ServerBench:
         bench` exit non-zero), and the other servers still run."""
         if self.crashed:
             return
+        # Everything alive now (imports, servers, earlier phases' results) is set aside from
+        # the collector, so that a full collection in this process does not stall the phase's
+        # rollouts for tens of milliseconds (`engine/_heap.py`); `_run_phases` undoes it.
+        freeze_startup_heap()
         try:
             await phase(*args)
         except Exception as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import io
 import itertools
 import json
@@ -28,6 +29,7 @@ import pytest
 import trio
 from rollout import bench
 from rollout._cli import main as rollout_main
+from rollout.bench import _runner as bench_runner
 from rollout.bench._cli import add_parser, build_config
 from rollout.bench._client import Stream, parse_server_timing
 from rollout.bench._goals import PACE_CONCURRENCY
@@ -37,6 +39,7 @@ from rollout.bench._server import free_port, parse_counters, parse_stage_sums
 from rollout.bench._stats import percentile, stats
 from rollout.bench._streams import check_streams
 from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
+from rollout.engine._heap import freeze_startup_heap
 from rollout.engine._serve import ServerConfig, open_server
 
 TINY = [
@@ -46,12 +49,25 @@ TINY = [
 ]  # fmt: skip
 
 
+# The objects frozen as each phase of the tiny run began, and after the run.
+FROZEN_IN_PHASES: list[int] = []
+FROZEN_AFTER: list[int] = []
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str]:
     out = tmp_path_factory.mktemp("bench")
     capture = _Capture()
-    with capture:
+
+    def freeze() -> int:
+        FROZEN_IN_PHASES.append(freeze_startup_heap())
+        return FROZEN_IN_PHASES[-1]
+
+    gc.unfreeze()
+    with capture, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_runner, "freeze_startup_heap", freeze)
         status = rollout_main(["bench", *TINY, "--out", str(out)])
+    FROZEN_AFTER.append(gc.get_freeze_count())
     assert status == 0, capture.text
     results = json.loads((out / "results.json").read_text())
     return results, out, capture.text
@@ -86,6 +102,15 @@ def test_writes_table_json_and_plots(tiny_run: tuple[dict[str, Any], Path, str])
     assert meta["machine"]["cpu_count"] and meta["machine"]["python"]
     assert meta["versions"]["trio"]
     assert meta["versions"]["rollout-engine"]  # the benchmark's own distribution, by its name
+
+
+def test_phases_run_with_the_heap_set_aside_and_the_run_gives_it_back(
+    tiny_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    """Each phase starts with the process's heap frozen (a full collection of this process
+    would stall the rollouts it measures), and the run thaws it at the end."""
+    assert len(FROZEN_IN_PHASES) >= 5 and min(FROZEN_IN_PHASES) > 10_000
+    assert FROZEN_AFTER == [0]
 
 
 _CPUINFO_TWO_AMD = """processor\t: 0
