@@ -49,11 +49,14 @@ async def test_serve_freezes_only_when_asked(thawed: None) -> None:
             assert frozen > 10_000 and len(gc.get_objects()) < frozen
 
 
-async def test_rollout_serve_freezes_its_startup_heap(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_rollout_serve_freezes_its_startup_heap(tmp_path: Path, workers: int) -> None:
+    """In its one process, or in each of its workers."""
     with trio.fail_after(DEADLINE):
         async with open_rollout_process(
-            data_dir=tmp_path, extra_args=["--log-level", "debug"]
+            data_dir=tmp_path, extra_args=["--log-level", "debug", "--workers", str(workers)]
         ) as server:
             said = [json.loads(line)["message"] for line in server.lines if line.startswith("{")]
     frozen = [m for m in said if m.endswith("objects of the startup heap frozen")]
-    assert len(frozen) == 1 and int(frozen[0].split()[0]) > 10_000, said
+    assert len(frozen) == workers, said
+    assert all(int(m.split()[0]) > 10_000 for m in frozen), frozen
