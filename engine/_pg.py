@@ -7,7 +7,8 @@ bounds the threads, so a thread never waits inside the pool for a connection tha
 our threads holds. A call is one transaction: the pool commits when the call returns and rolls
 back when it raises. Calls are not abandoned on cancellation (as with SQLite): a write that
 started commits or rolls back before the cancelled task unwinds; every wait in it is bounded
-(`CONNECT_TIMEOUT`, `POOL_TIMEOUT`, `STATEMENT_TIMEOUT`).
+(`CONNECT_TIMEOUT`, `POOL_TIMEOUT`, `STATEMENT_TIMEOUT`, and for a server that vanished
+without closing its connections, TCP keepalives and `TCP_USER_TIMEOUT`).
 
 After a restart of the server every pooled connection is dead. The pool checks a connection
 when it lends it (`ConnectionPool.check_connection`, one empty round trip) and replaces a dead
@@ -61,6 +62,17 @@ POOL_TIMEOUT = 5.0
 # Seconds one statement may run on the server before it is cancelled. Ours take milliseconds;
 # this only bounds a server that has stopped answering (or a lock held by a stuck peer).
 STATEMENT_TIMEOUT = 30.0
+# A server that vanishes (its host down, the network cut: nothing closes the connection) is
+# noticed by TCP, not by the server's own statement timeout: libpq's keepalives probe a
+# connection idle `TCP_KEEPALIVE_IDLE` seconds, every `TCP_KEEPALIVE_INTERVAL`, and give it up
+# after `TCP_KEEPALIVE_COUNT` unanswered probes (25 s: a query waiting for its answer fails
+# then), and `TCP_USER_TIMEOUT` ms bounds data sent and never acknowledged. The kernel's
+# defaults would hold a worker thread, and every commit queued behind it, for 15 minutes to
+# 2 hours. A URL that sets any of these keeps its own.
+TCP_KEEPALIVE_IDLE = 10
+TCP_KEEPALIVE_INTERVAL = 5
+TCP_KEEPALIVE_COUNT = 3
+TCP_USER_TIMEOUT = 30_000
 # Tries of one transaction that lost a deadlock or a serialization conflict to a concurrent
 # writer. Every write is an idempotent upsert, so running it again is safe.
 MAX_TRANSACTION_TRIES = 3
@@ -88,7 +100,15 @@ def conninfo_of(url: str) -> str:
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
     given = conninfo_to_dict(url)
-    defaults = {"connect_timeout": str(CONNECT_TIMEOUT), "application_name": "rollout"}
+    defaults = {
+        "connect_timeout": str(CONNECT_TIMEOUT),
+        "application_name": "rollout",
+        "keepalives": "1",
+        "keepalives_idle": str(TCP_KEEPALIVE_IDLE),
+        "keepalives_interval": str(TCP_KEEPALIVE_INTERVAL),
+        "keepalives_count": str(TCP_KEEPALIVE_COUNT),
+        "tcp_user_timeout": str(TCP_USER_TIMEOUT),
+    }
     return make_conninfo(url, **{k: v for k, v in defaults.items() if k not in given})
 
 

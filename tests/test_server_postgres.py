@@ -177,3 +177,25 @@ async def test_a_commit_that_fails_ends_the_response_with_server_error(store: bo
     assert final.response.error is not None and final.response.error.code == "server_error"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert not [e for e in events if e.type == "response.completed"]
+
+
+def test_connections_are_set_to_notice_a_server_that_vanished(
+    postgres_urls: Callable[[], str],
+) -> None:
+    """Our TCP keepalive and user-timeout defaults, under the URL's own settings, reach
+    libpq: a real connection opens with them and reports them. (What they do when a host
+    vanishes, a dropped connection noticed within ~25 s, needs packet filtering to show and is
+    not tested here: this checks that the settings are in force, not their effect.)"""
+    from rollout.engine._pg import connect, conninfo_of
+
+    url = postgres_urls()
+    with connect(conninfo_of(url)) as conn:
+        params = conn.info.get_parameters()
+    assert {k: params.get(k) for k in ("keepalives_idle", "keepalives_count")} == {
+        "keepalives_idle": "10",
+        "keepalives_count": "3",
+    }, params
+    assert params.get("tcp_user_timeout") == "30000", params
+    own = url + ("&" if "?" in url else "?") + "keepalives_idle=60"
+    with connect(conninfo_of(own)) as conn:
+        assert conn.info.get_parameters().get("keepalives_idle") == "60"
