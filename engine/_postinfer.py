@@ -218,8 +218,8 @@ class PostInference:
                         if done.receipt is not None:
                             done.receipt.error = error
                             done.receipt.written.set()
-                if self._unwritten and error is None:  # the ledger is back: after the acks
-                    await self._retry_usage(ledger_up=True)
+                if self._unwritten and error is None and any(done.records for done in batch):
+                    await self._retry_usage(ledger_up=True)  # the ledger took this group's
         finally:
             # Cancelled (or closed): whatever usage is still queued is written now.
             self._torn_down = True
