@@ -194,6 +194,7 @@ class RolloutApp:
             owner=owner,
             max_cached_responses=self.config.max_cached_responses,
             max_cached_tokens=self.config.max_cached_tokens,
+            keeps_state=True,
         )
         connection = WebSocketConnection(
             session,
@@ -211,6 +212,7 @@ class RolloutApp:
         try:
             await connection.run()
         finally:
+            session.close()
             self.open_connections -= 1
             seconds = round(time.perf_counter() - started, 6)
             self._access_log.info(

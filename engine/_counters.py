@@ -46,6 +46,10 @@ class Counters:
     samplings: int = 0
     rollout_suspensions: int = 0  # rollouts suspended at tool calls (`response.done` sent)
     tokens_sampled: int = 0
+    # Tokens a model evaluated as context (prompt chunks, and sampled tokens fed back): with
+    # every reuse working, each token of a conversation's context once. Backends that keep no
+    # evaluated state (sim, a chat-completions upstream) report none.
+    tokens_prefilled: int = 0
     hosted_calls: int = 0  # hosted tools' calls run by their executors
     bytes_decoded: int = 0  # client messages (WebSocket frames, HTTP bodies) decoded
     ws_chars_encoded: int = 0  # characters of the WebSocket text frames encoded

@@ -181,9 +181,16 @@ class Engine:
         owner: str | None = None,
         max_cached_responses: int = DEFAULT_CACHE_RESPONSES,
         max_cached_tokens: int = DEFAULT_CACHE_TOKENS,
+        keeps_state: bool = False,
     ) -> Session:
+        """A connection scope. `keeps_state`: it outlives its responses (a WebSocket
+        connection): backends may keep state for each lane's next turn until
+        `Session.close()`."""
         return Session(
-            self, owner=owner, cache=ResponseCache(max_cached_responses, max_cached_tokens)
+            self,
+            owner=owner,
+            cache=ResponseCache(max_cached_responses, max_cached_tokens),
+            keeps_state=keeps_state,
         )
 
     def now(self) -> int:

@@ -8,7 +8,7 @@ plain immutable values (attrs) so that stages stay independent of each other.
 from __future__ import annotations
 
 from array import array
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import attrs
@@ -24,10 +24,12 @@ __all__ = [
     "ClosableBackend",
     "Finish",
     "Flag",
+    "Holder",
     "HostedCall",
     "HostedTool",
     "ItemLookupStore",
     "ParamCheckingBackend",
+    "Prefilled",
     "ReasoningDone",
     "Renderer",
     "ResponseStore",
@@ -77,7 +79,8 @@ class Renderer(Protocol):
     refused by a renderer with another template.
     """
 
-    template_id: str
+    @property
+    def template_id(self) -> str: ...
 
     def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> array[int]: ...
 
@@ -143,6 +146,38 @@ class SnapshotClassifier(Classifier, Protocol):
 # --- sample ----------------------------------------------------------------------------------
 
 
+class Holder:
+    """A scope that keeps a backend's state for a conversation between its turns: a rollout in
+    flight (from its first turn to its end, suspensions included) or a WebSocket lane (its
+    latest response, until the connection closes). A backend keeps something (a model's KV
+    sequence) under a key of its own with a release callback; the engine closes the holder
+    when the scope ends, which calls them. A closed holder keeps nothing more."""
+
+    __slots__ = ("_kept", "closed", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.closed = False
+        self._kept: dict[object, Callable[[], None]] = {}
+
+    def __repr__(self) -> str:
+        return f"Holder({self.name!r}{', closed' if self.closed else ''})"
+
+    def keep(self, key: object, release: Callable[[], None]) -> bool:
+        """Keep something under `key` (once per key: a later call replaces the callback).
+        False when the holder is already closed (the caller releases it at once)."""
+        if self.closed:
+            return False
+        self._kept[key] = release
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        kept, self._kept = self._kept, {}
+        for release in kept.values():
+            release()
+
+
 @attrs.frozen(kw_only=True)
 class SampleRequest:
     """What a backend needs to sample one turn. `context_digest` identifies the whole rendered
@@ -163,6 +198,21 @@ class SampleRequest:
     calls_since_user: int
     media_since_user: tuple[int, int] = (0, 0)  # (images, files) in the current user turn
     text_format: dict[str, Any] | None = None  # `text.format` of the request ({"type": ...})
+    # The rendered context, for backends that evaluate tokens themselves (views: never mutate;
+    # only the first `n_item_tokens` of `item_tokens` are this context's).
+    prefix_tokens: array[int] = attrs.field(factory=lambda: array("I"))
+    item_tokens: array[int] = attrs.field(factory=lambda: array("I"))
+    n_item_tokens: int = 0
+    owner: str | None = None  # whose conversation (backend caches are scoped by owner)
+    # Scopes that may keep backend state between turns: the rollout's, then the lane's.
+    holders: tuple[Holder, ...] = ()
+    seed: int | None = None  # for sampling with temperature > 0
+
+    def context(self) -> array[int]:
+        """The rendered context as one array (a copy, at memory speed)."""
+        out = array("I", self.prefix_tokens)
+        out.extend(self.item_tokens[: self.n_item_tokens])
+        return out
 
 
 @attrs.frozen
@@ -222,6 +272,15 @@ class ReasoningDone:
 
 
 @attrs.frozen
+class Prefilled:
+    """The model evaluated `n_tokens` tokens of context for this turn (a prompt chunk, or a
+    sampled token fed back): the work a cache of evaluated context (KV) spares. Counted in
+    `tokens_prefilled`."""
+
+    n_tokens: int
+
+
+@attrs.frozen
 class Finish:
     reason: Literal["stop", "tool_calls", "max_output_tokens"] = "stop"
     # Token counts the backend measured (an upstream server's usage); None: render and count.
@@ -231,7 +290,15 @@ class Finish:
 
 
 SampleEvent: TypeAlias = (
-    TextStart | TextDelta | TextEnd | CallStart | ArgsDelta | CallEnd | ReasoningDone | Finish
+    TextStart
+    | TextDelta
+    | TextEnd
+    | CallStart
+    | ArgsDelta
+    | CallEnd
+    | ReasoningDone
+    | Prefilled
+    | Finish
 )
 
 

@@ -93,7 +93,7 @@ from rollout.protocol import (
 from ._compact import CompactionPolicy, compact_state
 from ._errors import BackendError
 from ._ids import new_id
-from ._interfaces import Flag, StoredResponse, UsageRecord
+from ._interfaces import Flag, Holder, StoredResponse, UsageRecord
 from ._postinfer import PostJob, WriteFailed
 from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
@@ -208,6 +208,11 @@ class _Run:
         self.total = Usage()
         self.progress = Progress()  # of the step being sampled
         self.committed = False
+        # What the backend keeps for this response between its turns (a model's KV sequence,
+        # through suspensions), released when it ends; and the lane's, kept past its end.
+        self.holder = Holder("response")
+        lane = session.lane_holder(request.stream_id)
+        self.holders = (self.holder,) if lane is None else (self.holder, lane)
 
     @property
     def response_id(self) -> str:
@@ -282,6 +287,8 @@ class _Run:
                 cached,
                 self.progress,
                 self.steering,
+                owner=self.session.owner,
+                holders=self.holders,
             )
         except BackendError as exc:
             usage = self.total + usage_of(self.progress)
@@ -433,6 +440,7 @@ class _Run:
         """Always, last: the rollout handle is done; usage never committed (a disconnect, a
         cancellation) goes to the post-inference writer without blocking."""
         self.steering.close()
+        self.holder.close()
         if self.rollout is not None:
             self.rollout._finished()
         if not self.committed:

@@ -39,7 +39,9 @@ from ._interfaces import (
     CallEnd,
     CallStart,
     Finish,
+    Holder,
     HostedCall,
+    Prefilled,
     ReasoningDone,
     SampleRequest,
     TextDelta,
@@ -90,16 +92,20 @@ async def sample_turn(
     cached: int,
     progress: Progress,
     steering: Steering | None = None,
+    *,
+    owner: str | None = None,
+    holders: tuple[Holder, ...] = (),
 ) -> Step:
     """Sample one turn from `state`, stream its events, and extend the state with the
     output items (rendered and classified once, here). With `steering`, each wait for the
     backend's next event is a safe point while no tool-call item is open and no client tool
-    call was made in the turn: steering input stops the turn there (finish `steered`)."""
+    call was made in the turn: steering input stops the turn there (finish `steered`).
+    `owner` and `holders` go to the backend (a model's KV cache: whose, kept by whom)."""
     engine.counters.samplings += 1
     progress.started = True
     progress.input_tokens = state.context_tokens
     progress.cached_tokens = cached
-    sample_request = _sample_request(state, request)
+    sample_request = _sample_request(state, request, owner, holders)
     first_output = stream.output_count
     hosted: tuple[CallStart, list[str]] | None = None  # a hosted tool's call being made
     ran_hosted = False
@@ -132,7 +138,9 @@ async def sample_turn(
                     ev = await anext(events, None)
                 if ev is None:
                     break
-                if isinstance(ev, TextDelta):
+                if isinstance(ev, Prefilled):
+                    engine.counters.tokens_prefilled += ev.n_tokens
+                elif isinstance(ev, TextDelta):
                     progress.output_tokens += ev.n_tokens
                     await emit(stream.text_delta(ev.text))
                 elif isinstance(ev, ArgsDelta) and hosted is not None:
@@ -296,7 +304,12 @@ def usage_of(progress: Progress) -> Usage:
     )
 
 
-def _sample_request(state: ResponseState, request: ResponseCreate) -> SampleRequest:
+def _sample_request(
+    state: ResponseState,
+    request: ResponseCreate,
+    owner: str | None = None,
+    holders: tuple[Holder, ...] = (),
+) -> SampleRequest:
     """What the backend sees: the state's context (a view, never a copy) and the request's
     sampling parameters."""
     return SampleRequest(
@@ -315,4 +328,9 @@ def _sample_request(state: ResponseState, request: ResponseCreate) -> SampleRequ
         calls_since_user=state.calls_since_user,
         media_since_user=state.media_since_user,
         text_format=request.text.format if request.text is not None else None,
+        prefix_tokens=state.prefix.tokens,
+        item_tokens=state.lineage.tokens,
+        n_item_tokens=state.item_tokens,
+        owner=owner,
+        holders=holders,
     )

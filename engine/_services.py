@@ -18,7 +18,7 @@ from rollout.protocol import Item
 from ._cache import ResponseCache
 from ._compact import SnapshotSeal
 from ._counters import Counters, StageTimer
-from ._interfaces import HostedTool, StoredResponse
+from ._interfaces import Holder, HostedTool, StoredResponse
 from ._pipeline import Pipeline
 from ._postinfer import PostInference
 from ._render_cache import RenderCache
@@ -90,3 +90,7 @@ class ConnectionScope(Protocol):
     def cache(self) -> ResponseCache: ...
 
     last_timings: dict[str, float]
+
+    def lane_holder(self, lane: str | None) -> Holder | None:
+        """What keeps backend state for a lane's next turn (WebSocket connections), or None."""
+        ...

@@ -43,7 +43,7 @@ from ._cache import ResponseCache
 from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, restore_state
 from ._errors import previous_response_not_found, server_error, shutting_down
 from ._ids import new_id
-from ._interfaces import StoredResponse, UsageRecord
+from ._interfaces import Holder, StoredResponse, UsageRecord
 from ._pipeline import Prepared as PipelinePrepared
 from ._postinfer import PostJob, WriteFailed
 from ._rollout import Emit, Prepared, Rollout, run_response, steering_unsupported
@@ -68,13 +68,41 @@ class Session:
     one per busy lane): each keeps its own timings, and the cache follows the lanes
     (`_cache.py`); a request's lane is its `stream_id`."""
 
-    def __init__(self, engine: EngineServices, *, owner: str | None, cache: ResponseCache) -> None:
+    def __init__(
+        self,
+        engine: EngineServices,
+        *,
+        owner: str | None,
+        cache: ResponseCache,
+        keeps_state: bool = False,
+    ) -> None:
         self.engine = engine
         self.owner = owner
         self.cache = cache
+        # A connection that outlives its responses (WebSocket mode) lets backends keep state
+        # for each lane's next turn (a model's KV sequence), until `close`.
+        self.keeps_state = keeps_state
+        self._holders: dict[str | None, Holder] = {}
         self.last_timings: dict[str, float] = {}
         self.steerable: dict[str, Steering] = {}  # the running responses, by id
         self.parked = ParkedSteers()  # steering input waiting for a continuation
+
+    def lane_holder(self, lane: str | None) -> Holder | None:
+        """The holder of backend state kept for `lane`'s next turn (one per lane: lanes are
+        bounded by the connection), None for a session that does not keep state."""
+        if not self.keeps_state:
+            return None
+        holder = self._holders.get(lane)
+        if holder is None:
+            holder = self._holders[lane] = Holder(f"lane {lane or 'default'}")
+        return holder
+
+    def close(self) -> None:
+        """The connection ended: backend state kept for its lanes is released."""
+        holders, self._holders = self._holders, {}
+        self.keeps_state = False
+        for holder in holders.values():
+            holder.close()
 
     # --- parents ---
     async def resolve(
