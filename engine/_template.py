@@ -193,17 +193,18 @@ class TemplateRenderer:
         self._special_starts = frozenset(s[0] for s in vocab.special_texts)
         self._probe = {"role": "system", "content": _PROBE_SYSTEM}
         self._base = self._render_checked([self._probe])
+        self._check_additive()
+        self.default_prefix_text = self._default_prefix()
+        self._default_prefix_tokens = self._with_bos(vocab.encode_special(self.default_prefix_text))
         # Each role's turn after S, and the system turn first in a conversation (the prefix).
         self._shapes: dict[str, _Shape | None] = {
             role: self._analyse(self._turn_renderer(role))
             for role in ("user", "assistant", "system", "tool")
         }
         self._first_system = self._analyse(self._first_system_text)
-        self.default_prefix_text = self._default_prefix()
-        self._default_prefix_tokens = self._with_bos(vocab.encode_special(self.default_prefix_text))
+        self._check_tokens()
         self.generation_prompt_text = self._generation_prompt()
         self.generation_prompt = array("I", vocab.encode_special(self.generation_prompt_text))
-        self._check_additive()
         self._check_generation_prompt()
 
     # --- the Renderer protocol -----------------------------------------------------------
@@ -324,9 +325,7 @@ class TemplateRenderer:
         """The text `message` adds after the probe system message."""
         whole = self._render_checked([self._probe, message])
         if not whole.startswith(self._base):
-            raise ValueError(
-                f"the chat template rewrites earlier turns when a {message['role']} turn follows"
-            )
+            raise ValueError(f"a {message['role']} turn changes the text of the turn before it")
         return whole[len(self._base) :]
 
     def _analyse(self, render: Callable[[str], str]) -> _Shape | None:
@@ -433,30 +432,43 @@ class TemplateRenderer:
         return [("You are helpful.", turns), (None, turns), (None, turns[:1])]
 
     def _check_additive(self) -> None:
-        vocab = self.vocab
+        """Text level, on the probes: the whole conversation is its opening (the system turn
+        alone, or the template's own opening) followed by each item's difference."""
         for system, turns in self._probes():
             head = [{"role": "system", "content": system}] if system is not None else []
             whole = self.render_messages([*head, *turns])
-            prefix_text = (
-                self._render_checked(head) if system is not None else self.default_prefix_text
-            )
-            text = prefix_text
-            if not whole.startswith(text):
-                raise ValueError(
-                    "the chat template is not additive: the conversation does not start with "
-                    "its system turn as rendered alone"
-                )
+            text = self._render_checked(head) if head else None
             for index, turn in enumerate(turns):
-                text += self._difference(turn)
+                where = f"item {index} (a {turn['role']} turn)"
+                try:
+                    added = self._difference(turn)
+                except ValueError as exc:
+                    raise ValueError(f"the chat template is not additive: {where}: {exc}") from None
+                if text is None:  # no system turn: what the template opens with comes first
+                    alone = self.render_messages([turn])
+                    if not alone.endswith(added):
+                        raise ValueError(
+                            f"the chat template is not additive: {where} renders differently "
+                            "first than after other turns"
+                        )
+                    text = alone[: len(alone) - len(added)]
+                text += added
                 if not whole.startswith(text):
                     raise ValueError(
-                        f"the chat template is not additive: item {index} (a {turn['role']} "
-                        "turn) renders differently in context than alone"
+                        f"the chat template is not additive: {where} renders differently in "
+                        "context than alone"
                     )
             if text != whole:
                 raise ValueError(
                     "the chat template is not additive: it writes text after the last item"
                 )
+
+    def _check_tokens(self) -> None:
+        """Token level, on the probes: the parts' tokens are the whole's."""
+        vocab = self.vocab
+        for system, turns in self._probes():
+            head = [{"role": "system", "content": system}] if system is not None else []
+            whole = self.render_messages([*head, *turns])
             tokens = (
                 self._system_tokens(system)
                 if system is not None

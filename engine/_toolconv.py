@@ -304,11 +304,11 @@ class CallParser:
             before = buf[:at]
             if self._text_open or before.strip():
                 self._text(before)
-            if self._text_open:
-                self._out.append(TextEnd())
-                self._text_open = False
+                before = ""
+            # The text item stays open until the call starts (a block that turns out not to
+            # be a call continues it); whitespace alone before the block is held with it.
             self._state, self._pos = _State.HEAD, 0
-            self._held = CALL_OPEN
+            self._held = before + CALL_OPEN
             return buf[at + len(CALL_OPEN) :]
         # Hold back an ending that may still become CALL_OPEN.
         keep = len(buf)
@@ -367,7 +367,10 @@ class CallParser:
         if not isinstance(name, str) or not name:
             self._malformed("")
             return
-        self._held = ""
+        self._held = ""  # the envelope, and whitespace before it: not text
+        if self._text_open:
+            self._out.append(TextEnd())
+            self._text_open = False
         toolset = self.toolset
         self._call = OpenCall(toolset.find(name) if toolset is not None else None)
         self._out.append(self._call.start(name))
@@ -415,7 +418,7 @@ class CallParser:
                 # Not the envelope's end: the call ends with its arguments, the rest is text.
                 self._end_call()
                 self._state = _State.TEXT
-                return text[i:]
+                return held + text[i:]
             self._held += ch
             if matched + 1 == len(_TAIL):
                 self._args(held[: len(held) - len(brace)])  # whitespace the model left
