@@ -31,7 +31,7 @@ from rollout.protocol import (
 )
 
 from tests import strategies
-from tests.llama_harness import smollm2_renderer, smollm2_vocab
+from tests.llama_harness import require_llama, smollm2_renderer, smollm2_vocab
 
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -46,6 +46,12 @@ WEATHER = FunctionTool(
     description="Weather in a city.",
     parameters={"type": "object", "properties": {"city": {"type": "string"}}},
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_llama() -> None:
+    """Every test here needs llama-cpp-python, jinja2 and the model."""
+    require_llama()
 
 
 def whole(

@@ -391,6 +391,7 @@ SCHEMAS: list[dict[str, Any]] = [
 
 
 def test_grammar_modes() -> None:
+    require_llama()  # the schema converter is llama-cpp-python's
     tools = [WEATHER, SEARCH, PATCH]
     assert grammar_for(ChatToolset(tools, "none"), "none", parallel=True) is None
     required = grammar_for(ChatToolset(tools, "required"), "required", parallel=True)
