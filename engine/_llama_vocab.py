@@ -15,6 +15,9 @@ backend already loaded (`LlamaVocab(model)`: the vocab then never frees that mod
   ``llama:<tokenizer.ggml.pre>:<n_vocab>:<16 hex digits>``, the digits a sha256 of the tokenizer
   model and pre-tokenizer names, every token's text and attributes, and the tokens of a fixed
   probe text (merges are not readable through the API: the probe's tokens stand in for them).
+- A byte with no token of its own is dropped by llama.cpp's tokenizer: SmolLM2 has none for
+  six control characters (0x04, 0x06, 0x13, 0x14, 0x16, 0x1D) and for 0xF1, 0xF2 (the lead
+  bytes of the unassigned planes U+40000..U+BFFFF), so such text does not round-trip.
 - `special_texts` are the texts of control and user-defined tokens: what a renderer must keep
   out of parsed text. llama.cpp matches user-defined tokens even in ordinary text (they are
   words added to the vocabulary); control tokens only when specials are parsed.

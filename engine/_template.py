@@ -21,7 +21,12 @@ Items become chat messages (`chat_message`), one message per item or none::
 A message's text is its parts joined: text and refusals as they are, a text file as
 ``<file name="NAME">\\n{contents}\\n</file>`` (as `_render` shows it), an image as
 ``[image]`` and any other file as its header, ``[file not shown]`` and its footer: the model
-has no vision. The names and arguments of calls are `_chat`'s (`chat_name`, `chat_arguments`).
+has no vision (a computer call's screenshot output is ``[screenshot]``). The names and
+arguments of calls are `_chat`'s (`chat_name`, `chat_arguments`): a function call renders its
+arguments verbatim, as the model wrote them; a custom tool's input is wrapped again as
+``{"input": ...}`` by `json.dumps`, which may space or escape it otherwise than the model did.
+No ``strftime_now`` is offered (a dated template would not render the same twice): a template
+calling it is refused.
 
 Per item, context-free (`Renderer`): with ``T`` the template's rendering of a message list
 and ``S`` a fixed system message (so the template's first-message logic is settled),
@@ -47,7 +52,11 @@ Checked at construction (a `ValueError` refuses the template):
   (e.g. dropping past reasoning) are refused; a later version may re-render instead.
 - the generation prompt (``T([S, u], add_generation_prompt=True) - T([S, u])``, the tokens fed
   before sampling: ``<|im_start|>assistant\\n`` for SmolLM2) starts every assistant turn's
-  rendering, so a continuation's KV cache matches what was generated.
+  rendering, so a continuation's KV cache matches what was generated (up to the end-of-turn
+  token; the turn's rendering adds what the template writes after it, ``\\n`` here).
+
+A vocabulary that asks for a BOS token gets it first in the prefix when the template does
+not write it.
 
 One deliberate difference from `apply_chat_template`: a conversation with no instructions and
 no tools whose first item is a system or developer message renders after the template's
@@ -129,8 +138,17 @@ _MASK_BASE = 0xF0000
 _MASK_END = 0xFFFFD
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """The `tojson` filter as chat templates expect it (non-ASCII kept, unlike Jinja's own)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -188,7 +206,11 @@ class TemplateRenderer:
         self._bos_text = vocab.decode([vocab.bos]) if vocab.bos >= 0 else ""
         self._eos_text = vocab.decode([vocab.eos]) if vocab.eos >= 0 else ""
         self._encode = vocab.encode
-        self._masks = {s: chr(_MASK_BASE + i) for i, s in enumerate(sorted(vocab.special_texts))}
+        # Longest first: a special text inside a longer one is masked as part of the longer.
+        specials = sorted(vocab.special_texts, key=lambda text: (-len(text), text))
+        if len(specials) > _MASK_END - _MASK_BASE:
+            raise ValueError(f"{vocab.name} has more special tokens than masks")
+        self._masks = {text: chr(_MASK_BASE + i) for i, text in enumerate(specials)}
         self._unmask = {mask: s for s, mask in self._masks.items()}
         self._special_starts = frozenset(s[0] for s in vocab.special_texts)
         self._probe = {"role": "system", "content": _PROBE_SYSTEM}
