@@ -90,6 +90,7 @@ from ._render import canonical_json
 __all__ = [
     "CALL_CLOSE",
     "CALL_OPEN",
+    "CALL_TRIGGER",
     "CONVENTION_VERSION",
     "MAX_CACHED_GRAMMARS",
     "MAX_HELD_WHITESPACE",
