@@ -12,7 +12,9 @@ rendered once, for every connection), `_segments` (renderings kept with stored r
 `_postinfer` (the writer), `_store` / `_memory` / `_ledger` (durability), `_app` and
 its `_responses_api` / `_chat_api` / `_asgi` / `_auth` / `_metrics` / `_http_stream` (HTTP),
 `_ws` (WebSocket mode), `_serve` (hypercorn) with `_warmup` and `_logging`, `_sim` /
-`_upstream` / `_chat` (backends).
+`_upstream` / `_chat` (backends); `_llama_vocab` / `_template` / `_toolconv` (a llama.cpp
+model's own tokens, chat template and tool-call convention: the `llama` extra, never imported
+here, so the engine runs without llama-cpp-python).
 """
 
 from ._classify import (

@@ -17,11 +17,13 @@ behind, an OpenAI-compatible `POST /v1/chat/completions` endpoint.
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 from rollout.protocol import (
+    CallKind,
     ComputerCallOutput,
     ContentPart,
     CustomTool,
@@ -44,6 +46,7 @@ from rollout.protocol import (
     output_of,
 )
 
+from ._interfaces import ArgsDelta, CallEnd, CallStart, SampleEvent
 from ._render import builtin_output_text, builtin_payload
 from ._tools import CallTarget, callable_tools, resolve_choice
 
@@ -52,6 +55,9 @@ __all__ = [
     "ChatEncoder",
     "ChatTool",
     "ChatToolset",
+    "OpenCall",
+    "chat_arguments",
+    "chat_name",
     "dumps_json",
     "tool_name",
 ]
@@ -68,7 +74,7 @@ def tool_name(name: str, namespace: str | None) -> str:
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
 
 
-def _chat_name(call: Any) -> str:
+def chat_name(call: Any) -> str:
     """The function name a tool call item has in chat form."""
     if isinstance(call, FunctionCall | CustomToolCall):
         return tool_name(call.name, call.namespace)
@@ -77,7 +83,9 @@ def _chat_name(call: Any) -> str:
     return found[2]
 
 
-def _chat_arguments(call: Any) -> str:
+def chat_arguments(call: Any) -> str:
+    """The arguments a tool call item has in chat form (a custom tool's input wrapped as
+    `{"input": ...}`, a built-in call's action or operation)."""
     if isinstance(call, FunctionCall):
         return call.arguments
     if isinstance(call, CustomToolCall):
@@ -166,7 +174,7 @@ class ChatEncoder:
                 {
                     "id": call_of(item)[0],  # type: ignore[index]
                     "type": "function",
-                    "function": {"name": _chat_name(item), "arguments": _chat_arguments(item)},
+                    "function": {"name": chat_name(item), "arguments": chat_arguments(item)},
                 }
             )
             return
@@ -345,3 +353,41 @@ class ChatToolset:
 
     def find(self, chat_name: str) -> ChatTool | None:
         return self.by_name.get(chat_name)
+
+
+class OpenCall:
+    """A tool call being received in chat form (a chat stream's `tool_calls` deltas, or a
+    model's own call convention, `_toolconv`): custom tools' input arrives wrapped in JSON
+    (`{"input": ...}`) and is unwrapped when the call ends."""
+
+    def __init__(self, tool: ChatTool | None) -> None:
+        self.tool = tool
+        self.buffered: list[str] | None = (
+            [] if tool is not None and tool.call.kind == "custom" else None
+        )
+        self.buffered_tokens = 0
+
+    def start(self, chat_name: str) -> CallStart:
+        if self.tool is None:  # a name the request did not declare: passed on as a function
+            head, sep, tail = chat_name.partition(NAMESPACE_SEPARATOR)
+            return CallStart(tail, head) if sep else CallStart(chat_name)
+        call = self.tool.call
+        return CallStart(call.name, call.namespace, typing.cast(CallKind, call.kind))
+
+    def delta(self, text: str, n_tokens: int = 1) -> ArgsDelta | None:
+        if self.buffered is None:
+            return ArgsDelta(text, n_tokens)
+        self.buffered.append(text)
+        self.buffered_tokens += n_tokens
+        return None
+
+    def end(self) -> list[SampleEvent]:
+        if self.buffered is None:
+            return [CallEnd()]
+        raw = "".join(self.buffered)
+        try:
+            wrapped = json.loads(raw)
+            text = wrapped["input"] if isinstance(wrapped, dict) else raw
+        except (ValueError, KeyError):
+            text = raw
+        return [ArgsDelta(str(text), self.buffered_tokens), CallEnd()]

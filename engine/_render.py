@@ -133,6 +133,8 @@ __all__ = [
     "builtin_payload",
     "canonical_json",
     "canonical_tools_json",
+    "classifier_item_text",
+    "classifier_prefix_text",
 ]
 
 # Control token ids (the harmony numbering), above the o200k_base vocabulary.
@@ -354,7 +356,7 @@ class ChatTemplateRenderer:
             out.append(END)
         elif isinstance(item, Reasoning):
             out = list(self._reasoning_head)
-            out += self._encode(self._reasoning_text(item, encrypted=True))
+            out += self._encode(_reasoning_text(item, encrypted=True))
             out.append(END)
         elif isinstance(item, ItemReference):
             raise ValueError(
@@ -449,56 +451,69 @@ class ChatTemplateRenderer:
 
     def prefix_text(self, instructions: str | None, tools: Sequence[Tool]) -> str:
         """Instructions, then per tool its qualified name, description and parameter schema."""
-        lines: list[str] = []
-        if instructions:
-            lines.append(instructions)
-        for tool in tools:
-            if isinstance(tool, NamespaceTool):
-                lines.append(f"{tool.name}: {tool.description}")
-                for member in tool.tools:
-                    _describe_function(lines, member, f"{tool.name}.")
-            elif isinstance(tool, BuiltinTool):
-                lines.append(canonical_json(to_wire(tool)))
-            else:
-                _describe_function(lines, tool, "")
-        return "\n".join(lines)
+        return classifier_prefix_text(instructions, tools)
 
     def item_text(self, item: Item) -> str:
         """A message's text (with text files' contents), a call's arguments, a call output's
         text, a reasoning item's summary and content text."""
-        if isinstance(item, Message):
-            return _content_text(item.content)
-        if isinstance(item, FunctionCall):
-            return item.arguments
-        if isinstance(item, CustomToolCall):
-            return item.input
-        if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
-            return _content_text(item.output)
-        if (payload := builtin_payload(item)) is not None:
-            return payload
-        if (text := builtin_output_text(item)) is not None:
-            return text
-        if isinstance(item, ComputerCallOutput):
-            return ""
-        if isinstance(item, OpaqueItem):
-            return _opaque_json(item)
-        if isinstance(item, Reasoning):
-            return self._reasoning_text(item, encrypted=False)
-        if isinstance(item, ItemReference):
-            raise ValueError(
-                f"cannot classify an item_reference (id {item.id!r}): references are resolved "
-                "to the items they name first"
-            )
-        raise TypeError(f"cannot classify {type(item).__name__}: not a conversation item")
+        return classifier_item_text(item)
 
-    @staticmethod
-    def _reasoning_text(item: Reasoning, *, encrypted: bool) -> str:
-        texts = [s.text for s in item.summary]
-        if item.content:
-            texts += [c.text for c in item.content]
-        if not texts and encrypted and item.encrypted_content:
-            return item.encrypted_content
-        return "\n".join(texts)
+
+def classifier_prefix_text(instructions: str | None, tools: Sequence[Tool]) -> str:
+    """The text classifiers see for a prefix (every renderer of rollout's): instructions, then
+    per tool its qualified name, description and parameter schema."""
+    lines: list[str] = []
+    if instructions:
+        lines.append(instructions)
+    for tool in tools:
+        if isinstance(tool, NamespaceTool):
+            lines.append(f"{tool.name}: {tool.description}")
+            for member in tool.tools:
+                _describe_function(lines, member, f"{tool.name}.")
+        elif isinstance(tool, BuiltinTool):
+            lines.append(canonical_json(to_wire(tool)))
+        else:
+            _describe_function(lines, tool, "")
+    return "\n".join(lines)
+
+
+def classifier_item_text(item: Item) -> str:
+    """The text classifiers see for an item (every renderer of rollout's): a message's text
+    (with text files' contents), a call's arguments, a call output's text, a reasoning item's
+    summary and content text."""
+    if isinstance(item, Message):
+        return _content_text(item.content)
+    if isinstance(item, FunctionCall):
+        return item.arguments
+    if isinstance(item, CustomToolCall):
+        return item.input
+    if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+        return _content_text(item.output)
+    if (payload := builtin_payload(item)) is not None:
+        return payload
+    if (text := builtin_output_text(item)) is not None:
+        return text
+    if isinstance(item, ComputerCallOutput):
+        return ""
+    if isinstance(item, OpaqueItem):
+        return _opaque_json(item)
+    if isinstance(item, Reasoning):
+        return _reasoning_text(item, encrypted=False)
+    if isinstance(item, ItemReference):
+        raise ValueError(
+            f"cannot classify an item_reference (id {item.id!r}): references are resolved "
+            "to the items they name first"
+        )
+    raise TypeError(f"cannot classify {type(item).__name__}: not a conversation item")
+
+
+def _reasoning_text(item: Reasoning, *, encrypted: bool) -> str:
+    texts = [s.text for s in item.summary]
+    if item.content:
+        texts += [c.text for c in item.content]
+    if not texts and encrypted and item.encrypted_content:
+        return item.encrypted_content
+    return "\n".join(texts)
 
 
 def _describe_function(lines: list[str], tool: FunctionTool | CustomTool, qualifier: str) -> None:

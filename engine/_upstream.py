@@ -18,21 +18,17 @@ from __future__ import annotations
 import json
 import os
 import socket
-import typing
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import attrs
 import httpx
 import stamina
-from rollout.protocol import RESPONSE_ERROR_CODES, CallKind, RemoteProtocolError, SseDecoder
+from rollout.protocol import RESPONSE_ERROR_CODES, RemoteProtocolError, SseDecoder
 
-from ._chat import NAMESPACE_SEPARATOR, ChatEncoder, ChatTool, ChatToolset
+from ._chat import ChatEncoder, ChatToolset, OpenCall
 from ._errors import BackendError
 from ._interfaces import (
-    ArgsDelta,
-    CallEnd,
-    CallStart,
     Finish,
     SampleEvent,
     SampleRequest,
@@ -273,41 +269,6 @@ async def _error_of(resp: httpx.Response) -> tuple[str, str | None]:
         return text, None
 
 
-class _OpenCall:
-    """A tool call being received: custom tools' input arrives wrapped in JSON
-    (`{"input": ...}`) and is unwrapped when the call ends."""
-
-    def __init__(self, tool: ChatTool | None) -> None:
-        self.tool = tool
-        self.buffered: list[str] | None = (
-            [] if tool is not None and tool.call.kind == "custom" else None
-        )
-
-    def start(self, chat_name: str) -> CallStart:
-        if self.tool is None:  # a name the request did not declare: passed on as a function
-            head, sep, tail = chat_name.partition(NAMESPACE_SEPARATOR)
-            return CallStart(tail, head) if sep else CallStart(chat_name)
-        call = self.tool.call
-        return CallStart(call.name, call.namespace, typing.cast(CallKind, call.kind))
-
-    def delta(self, text: str) -> ArgsDelta | None:
-        if self.buffered is None:
-            return ArgsDelta(text, 1)
-        self.buffered.append(text)
-        return None
-
-    def end(self) -> list[SampleEvent]:
-        if self.buffered is None:
-            return [CallEnd()]
-        raw = "".join(self.buffered)
-        try:
-            wrapped = json.loads(raw)
-            text = wrapped["input"] if isinstance(wrapped, dict) else raw
-        except (ValueError, KeyError):
-            text = raw
-        return [ArgsDelta(str(text), len(self.buffered)), CallEnd()]
-
-
 async def _parse_stream(resp: httpx.Response, toolset: ChatToolset) -> AsyncIterator[SampleEvent]:
     """Chat-completion chunks -> sample events. Raises BackendError on malformed chunks or a
     stream that ends before a finish reason."""
@@ -344,7 +305,7 @@ class _ChunkReader:
     def __init__(self, toolset: ChatToolset) -> None:
         self.toolset = toolset
         self.open_kind: str | None = None  # "text" | "call"
-        self.call: _OpenCall | None = None
+        self.call: OpenCall | None = None
         self.call_index: int | None = None
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -391,7 +352,7 @@ class _ChunkReader:
         if index != self.call_index:
             out += self._close()
             chat_name = str(function.get("name", ""))
-            self.call = _OpenCall(self.toolset.find(chat_name))
+            self.call = OpenCall(self.toolset.find(chat_name))
             out.append(self.call.start(chat_name))
             self.open_kind, self.call_index = "call", index
         arguments = function.get("arguments")
