@@ -12,9 +12,9 @@ responses through the rollout coroutine (`_rollout.py`).
   input for the client's continuation (`response.steer.pending`), which gets it prepended.
 - Hydration rebuilds a state from stored responses when the parent is not cached.
 - Each model renders with its route's renderer (`Pipeline.renderer_for`): a request's route is
-  resolved before the render cache is looked up and before a compaction item is restored
-  (whose snapshot must be of that renderer); a routing error is raised by the pipeline's route
-  stage, in its usual place among the request's errors.
+  resolved before the render cache is looked up (for that renderer's renderings) and before a
+  compaction item is restored (whose snapshot must be of that renderer); a routing error is
+  raised by the pipeline's route stage, in its usual place among the request's errors.
 """
 
 from __future__ import annotations
@@ -131,11 +131,12 @@ class Session:
         items: list[Item] = []
         for stored in reversed(chain):
             items.extend(stored.items)
-        known = engine.render_cache.prefix(self.owner, target.instructions, target.tools)
+        version = pipeline.render_version_for(route)
+        known = engine.render_cache.prefix(self.owner, target.instructions, target.tools, version)
         prefix = pipeline.prefix(
             target.instructions, target.tools, None, timings, known, route=route
         )
-        root, rest = self._cached_prefix(items)
+        root, rest = self._cached_prefix(items, version)
         staged = pipeline.stage(
             rest,
             route=route,
@@ -153,11 +154,14 @@ class Session:
         engine.render_cache.put(self.owner, state)
         return state
 
-    def _cached_prefix(self, items: list[Item]) -> tuple[ResponseState, list[Item]]:
+    def _cached_prefix(
+        self, items: list[Item], render_version: str
+    ) -> tuple[ResponseState, list[Item]]:
         """The state to build `items` onto: the render cache's longest rendering of their
-        first items (as a state of no response), else an empty state; and the items left."""
+        first items by the renderer `render_version` names (as a state of no response), else
+        an empty state; and the items left."""
         empty = self.engine.empty_state()
-        hit = self.engine.render_cache.longest(self.owner, items)
+        hit = self.engine.render_cache.longest(self.owner, items, render_version)
         if hit is None:
             return empty, items
         root = attrs.evolve(hit.state, response=empty.response, stored=True)
@@ -443,24 +447,27 @@ class Session:
         route: Route | None,
     ) -> PipelinePrepared:
         """The pipeline's pass over the input. A new conversation (no parent, no compaction
-        item) starts from the render cache's longest rendering of its first items, if any:
-        only the rest is validated, rendered and classified. With no `route` (the model did
-        not resolve), nothing is looked up: the pipeline raises the routing error after the
-        request's own validation, as it always did."""
+        item) starts from the render cache's longest rendering of its first items by the
+        route's renderer, if any: only the rest is validated, rendered and classified. With no
+        `route` (the model did not resolve), nothing is looked up: the pipeline raises the
+        routing error after the request's own validation, as it always did."""
         engine = self.engine
         base, items, offset = resolved.base, resolved.items, resolved.offset
         own_root = False
         known_prefix = None
         if route is not None:
+            version = engine.pipeline.render_version_for(route)
             if parent is None and base.n_items == 0 and items:
-                base, rest = self._cached_prefix(items)
+                base, rest = self._cached_prefix(items, version)
                 offset += len(items) - len(rest)
                 items, own_root = rest, base.n_items > 0
-            if parent is None or not parent.prefix.same_as(
-                request.instructions, request.tools or ()
+            if (
+                parent is None
+                or parent.prefix.render_version != version
+                or not parent.prefix.same_as(request.instructions, request.tools or ())
             ):
                 known_prefix = engine.render_cache.prefix(
-                    self.owner, request.instructions, request.tools or ()
+                    self.owner, request.instructions, request.tools or (), version
                 )
         return engine.pipeline.prepare(
             request,
