@@ -9,8 +9,11 @@ leaves its parent untouched (and still the tip of its chain).
 
 Rendering is the route's: each stage renders with `renderer_for(route)` (the model's own
 tokenizer and chat template, else the engine's default `renderer`), and what it renders
-records that renderer's version (`render_version_for`); a prefix is reused only when its
-instructions, tools and renderer are all the same.
+records that renderer's version (`render_version_for`). A continuation whose model renders
+with another renderer than its parent's is the one exception to "new input only": the
+parent's items are rendered and classified again with the new renderer onto a new lineage
+(`rerender`: O(history), counted in `tokens_rendered`, only on such a switch); a prefix is
+reused only when its instructions, tools and renderer are all the same.
 """
 
 from __future__ import annotations
@@ -240,10 +243,32 @@ class Pipeline:
             flags=tuple(flags),
         )
 
+    def rerender(
+        self, state: ResponseState, route: Route, timings: dict[str, float]
+    ) -> tuple[ResponseState, tuple[Flag, ...]]:
+        """`state`'s conversation rendered and classified again with `route`'s renderer, onto
+        a new lineage (`state` is untouched), and the flags that raised: what a continuation
+        on a model of another renderer than its parent's starts from. O(history): the only
+        time the items of a chain are rendered twice. Nothing is validated again (the items
+        were) and the calls waiting for output stay the same."""
+        staged = self.stage(
+            state.items,
+            route=route,
+            lineage=state.lineage,
+            n_items=state.n_items,
+            classifier_state=self.classifier.initial(),
+            open_calls=dict(state.open_calls),
+            param="input",
+            timings=timings,
+            validate=False,
+        )
+        empty = attrs.evolve(state, lineage=Lineage(), n_items=0)
+        return self.commit(empty, staged), staged.flags
+
     @staticmethod
     def commit(base: ResponseState, staged: Staged, **changes: Any) -> ResponseState:
         """Append staged items to `base`'s conversation (in place on the tip of a chain).
-        They must be of the renderer of what they join."""
+        They must be of the renderer of what they join (`rerender` otherwise)."""
         lineage = base.writable_lineage()
         if staged.items:
             if not lineage.items:
@@ -286,7 +311,8 @@ class Pipeline:
         it already (to look the render cache up for its renderer); else it is resolved here,
         after the request's own validation (whose errors come first). With `require_outputs`,
         every function call must have its output by the end of the input (a model can't be
-        sampled while tool results are missing)."""
+        sampled while tool results are missing). A `root` rendered by another renderer than the
+        route's (a parent of another model) is rendered again first (`rerender`)."""
         with self.timer.measure("validate", timings):
             # Tools resent unchanged on a follow-up were validated with the parent; a prefix
             # the render cache holds, with the request that rendered it.
@@ -301,6 +327,11 @@ class Pipeline:
         prefix = self.prefix(
             request.instructions, request.tools or (), parent, timings, known_prefix, route=route
         )
+        switched: tuple[Flag, ...] = ()
+        reused_items = 0 if own_root else root.item_tokens
+        if root.n_items and root.lineage.render_version != self.render_version_for(route):
+            root, switched = self.rerender(root, route, timings)
+            reused_items = 0
         staged = self.stage(
             new_items,
             route=route,
@@ -325,10 +356,9 @@ class Pipeline:
             )
         prefix_reused = parent is not None and prefix is parent.prefix
         # Context reused from the conversation this request continues: a render cache hit
-        # saves the rendering but is no continuation (usage reports what it would without it).
-        reused = (0 if own_root else root.item_tokens) + (
-            len(prefix.tokens) if prefix_reused else 0
-        )
+        # saves the rendering but is no continuation (usage reports what it would without it),
+        # nor is a conversation rendered again for another model.
+        reused = reused_items + (len(prefix.tokens) if prefix_reused else 0)
         state = self.commit(
             root,
             staged,
@@ -336,5 +366,5 @@ class Pipeline:
             route=route,
             first_new_item=0 if own_root else root.n_items,
         )
-        flags = (() if prefix_reused else prefix.flags) + staged.flags
+        flags = (() if prefix_reused else prefix.flags) + switched + staged.flags
         return Prepared(state=state, flags=flags, cached_tokens=reused)
