@@ -21,7 +21,11 @@ the compacted state: the window items, their rendered tokens, the chained contex
 calls still open and the classifier state. A new chain started from it (input
 `[..., compaction, new items]` with no previous_response_id, on any connection or over HTTP)
 restores that state without rendering the window again; items before the compaction item are
-superseded by it. The seal is `version || msgpack payload || HMAC-SHA256(server key, owner ||
+superseded by it. The snapshot names the renderer of its tokens (the model's: `Route.renderer`,
+else the engine's default): a chain started from it must render with the same one, and a model
+of another chat template or tokenizer refuses it (snapshots from before renderers were per
+model name only their template, and count as the engine default renderer's). The seal is
+`version || msgpack payload || HMAC-SHA256(server key, owner ||
 version || payload)`, base64url: a tampered or foreign item, or one made for another API key,
 is refused. (It is integrity-protected, not encrypted: it contains
 the window's own text, which the client already has.)
@@ -61,7 +65,7 @@ from rollout.protocol import (
 from ._ids import new_id
 from ._interfaces import SnapshotClassifier
 from ._pipeline import Pipeline
-from ._state import Lineage, ResponseState
+from ._state import Lineage, ResponseState, Route
 
 __all__ = [
     "DEFAULT_COMPACT_BUDGET",
@@ -284,26 +288,29 @@ def compact_state(
     owner: str | None,
 ) -> tuple[ResponseState, Compaction]:
     """The compacted window of `source` as a new state (a fresh lineage), and the compaction
-    item that restores it. Stubs are rendered here; verbatim items reuse their tokens."""
+    item that restores it. Stubs are rendered here (by `source`'s renderer); verbatim items
+    reuse their tokens."""
+    renderer = pipeline.renderer_for(source.route)
+    version = source.lineage.render_version or pipeline.render_version_for(source.route)
     lineage = source.lineage
     items = list(source.items)
     costs = [lineage.token_count(i + 1) - lineage.token_count(i) for i in range(len(items))]
     rendered: dict[int, array[int]] = {}
 
     def stub_cost(stub: Item) -> tuple[Item, int]:
-        tokens = pipeline.renderer.render_item(stub)
+        tokens = renderer.render_item(stub)
         pipeline.counters.tokens_rendered += len(tokens)
         rendered[id(stub)] = tokens
         return stub, len(tokens)
 
     window, origin = compact_items(items, costs, stub_cost, policy)
-    new = Lineage()
+    new = Lineage(version)
     state = pipeline.classifier.initial()
     open_calls: dict[str, str] = {}
     for item, index in zip(window, origin, strict=True):
         tokens = lineage.item_tokens(index) if index is not None else rendered[id(item)]
         new.append(item, tokens)
-        verdict = pipeline.classifier.feed(state, pipeline.renderer.item_text(item), len(tokens))
+        verdict = pipeline.classifier.feed(state, renderer.item_text(item), len(tokens))
         pipeline.counters.chars_classified += verdict.scanned
         state = verdict.state
         call = call_of(item)
@@ -317,7 +324,8 @@ def compact_state(
             open_calls.pop(answer[0], None)
     classifier = pipeline.classifier
     payload = {
-        "template": pipeline.renderer.template_id,
+        "template": renderer.template_id,
+        "renderer": version,
         "items": encode_items(window),
         "open": [[cid, name] for cid, name in open_calls.items()],
         "classifier": classifier.encode_state(state)
@@ -341,13 +349,25 @@ def compact_state(
 
 
 def restore_state(
-    pipeline: Pipeline, base: ResponseState, payload: dict[str, Any], *, param: str
+    pipeline: Pipeline,
+    base: ResponseState,
+    payload: dict[str, Any],
+    *,
+    param: str,
+    route: Route | None,
 ) -> ResponseState:
     """`base` (an empty state) holding the conversation a snapshot describes, without
-    rendering it (and without classifying it, when the classifier state was sealed too)."""
+    rendering it (and without classifying it, when the classifier state was sealed too).
+    The snapshot must be of `route`'s renderer; with no route (the request's model did not
+    resolve: the route stage refuses it next), of the engine's default renderer."""
+    renderer = pipeline.renderer if route is None else pipeline.renderer_for(route)
+    version = pipeline.render_version if route is None else pipeline.render_version_for(route)
     try:
-        if payload.get("template") != pipeline.renderer.template_id:
+        if payload.get("template") != renderer.template_id:
             raise ValueError("it was made with another chat template")
+        made = payload.get("renderer", pipeline.render_version)
+        if made != version:
+            raise ValueError(f"it was made with another tokenizer ({made}, not {version})")
         items = decode_items(payload["items"])
         lineage = Lineage.restore(
             items,
@@ -355,6 +375,7 @@ def restore_state(
             tokens_from(payload["ends"], "Q"),
             list(payload["digests"]),
             tokens_from(payload["csu"], "I"),
+            render_version=version,
         )
         classifier = pipeline.classifier
         if payload.get("classifier") is not None and isinstance(classifier, SnapshotClassifier):
@@ -363,7 +384,7 @@ def restore_state(
             state = classifier.initial()
             for i, item in enumerate(items):
                 n = lineage.token_count(i + 1) - lineage.token_count(i)
-                verdict = classifier.feed(state, pipeline.renderer.item_text(item), n)
+                verdict = classifier.feed(state, renderer.item_text(item), n)
                 state = verdict.state
                 pipeline.counters.chars_classified += verdict.scanned
         open_calls = tuple((str(c), str(n)) for c, n in payload["open"])

@@ -286,7 +286,8 @@ async def open_engine(
     render_cache: RenderCache | None = None,
 ) -> AsyncIterator[Engine]:
     """Open an engine. Defaults: the built-in `sim` models, the o200k chat-template
-    renderer, the default classifiers, no store and no ledger (pass SQLite ones, see
+    renderer (for the models without their own, `ModelSpec.renderer`), the default
+    classifiers, no store and no ledger (pass SQLite ones, see
     `open_sqlite_store` / `open_sqlite_ledger`, for durability), a render cache of
     `DEFAULT_RENDER_CACHE_BYTES` (`RenderCache(max_bytes=0)` turns it off)."""
     from ._classify import default_classifiers

@@ -3,6 +3,10 @@
 A model string is a registered name or alias, optionally followed by `:key=value,...`
 parameters for families that take them (the simulated `sim` model does):
 `sim`, `sim:steps=3,parallel=2`, `sim-4000` (an alias of `sim:tps=4000`).
+
+A model with its own tokenizer and chat template (`ModelSpec.renderer`) renders with them:
+its route carries the renderer, and everything above the backend speaks its tokens. Models
+without one (the `sim` family, chat-completions upstreams) use the engine's default renderer.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from collections.abc import Iterable, Mapping
 import attrs
 from rollout.protocol import RemoteProtocolError
 
-from ._interfaces import Backend, ClosableBackend
+from ._interfaces import Backend, ClosableBackend, Renderer
 from ._state import Route
+from ._state import render_version as version_of
 
 __all__ = [
     "DEFAULT_CONTEXT_WINDOW",
@@ -38,6 +43,14 @@ class ModelSpec:
     accepts_params: bool = False  # whether `name:key=value,...` is allowed
     description: str = ""
     owned_by: str = "rollout"
+    # The model's own tokenizer and chat template; None: the engine's default renderer.
+    renderer: Renderer | None = None
+    # `renderer`'s version (`render_version`), computed once here for every route to it.
+    render_version: str | None = attrs.field(init=False)
+
+    @render_version.default
+    def _render_version(self) -> str | None:
+        return version_of(self.renderer) if self.renderer is not None else None
 
 
 def model_not_found(model: str) -> RemoteProtocolError:
@@ -112,6 +125,8 @@ class ModelRegistry:
             params={**spec.params, **params},
             context_window=spec.context_window,
             backend=spec.backend,
+            renderer=spec.renderer,
+            render_version=spec.render_version,
         )
 
     @staticmethod

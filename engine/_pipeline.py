@@ -6,6 +6,14 @@ pre-inference work for the *new* input only: the parent's items are already vali
 rendered and classified, and its route is reused when the model string is unchanged. Work is
 staged and committed to the lineage only when every stage has passed, so a failed request
 leaves its parent untouched (and still the tip of its chain).
+
+Rendering is the route's: each stage renders with `renderer_for(route)` (the model's own
+tokenizer and chat template, else the engine's default `renderer`), and what it renders
+records that renderer's version (`render_version_for`). A continuation whose model renders
+with another renderer than its parent's is the one exception to "new input only": the
+parent's items are rendered and classified again with the new renderer onto a new lineage
+(`rerender`: O(history), counted in `tokens_rendered`, only on such a switch); a prefix is
+reused only when its instructions, tools and renderer are all the same.
 """
 
 from __future__ import annotations
@@ -26,7 +34,15 @@ from ._counters import Counters, StageTimer
 from ._ids import new_id
 from ._interfaces import Classifier, Flag, ParamCheckingBackend, Renderer
 from ._models import ModelRegistry
-from ._state import CallRecord, Lineage, Prefix, ResponseState, Route, digest_tokens
+from ._state import (
+    CallRecord,
+    Lineage,
+    Prefix,
+    ResponseState,
+    Route,
+    digest_tokens,
+    render_version,
+)
 from ._tools import offered_tools
 from ._validate import Validator, invalid
 
@@ -73,6 +89,7 @@ class Staged:
 
     items: list[Item]
     tokens: list[array[int]]
+    render_version: str  # the renderer of `tokens`
     classifier_state: Any
     open_calls: dict[str, str]
     flags: tuple[Flag, ...]
@@ -105,11 +122,23 @@ class Pipeline:
     ) -> None:
         self.hosted = hosted  # hosted tool types with an executor (offered to the model)
         self.validator = validator
-        self.renderer = renderer
+        self.renderer = renderer  # the default: routes to a model without its own renderer
+        self.render_version = render_version(renderer)
         self.classifier = classifier
         self.registry = registry
         self.counters = counters
         self.timer = timer
+
+    # --- renderers ---
+    def renderer_for(self, route: Route) -> Renderer:
+        """The renderer of `route`: the model's own, else the engine's default."""
+        return route.renderer if route.renderer is not None else self.renderer
+
+    def render_version_for(self, route: Route) -> str:
+        """The version of `renderer_for(route)` (computed once per renderer, never here)."""
+        if route.renderer is not None and route.render_version is not None:
+            return route.render_version
+        return self.render_version
 
     # --- stages ---
     def route(self, model: str, parent: ResponseState | None, timings: dict[str, float]) -> Route:
@@ -129,21 +158,30 @@ class Pipeline:
         parent: ResponseState | None,
         timings: dict[str, float],
         known: Prefix | None = None,
+        *,
+        route: Route,
     ) -> Prefix:
-        """The parent's prefix when unchanged, else `known` (the render cache's, rendered from
-        the same instructions and tools), else rendered and classified now."""
-        if parent is not None and parent.prefix.same_as(instructions, tools):
+        """The parent's prefix when unchanged (its instructions, tools and renderer), else
+        `known` (the render cache's, rendered from the same instructions and tools by the same
+        renderer), else rendered with `route`'s renderer and classified now."""
+        version = self.render_version_for(route)
+        if (
+            parent is not None
+            and parent.prefix.render_version == version
+            and parent.prefix.same_as(instructions, tools)
+        ):
             return parent.prefix
-        if known is not None:
+        if known is not None and known.render_version == version:
             return known
+        renderer = self.renderer_for(route)
         offered = offered_tools(tools, self.hosted)
         with self.timer.measure("render", timings):
-            tokens = self.renderer.render_prefix(instructions, offered)
+            tokens = renderer.render_prefix(instructions, offered)
             self.counters.tokens_rendered += len(tokens)
         with self.timer.measure("classify", timings):
             verdict = self.classifier.feed(
                 self.classifier.initial(),
-                self.renderer.prefix_text(instructions, offered),
+                renderer.prefix_text(instructions, offered),
                 len(tokens),
             )
             self.counters.chars_classified += verdict.scanned
@@ -155,12 +193,14 @@ class Pipeline:
             digest=digest_tokens(tokens),
             classifier_state=verdict.state,
             flags=verdict.flags,
+            render_version=version,
         )
 
     def stage(
         self,
         items: Sequence[Item],
         *,
+        route: Route,
         lineage: Lineage,
         n_items: int,
         classifier_state: Any,
@@ -170,7 +210,9 @@ class Pipeline:
         validate: bool = True,
         offset: int = 0,
     ) -> Staged:
-        """Validate, render and classify `items` after the first `n_items` of `lineage`."""
+        """Validate, render (with `route`'s renderer) and classify `items` after the first
+        `n_items` of `lineage`."""
+        renderer = self.renderer_for(route)
         open_calls = dict(open_calls)
         if validate:
             with self.timer.measure("validate", timings):
@@ -181,13 +223,13 @@ class Pipeline:
                 # Input items get ids (for item_reference and input_items); ids never render.
                 items = [_with_id(item) for item in items]
         with self.timer.measure("render", timings):
-            rendered = [self.renderer.render_item(item) for item in items]
+            rendered = [renderer.render_item(item) for item in items]
             self.counters.tokens_rendered += sum(len(t) for t in rendered)
         flags: list[Flag] = []
         with self.timer.measure("classify", timings):
             for item, toks in zip(items, rendered, strict=True):
                 verdict = self.classifier.feed(
-                    classifier_state, self.renderer.item_text(item), len(toks)
+                    classifier_state, renderer.item_text(item), len(toks)
                 )
                 classifier_state = verdict.state
                 flags.extend(verdict.flags)
@@ -195,15 +237,47 @@ class Pipeline:
         return Staged(
             items=list(items),
             tokens=rendered,
+            render_version=self.render_version_for(route),
             classifier_state=classifier_state,
             open_calls=open_calls,
             flags=tuple(flags),
         )
 
+    def rerender(
+        self, state: ResponseState, route: Route, timings: dict[str, float]
+    ) -> tuple[ResponseState, tuple[Flag, ...]]:
+        """`state`'s conversation rendered and classified again with `route`'s renderer, onto
+        a new lineage (`state` is untouched), and the flags that raised: what a continuation
+        on a model of another renderer than its parent's starts from. O(history): the only
+        time the items of a chain are rendered twice. Nothing is validated again (the items
+        were) and the calls waiting for output stay the same."""
+        staged = self.stage(
+            state.items,
+            route=route,
+            lineage=state.lineage,
+            n_items=state.n_items,
+            classifier_state=self.classifier.initial(),
+            open_calls=dict(state.open_calls),
+            param="input",
+            timings=timings,
+            validate=False,
+        )
+        empty = attrs.evolve(state, lineage=Lineage(), n_items=0)
+        return self.commit(empty, staged), staged.flags
+
     @staticmethod
     def commit(base: ResponseState, staged: Staged, **changes: Any) -> ResponseState:
-        """Append staged items to `base`'s conversation (in place on the tip of a chain)."""
+        """Append staged items to `base`'s conversation (in place on the tip of a chain).
+        They must be of the renderer of what they join (`rerender` otherwise)."""
         lineage = base.writable_lineage()
+        if staged.items:
+            if not lineage.items:
+                lineage.render_version = staged.render_version
+            elif lineage.render_version != staged.render_version:
+                raise ValueError(
+                    f"items rendered by {staged.render_version} can't join a conversation "
+                    f"rendered by {lineage.render_version}"
+                )
         for item, toks in zip(staged.items, staged.tokens, strict=True):
             lineage.append(item, toks)
         return attrs.evolve(
@@ -228,13 +302,17 @@ class Pipeline:
         offset: int = 0,
         known_prefix: Prefix | None = None,
         own_root: bool = False,
+        route: Route | None = None,
     ) -> Prepared:
         """`root` is `parent`, or for a new chain the state to build from: an empty state, a
         restored compaction window, or (`own_root`) the render cache's rendering of the first
         items of this request's own input. `known_prefix` is the render cache's rendering of
-        the request's instructions and tools. With `require_outputs`, every function call must
-        have its output by the end of the input (a model can't be sampled while tool results
-        are missing)."""
+        the request's instructions and tools. `route`: the request's, when the caller resolved
+        it already (to look the render cache up for its renderer); else it is resolved here,
+        after the request's own validation (whose errors come first). With `require_outputs`,
+        every function call must have its output by the end of the input (a model can't be
+        sampled while tool results are missing). A `root` rendered by another renderer than the
+        route's (a parent of another model) is rendered again first (`rerender`)."""
         with self.timer.measure("validate", timings):
             # Tools resent unchanged on a follow-up were validated with the parent; a prefix
             # the render cache holds, with the request that rendered it.
@@ -244,12 +322,19 @@ class Pipeline:
             )
             self.validator.validate_request(request, tools_known=known)
         assert request.model is not None
-        route = self.route(request.model, parent, timings)
+        if route is None:
+            route = self.route(request.model, parent, timings)
         prefix = self.prefix(
-            request.instructions, request.tools or (), parent, timings, known_prefix
+            request.instructions, request.tools or (), parent, timings, known_prefix, route=route
         )
+        switched: tuple[Flag, ...] = ()
+        reused_items = 0 if own_root else root.item_tokens
+        if root.n_items and root.lineage.render_version != self.render_version_for(route):
+            root, switched = self.rerender(root, route, timings)
+            reused_items = 0
         staged = self.stage(
             new_items,
+            route=route,
             lineage=root.lineage,
             n_items=root.n_items,
             classifier_state=root.classifier_state,
@@ -271,10 +356,9 @@ class Pipeline:
             )
         prefix_reused = parent is not None and prefix is parent.prefix
         # Context reused from the conversation this request continues: a render cache hit
-        # saves the rendering but is no continuation (usage reports what it would without it).
-        reused = (0 if own_root else root.item_tokens) + (
-            len(prefix.tokens) if prefix_reused else 0
-        )
+        # saves the rendering but is no continuation (usage reports what it would without it),
+        # nor is a conversation rendered again for another model.
+        reused = reused_items + (len(prefix.tokens) if prefix_reused else 0)
         state = self.commit(
             root,
             staged,
@@ -282,5 +366,5 @@ class Pipeline:
             route=route,
             first_new_item=0 if own_root else root.n_items,
         )
-        flags = (() if prefix_reused else prefix.flags) + staged.flags
+        flags = (() if prefix_reused else prefix.flags) + switched + staged.flags
         return Prepared(state=state, flags=flags, cached_tokens=reused)

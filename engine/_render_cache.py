@@ -2,22 +2,27 @@
 
 A connection's `ResponseCache` answers `previous_response_id` on that connection. This cache
 answers a different question, for every client: has this process already rendered, classified
-and validated a conversation that starts like this one? It is content-addressed: an entry is a
-`ResponseState` that a finished response left behind (or that hydration rebuilt), found by
+and validated a conversation that starts like this one, for this model's renderer? It is
+content-addressed: an entry is a `ResponseState` that a finished response left behind (or that
+hydration rebuilt), found by
 
-    (owner, content key of its items)
+    (owner, render version, content key of its items)
 
-where the content key is the chain of item keys of `_itemkey.py` (id-free: a client echoing
-items with or without ids, or an assistant message as a plain string, finds it). The state's
-lineage is shared, not copied: a request that extends the newest state of a lineage appends in
-place (O(new items)); one that extends an older state forks it (a copy of the prefix, as any
-fork does). Instructions and tools are cached apart (`Prefix`, keyed by their canonical JSON),
-since items render and classify independently of them: a tools change mid-conversation still
-finds its items.
+where the render version names the renderer of its tokens (`_state.render_version`: the chat
+template and tokenizer of its model, `Route.renderer`, else the engine's default), so a request
+for one model never reuses another model's rendering, and the content key is the chain of item
+keys of `_itemkey.py` (id-free: a client echoing items with or without ids, or an assistant
+message as a plain string, finds it). The session resolves a request's route before it looks
+anything up here. The state's lineage is shared, not copied: a request that extends the newest
+state of a lineage appends in place (O(new items)); one that extends an older state forks it (a
+copy of the prefix, as any fork does). Instructions and tools are cached apart (`Prefix`, keyed
+by the render version and their canonical JSON), since items render and classify independently
+of them: a tools change mid-conversation still finds its items.
 
 What it never is: a way to resolve an id. `store: false` responses stay unknown outside their
 connection; an id continued over HTTP or on another connection is first confirmed by the store
-for its owner, and only then looked up here (`by_response`).
+for its owner, and only then looked up here (`by_response`: the state as its own model rendered
+it; a continuation on a model of another renderer renders it again, `Pipeline.prepare`).
 
 Bounds, all documented options of `rollout serve`:
 - `max_bytes`: memory held, as `Lineage.nbytes` estimates it (token arrays, the items' content,
@@ -69,6 +74,10 @@ class RenderCacheStats:
     expirations: int = 0  # entries dropped for the TTL
 
 
+# Where an entry is: (owner, render version, content key or instructions-and-tools key).
+_Key = tuple[str | None, str | None, bytes]
+
+
 @attrs.frozen
 class RenderHit:
     """The longest cached prefix of a conversation: its first `n_items` items are `state`'s."""
@@ -111,8 +120,8 @@ class RenderCache:
         self.ttl = ttl
         self.clock = clock
         self.stats = RenderCacheStats()
-        self._entries: OrderedDict[tuple[str | None, bytes], _Entry] = OrderedDict()
-        self._by_response: dict[str, tuple[str | None, bytes]] = {}
+        self._entries: OrderedDict[_Key, _Entry] = OrderedDict()
+        self._by_response: dict[str, _Key] = {}
         self._lineages: dict[int, _Held] = {}  # by id()
         self._nbytes = 0
         # The key of each Prefix seen (held weakly: it lives as long as its states).
@@ -133,9 +142,12 @@ class RenderCache:
 
     # --- lookups ---------------------------------------------------------------------------
 
-    def longest(self, owner: str | None, items: Sequence[Item]) -> RenderHit | None:
-        """The longest prefix of `items` this owner's conversations already rendered, or None.
-        Computes every item's content key once (O(items), no rendering)."""
+    def longest(
+        self, owner: str | None, items: Sequence[Item], render_version: str
+    ) -> RenderHit | None:
+        """The longest prefix of `items` this owner's conversations already rendered with the
+        renderer `render_version` names, or None. Computes every item's content key once
+        (O(items), no rendering)."""
         if not self.enabled or not items:
             return None
         keys: list[bytes] = []
@@ -144,7 +156,7 @@ class RenderCache:
             key = chain_key(key, item_key(item)[0])
             keys.append(key)
         for n in range(len(keys), 0, -1):
-            state = self._get(owner, keys[n - 1])
+            state = self._get((owner, render_version, keys[n - 1]))
             if isinstance(state, ResponseState):
                 self.stats.hits += 1
                 self.stats.tokens_reused += state.item_tokens
@@ -154,11 +166,13 @@ class RenderCache:
 
     def by_response(self, owner: str | None, response_id: str) -> ResponseState | None:
         """The state a response left behind, when its owner is `owner` (the caller has
-        confirmed the id with the store: this never resolves an id by itself)."""
+        confirmed the id with the store: this never resolves an id by itself), as its own
+        model's renderer rendered it (the state's route names it; a continuation on another
+        renderer renders it again)."""
         where = self._by_response.get(response_id)
         if where is None or where[0] != owner:
             return None
-        state = self._get(owner, where[1])
+        state = self._get(where)
         if isinstance(state, ResponseState) and state.id == response_id:
             self.stats.hits += 1
             self.stats.tokens_reused += state.item_tokens
@@ -166,11 +180,16 @@ class RenderCache:
         return None
 
     def prefix(
-        self, owner: str | None, instructions: str | None, tools: Sequence[Tool]
+        self,
+        owner: str | None,
+        instructions: str | None,
+        tools: Sequence[Tool],
+        render_version: str,
     ) -> Prefix | None:
+        """Instructions and tools as the renderer `render_version` names rendered them."""
         if not self.enabled:
             return None
-        found = self._get(owner, _prefix_key(instructions, tools)[0])
+        found = self._get((owner, render_version, _prefix_key(instructions, tools)[0]))
         if isinstance(found, Prefix):
             self.stats.hits += 1
             self.stats.tokens_reused += len(found.tokens)
@@ -182,11 +201,12 @@ class RenderCache:
 
     def put(self, owner: str | None, state: ResponseState) -> None:
         """Register the conversation of `state` (its items, tokens, classifier state, open
-        calls) and its instructions and tools. Only states that passed classification may be
-        put: a hit skips the classifiers for the prefix it covers."""
+        calls) and its instructions and tools, each under the renderer that rendered it. Only
+        states that passed classification may be put: a hit skips the classifiers for the
+        prefix it covers."""
         if not self.enabled:
             return
-        key = (owner, state.lineage.key(state.n_items))
+        key = (owner, state.lineage.render_version, state.lineage.key(state.n_items))
         if key in self._entries:
             self._drop(key)
         self._entries[key] = _Entry(state, self.clock() + self.ttl)
@@ -198,10 +218,11 @@ class RenderCache:
         if known is None:  # once per Prefix: a chain keeping its parent's reuses the key
             known = self._prefix_keys[prefix] = _prefix_key(prefix.instructions, prefix.tools)
         digest, size = known
+        prefix_key = (owner, prefix.render_version, digest)
         # Held already: used again, its TTL starts again (an expired one is dropped here).
-        if self._get(owner, digest) is None and prefix.tokens:
+        if self._get(prefix_key) is None and prefix.tokens:
             nbytes = size + 4 * len(prefix.tokens)
-            self._entries[owner, digest] = _Entry(prefix, self.clock() + self.ttl, nbytes)
+            self._entries[prefix_key] = _Entry(prefix, self.clock() + self.ttl, nbytes)
             self._nbytes += nbytes
         self._shrink()
 
@@ -211,17 +232,17 @@ class RenderCache:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _get(self, owner: str | None, key: bytes) -> ResponseState | Prefix | None:
-        entry = self._entries.get((owner, key))
+    def _get(self, key: _Key) -> ResponseState | Prefix | None:
+        entry = self._entries.get(key)
         if entry is None:
             return None
         now = self.clock()
         if entry.expires <= now:
-            self._drop((owner, key))
+            self._drop(key)
             self.stats.expirations += 1
             return None
         entry.expires = now + self.ttl
-        self._entries.move_to_end((owner, key))
+        self._entries.move_to_end(key)
         return entry.value
 
     def _hold(self, lineage: Lineage) -> None:
@@ -232,7 +253,7 @@ class RenderCache:
         self._nbytes += lineage.nbytes - held.nbytes  # it may have grown since
         held.nbytes = lineage.nbytes
 
-    def _release(self, key: tuple[str | None, bytes], entry: _Entry) -> None:
+    def _release(self, key: _Key, entry: _Entry) -> None:
         value = entry.value
         if isinstance(value, Prefix):
             self._nbytes -= entry.nbytes
@@ -245,7 +266,7 @@ class RenderCache:
             self._nbytes -= held.nbytes
             del self._lineages[id(value.lineage)]
 
-    def _drop(self, key: tuple[str | None, bytes]) -> None:
+    def _drop(self, key: _Key) -> None:
         self._release(key, self._entries.pop(key))
 
     def _shrink(self) -> None:

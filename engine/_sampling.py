@@ -258,6 +258,7 @@ def extend_state(
     outputs = [o for o in outputs if not isinstance(o, Compaction)]
     staged = pipeline.stage(
         outputs,
+        route=state.route,
         lineage=state.lineage,
         n_items=state.n_items,
         classifier_state=state.classifier_state,

@@ -17,9 +17,12 @@ as msgpack (`StoredResponse.rendered`)::
      "prefix": null | {"tokens": bytes, "classifier": ...}}  # instructions and tools, rendered:
                                  # only where they differ from the parent's
 
-Hydrating a chain whose segments all match this process's renderer concatenates them (copies of
-arrays, no rendering, no classifying); any missing, foreign (another template or tokenizer) or
-damaged segment makes hydration render the chain instead (`Session._hydrate`), never fail.
+`renderer` is the render version of the response's tokens: its model's renderer (`Route.
+renderer`, else the engine's default). Hydrating a chain whose segments all match the renderer
+of the hydrated response's model concatenates them (copies of arrays, no rendering, no
+classifying); any missing, foreign (another template or tokenizer: the model's renderer changed,
+or the chain switched models on the way) or damaged segment makes hydration render the chain
+instead (`Session._hydrate`), never fail.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ import attrs
 import msgpack
 
 from ._compact import tokens_from
-from ._interfaces import Renderer, SnapshotClassifier, StoredResponse
+from ._interfaces import SnapshotClassifier, StoredResponse
 from ._pipeline import Pipeline
-from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens
+from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens, render_version
 from ._tools import offered_tools
 
 log = logging.getLogger("rollout.engine")
@@ -43,12 +46,6 @@ log = logging.getLogger("rollout.engine")
 __all__ = ["SEGMENT_VERSION", "encode_segment", "render_version", "restore_segments"]
 
 SEGMENT_VERSION = 1
-
-
-def render_version(renderer: Renderer) -> str:
-    """What rendered tokens depend on: the chat template and the tokenizer."""
-    tokenizer = getattr(renderer, "tokenizer", None)
-    return f"{renderer.template_id}/{getattr(tokenizer, 'name', '?')}"
 
 
 def encode_segment(
@@ -59,13 +56,14 @@ def encode_segment(
     classifier = pipeline.classifier
     if not isinstance(classifier, SnapshotClassifier):
         return None
+    version = state.lineage.render_version or pipeline.render_version_for(state.route)
     lineage, n = state.lineage, state.n_items
     first = lineage.token_count(start)
     ends = array("Q", (lineage.token_count(i + 1) - first for i in range(start, n)))
     prefix = state.prefix
     payload = {
         "v": SEGMENT_VERSION,
-        "renderer": render_version(pipeline.renderer),
+        "renderer": version,
         "tokens": lineage.tokens[first : lineage.token_count(n)].tobytes(),
         "ends": ends.tobytes(),
         "digests": [lineage.digest(i + 1) for i in range(start, n)],
@@ -89,12 +87,13 @@ def restore_segments(
     pipeline: Pipeline, empty: ResponseState, chain: Sequence[StoredResponse], route: Route
 ) -> ResponseState | None:
     """The state of `chain[0]` (the chain newest first, down to a root) from its segments, or
-    None when one is missing, foreign or damaged."""
+    None when one is missing, foreign (not of `route`'s renderer) or damaged."""
     classifier = pipeline.classifier
     if not isinstance(classifier, SnapshotClassifier) or any(s.rendered is None for s in chain):
         return None
+    version = pipeline.render_version_for(route)
     try:
-        segments = [_load(s.rendered, pipeline) for s in reversed(chain)]
+        segments = [_load(s.rendered, version) for s in reversed(chain)]
         items = [item for stored in reversed(chain) for item in stored.items]
         tokens = array("I")
         ends = array("Q")
@@ -111,13 +110,18 @@ def restore_segments(
             csu.frombytes(segment["csu"])
             base = sizes[-1] if sizes else 0
             sizes.extend(base + size for size in tokens_from(segment["sizes"], "Q"))
-        lineage = Lineage.restore(items, tokens, ends, digests, csu, keys=keys, sizes=sizes)
+        lineage = Lineage.restore(
+            items, tokens, ends, digests, csu, render_version=version, keys=keys, sizes=sizes
+        )
         target, last = chain[0], segments[-1]
-        prefix = _prefix(pipeline, target, chain, segments)
+        prefix = _prefix(pipeline, target, chain, segments, version)
         if prefix is None:
             return None
         open_calls = tuple((str(c), str(name)) for c, name in last["open"])
         state = classifier.decode_state(last["classifier"])
+    except _Foreign as exc:  # expected after a model switch or a change of renderer
+        log.info("stored renderings of %s not used (%s): rendering it", chain[0].response.id, exc)
+        return None
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
         log.warning(
             "stored renderings of %s not used (%s): rendering it", chain[0].response.id, exc
@@ -137,12 +141,16 @@ def restore_segments(
     )
 
 
-def _load(blob: bytes | None, pipeline: Pipeline) -> dict[str, Any]:
+class _Foreign(ValueError):
+    """A segment of another renderer than the one hydrating."""
+
+
+def _load(blob: bytes | None, version: str) -> dict[str, Any]:
     segment = msgpack.unpackb(blob or b"", raw=False)
     if not isinstance(segment, dict) or segment.get("v") != SEGMENT_VERSION:
         raise ValueError("not a segment of this version")
-    if segment.get("renderer") != render_version(pipeline.renderer):
-        raise ValueError("rendered by another template or tokenizer")
+    if segment.get("renderer") != version:
+        raise _Foreign("rendered by another template or tokenizer")
     return segment
 
 
@@ -151,6 +159,7 @@ def _prefix(
     target: StoredResponse,
     chain: Sequence[StoredResponse],
     segments: list[dict[str, Any]],
+    version: str,
 ) -> Prefix | None:
     """The target's instructions and tools, from the newest segment that rendered them."""
     classifier = pipeline.classifier
@@ -169,5 +178,6 @@ def _prefix(
             tokens=tokens,
             digest=digest_tokens(tokens),
             classifier_state=classifier.decode_state(rendered["classifier"]),
+            render_version=version,
         )
     return None

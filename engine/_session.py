@@ -11,6 +11,10 @@ responses through the rollout coroutine (`_rollout.py`).
   continuing it with that input and its settings) through the same coroutine, or parks the
   input for the client's continuation (`response.steer.pending`), which gets it prepended.
 - Hydration rebuilds a state from stored responses when the parent is not cached.
+- Each model renders with its route's renderer (`Pipeline.renderer_for`): a request's route is
+  resolved before the render cache is looked up (for that renderer's renderings) and before a
+  compaction item is restored (whose snapshot must be of that renderer); a routing error is
+  raised by the pipeline's route stage, in its usual place among the request's errors.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from ._pipeline import Prepared as PipelinePrepared
 from ._postinfer import PostJob, WriteFailed
 from ._rollout import Emit, Prepared, Rollout, run_response, steering_unsupported
 from ._segments import restore_segments
-from ._state import ResponseState
+from ._state import ResponseState, Route
 from ._steer import ParkedSteers, QueuedSteer, Steering
 from ._validate import invalid, normalize_input
 
@@ -155,11 +159,15 @@ class Session:
         items: list[Item] = []
         for stored in reversed(chain):
             items.extend(stored.items)
-        known = engine.render_cache.prefix(self.owner, target.instructions, target.tools)
-        prefix = pipeline.prefix(target.instructions, target.tools, None, timings, known)
-        root, rest = self._cached_prefix(items)
+        version = pipeline.render_version_for(route)
+        known = engine.render_cache.prefix(self.owner, target.instructions, target.tools, version)
+        prefix = pipeline.prefix(
+            target.instructions, target.tools, None, timings, known, route=route
+        )
+        root, rest = self._cached_prefix(items, version)
         staged = pipeline.stage(
             rest,
+            route=route,
             lineage=root.lineage,
             n_items=root.n_items,
             classifier_state=root.classifier_state,
@@ -174,11 +182,14 @@ class Session:
         engine.render_cache.put(self.owner, state)
         return state
 
-    def _cached_prefix(self, items: list[Item]) -> tuple[ResponseState, list[Item]]:
+    def _cached_prefix(
+        self, items: list[Item], render_version: str
+    ) -> tuple[ResponseState, list[Item]]:
         """The state to build `items` onto: the render cache's longest rendering of their
-        first items (as a state of no response), else an empty state; and the items left."""
+        first items by the renderer `render_version` names (as a state of no response), else
+        an empty state; and the items left."""
         empty = self.engine.empty_state()
-        hit = self.engine.render_cache.longest(self.owner, items)
+        hit = self.engine.render_cache.longest(self.owner, items, render_version)
         if hit is None:
             return empty, items
         root = attrs.evolve(hit.state, response=empty.response, stored=True)
@@ -264,9 +275,9 @@ class Session:
         parent = None
         if request.previous_response_id is not None:
             parent = await self.resolve(request.previous_response_id, timings)
-        return self._prepare_input(
-            request, parent, await self._resolve_inputs(request, parent), timings, False
-        ).state
+        route = self._route(request, parent, timings)
+        resolved = await self._resolve_inputs(request, parent, route)
+        return self._prepare_input(request, parent, resolved, timings, False, route).state
 
     async def compact(
         self, request: ResponseCreate, *, budget_tokens: int = DEFAULT_COMPACT_BUDGET
@@ -419,7 +430,8 @@ class Session:
                 hydrated = parent_id not in self.cache
                 parent = await self.resolve(parent_id, timings, lane=request.stream_id)
             threshold = _compact_threshold(request)
-            resolved = await self._resolve_inputs(request, parent)
+            route = self._route(request, parent, timings)
+            resolved = await self._resolve_inputs(request, parent, route)
             if steers:
                 steered = [item for q in steers for item in q.items]
                 resolved = _Input(
@@ -427,7 +439,7 @@ class Session:
                     items=steered + resolved.items,
                     offset=resolved.offset - len(steered),  # errors name the request's input
                 )
-            prepared = self._prepare_input(request, parent, resolved, timings, generate)
+            prepared = self._prepare_input(request, parent, resolved, timings, generate, route)
         except RemoteProtocolError:
             engine.counters.request_errors += 1
             if parent is not None:
@@ -460,22 +472,31 @@ class Session:
         resolved: _Input,
         timings: dict[str, float],
         require_outputs: bool,
+        route: Route | None,
     ) -> PipelinePrepared:
         """The pipeline's pass over the input. A new conversation (no parent, no compaction
-        item) starts from the render cache's longest rendering of its first items, if any:
-        only the rest is validated, rendered and classified."""
+        item) starts from the render cache's longest rendering of its first items by the
+        route's renderer, if any: only the rest is validated, rendered and classified. With no
+        `route` (the model did not resolve), nothing is looked up: the pipeline raises the
+        routing error after the request's own validation, as it always did."""
         engine = self.engine
         base, items, offset = resolved.base, resolved.items, resolved.offset
         own_root = False
-        if parent is None and base.n_items == 0 and items:
-            base, rest = self._cached_prefix(items)
-            offset += len(items) - len(rest)
-            items, own_root = rest, base.n_items > 0
         known_prefix = None
-        if parent is None or not parent.prefix.same_as(request.instructions, request.tools or ()):
-            known_prefix = engine.render_cache.prefix(
-                self.owner, request.instructions, request.tools or ()
-            )
+        if route is not None:
+            version = engine.pipeline.render_version_for(route)
+            if parent is None and base.n_items == 0 and items:
+                base, rest = self._cached_prefix(items, version)
+                offset += len(items) - len(rest)
+                items, own_root = rest, base.n_items > 0
+            if (
+                parent is None
+                or parent.prefix.render_version != version
+                or not parent.prefix.same_as(request.instructions, request.tools or ())
+            ):
+                known_prefix = engine.render_cache.prefix(
+                    self.owner, request.instructions, request.tools or (), version
+                )
         return engine.pipeline.prepare(
             request,
             parent,
@@ -486,14 +507,29 @@ class Session:
             offset=offset,
             known_prefix=known_prefix,
             own_root=own_root,
+            route=route,
         )
 
+    def _route(
+        self, request: ResponseCreate, parent: ResponseState | None, timings: dict[str, float]
+    ) -> Route | None:
+        """The request's route, resolved early (the render cache and compaction items depend
+        on its renderer); None when it does not resolve: `Pipeline.prepare` raises that error
+        after the request's own validation, so errors keep their order."""
+        if request.model is None:
+            return None
+        try:
+            return self.engine.pipeline.route(request.model, parent, timings)
+        except RemoteProtocolError:
+            return None
+
     async def _resolve_inputs(
-        self, request: ResponseCreate, parent: ResponseState | None
+        self, request: ResponseCreate, parent: ResponseState | None, route: Route | None
     ) -> _Input:
         """Resolve item references and compaction items of the new input: the items to stage,
         the state to stage them onto (the parent, a restored compacted state, or an empty
-        state) and the index in the request's input of the first item staged."""
+        state) and the index in the request's input of the first item staged. A compaction
+        item must be of `route`'s renderer (with no route, the engine's default)."""
         engine = self.engine
         items = normalize_input(request.input)
         base = parent or engine.empty_state()
@@ -513,7 +549,7 @@ class Session:
             payload = engine.seal.open(
                 compaction.encrypted_content, param=f"{where}.encrypted_content", owner=self.owner
             )
-            base = restore_state(engine.pipeline, base, payload, param=where)
+            base = restore_state(engine.pipeline, base, payload, param=where, route=route)
             items = items[last + 1 :]
             start = last + 1
         if any(isinstance(item, ItemReference) for item in items):

@@ -10,6 +10,13 @@ output). Extending the newest state of a chain appends in place, so a follow-up 
 proportional to its new items only, never to the history. Extending an older state (a fork:
 two children of one parent) first copies the shared prefix into a new lineage; that is the only
 operation whose cost grows with the conversation, and it happens only on forks.
+
+Tokens are those of one renderer, the route's (`Route.renderer`: the model's own tokenizer and
+chat template, else the engine's default), named by its render version (`render_version`: the
+template and the tokenizer). A lineage and a prefix each record the version they were rendered
+with; a continuation on a model of another renderer renders its conversation again onto a new
+lineage (`Pipeline.prepare`), the other operation whose cost grows with the conversation, and it
+happens only on such a switch.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any, overload
 import attrs
 from rollout.protocol import CallKind, Item, Message, OpaqueItem, Response, Tool, call_of
 
-from ._interfaces import Backend
+from ._interfaces import Backend, Renderer
 from ._itemkey import ROOT_KEY, chain_key, item_key
 
 __all__ = [
@@ -33,12 +40,24 @@ __all__ = [
     "ResponseState",
     "Route",
     "digest_tokens",
+    "render_version",
 ]
 
 # Memory per item besides its content and tokens, estimated (the item object and its parts,
 # its entries in the per-item indexes): see `Lineage.nbytes`.
 _ITEM_BYTES = 400
 _EMPTY_DIGEST = hashlib.blake2b(b"rollout-context", digest_size=16).digest()
+
+
+def render_version(renderer: Renderer) -> str:
+    """What rendered tokens depend on: the chat template and the tokenizer (two renderers of
+    one version render alike). Computed once per renderer (`ModelSpec`, `Pipeline`)."""
+    tokenizer = getattr(renderer, "tokenizer", None)
+    return f"{renderer.template_id}/{getattr(tokenizer, 'name', '?')}"
+
+
+def _version_of(renderer: Renderer | None) -> str | None:
+    return render_version(renderer) if renderer is not None else None
 
 
 def digest_tokens(tokens: array[int]) -> bytes:
@@ -72,10 +91,13 @@ class Lineage:
         "_sizes",
         "derived",
         "items",
+        "render_version",
         "tokens",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, render_version: str | None = None) -> None:
+        # The renderer its tokens are of (see `render_version`); None while it holds nothing.
+        self.render_version = render_version
         # Per-lineage caches that backends derive from the items (e.g. encoded chat messages),
         # keyed by backend; a fork starts without them (they are rebuilt on first use).
         self.derived: dict[str, Any] = {}
@@ -173,16 +195,18 @@ class Lineage:
         digests: list[bytes],
         since_user: array[int],
         *,
+        render_version: str,
         keys: list[bytes] | None = None,
         sizes: array[int] | None = None,
     ) -> Lineage:
-        """A lineage rebuilt from a snapshot (see `snapshot`), without rendering; the content
-        keys and memory estimates are computed from the items unless given."""
+        """A lineage rebuilt from a snapshot (see `snapshot`) of tokens rendered by
+        `render_version`, without rendering; the content keys and memory estimates are
+        computed from the items unless given."""
         if not (len(items) == len(ends) == len(digests) == len(since_user)) or (
             ends and ends[-1] != len(tokens)
         ):
             raise ValueError("inconsistent lineage snapshot")
-        new = cls()
+        new = cls(render_version)
         new.items = items
         new.tokens = tokens
         new._ends = ends
@@ -216,7 +240,7 @@ class Lineage:
 
     def fork(self, n_items: int) -> Lineage:
         """A new lineage holding a copy of the first `n_items` items (O(history))."""
-        new = Lineage()
+        new = Lineage(self.render_version)
         new.items = self.items[:n_items]
         new._ends = self._ends[:n_items]
         new.tokens = self.tokens[: self.token_count(n_items)]
@@ -307,7 +331,8 @@ class ItemsView(Sequence[Item]):
 
 @attrs.frozen(eq=False)
 class Prefix:
-    """Instructions and tools, rendered once and reused while a chain keeps them unchanged."""
+    """Instructions and tools, rendered once and reused while a chain keeps them (and its
+    renderer) unchanged."""
 
     instructions: str | None
     tools: tuple[Tool, ...]
@@ -317,20 +342,30 @@ class Prefix:
     offered: tuple[Tool, ...]
     classifier_state: Any
     flags: tuple[Any, ...] = ()  # classifier flags raised by the prefix (fail the response)
+    render_version: str | None = None  # the renderer of `tokens` (None: no renderer's, empty)
 
     def same_as(self, instructions: str | None, tools: Sequence[Tool]) -> bool:
+        """The same instructions and tools (what validation depends on; reusing the tokens
+        takes the same `render_version` too)."""
         return self.instructions == instructions and self.tools == tuple(tools)
 
 
 @attrs.frozen(eq=False)
 class Route:
-    """Where a model string resolved to. `model` is the string the client sent."""
+    """Where a model string resolved to. `model` is the string the client sent. `renderer`
+    is the model's own (its tokenizer and chat template), None for the engine's default
+    (`Pipeline.renderer_for`); `render_version` is its version (the registry gives its
+    `ModelSpec`'s, computed once per model; else computed here)."""
 
     model: str
     name: str  # the registry entry
     params: dict[str, str]
     context_window: int
     backend: Backend
+    renderer: Renderer | None = None
+    render_version: str | None = attrs.field(
+        default=attrs.Factory(lambda route: _version_of(route.renderer), takes_self=True)
+    )
 
 
 @attrs.frozen(eq=False)

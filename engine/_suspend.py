@@ -142,6 +142,7 @@ class Rollout:
         engine = self.session.engine
         staged = engine.pipeline.stage(
             items,
+            route=state.route,
             lineage=state.lineage,
             n_items=state.n_items,
             classifier_state=state.classifier_state,

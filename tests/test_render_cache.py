@@ -189,7 +189,7 @@ async def test_hydration_renders_only_what_the_render_cache_lacks() -> None:
         async with open_engine(store=store) as engine:
             a, b = await stored_chain_of_two(engine)
             cache = engine.render_cache
-            key = (None, b.lineage.key(b.n_items))
+            key = (None, b.lineage.render_version, b.lineage.key(b.n_items))
             cache._drop(key)  # as if b had been evicted
             before = engine.counters.snapshot()
             c = await engine.session().create(
@@ -352,9 +352,10 @@ async def test_entries_expire_after_the_ttl() -> None:
             assert len(cache) > 0 and cache.bytes_held > 0
             history = list(states[-1].items)
             now[0] += 59.0  # used within the TTL: kept, and its TTL starts again
-            assert cache.longest(None, history) is not None
+            version = engine.pipeline.render_version
+            assert cache.longest(None, history, version) is not None
             now[0] += 61.0
-            assert cache.longest(None, history) is None
+            assert cache.longest(None, history, version) is None
             assert cache.stats.expirations > 0
             cache.put(None, states[0])  # a put sweeps what expired
     assert len(cache) == 2 and cache.stats.evictions == 0
