@@ -184,24 +184,32 @@ async def test_each_model_renders_with_its_own_renderer(model: str) -> None:
 async def test_a_resend_to_another_model_renders_everything_with_its_own(
     first: str, second: str
 ) -> None:
+    """Both models' renderings of one conversation are cached side by side: each model finds
+    its own, never the other's."""
     with trio.fail_after(DEADLINE):
         async with open_engine(registry=registry()) as engine:
             run = await run_stateless(engine, script(first))
             history = list(run.final.items)
 
-            async def resend(model: str) -> tuple[ResponseState, int]:
+            async def resend(model: str, **kw: Any) -> tuple[ResponseState, int]:
                 before = engine.counters.snapshot()
-                state = await engine.session().prepare_only(lookup_request(model, input=history))
+                state = await engine.session().create(
+                    lookup_request(model, input=history, generate=False, **kw)
+                )
+                assert state is not None
                 return state, (engine.counters - before).tokens_rendered
 
+            # The other model found nothing of the first's rendering: all of it rendered,
+            # its own way (a warm-up: the render cache keeps it).
             other, other_work = await resend(second)
+            # Each model's own rendering is there: nothing rendered, for either.
             same, same_work = await resend(first)
-    # The other model found nothing of the first's rendering: all of it rendered, its own way.
+            again, again_work = await resend(second)
     assert other.context() == fresh(other)
     assert other_work == other.context_tokens
-    # The first model's own rendering is still there: nothing rendered.
-    assert same.context() == fresh(same)
-    assert same_work == 0
+    assert same.context() == fresh(same) == run.final.context()
+    assert again.context() == fresh(again) == other.context()
+    assert (same_work, again_work) == (0, 0)
 
 
 # --- (c) switching models mid-chain ------------------------------------------------------------
