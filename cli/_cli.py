@@ -43,6 +43,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from .engine._app import DEFAULT_MAX_CONNECTIONS
     from .engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
     from .engine._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT
+    from .engine._llama import DEFAULT_KV_INDEX_MB
     from .engine._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL
     from .engine._ws import (
         DEFAULT_CONNECTION_AGE_LIMIT,
@@ -194,6 +195,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         f"dropped after this (default {DEFAULT_RENDER_CACHE_TTL:g})",
     )
     p.add_argument(
+        "--kv-cache-mb",
+        type=_NON_NEGATIVE,
+        default=DEFAULT_KV_INDEX_MB,
+        metavar="MB",
+        help="per real model (smollm2, gguf models), memory of evaluated context (KV) that "
+        "idle conversations keep for their next turn, found by any connection of the same "
+        "key; 0: only rollouts and WebSocket connections keep theirs "
+        f"(default {DEFAULT_KV_INDEX_MB:g})",
+    )
+    p.add_argument(
         "--no-render-cache",
         action="store_true",
         help="render every request's whole input (the render cache off: for comparison)",
@@ -266,7 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
         from .engine._config import ConfigError, load_registry, missing_api_keys
 
         try:
-            registry = load_registry(args.models)
+            registry = load_registry(args.models, kv_cache_mb=args.kv_cache_mb)
         except ConfigError as exc:
             _serve_failed(args, str(exc))
             return 2
@@ -294,6 +305,7 @@ def _serve(args: argparse.Namespace) -> int:
         graceful_timeout=args.graceful_timeout,
         render_cache_bytes=0 if args.no_render_cache else int(args.render_cache_mb * 2**20),
         render_cache_ttl=args.render_cache_ttl,
+        kv_cache_mb=args.kv_cache_mb,
         freeze_heap=True,  # this process is the server's own (engine/_heap.py)
     )
     try:

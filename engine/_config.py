@@ -12,11 +12,23 @@
     aliases = ["other-name"]
     description = "..."
 
+    [models.NAME]                 # a GGUF model run in this process by llama.cpp
+    gguf = "/path/to/model.gguf"            # (needs `pip install 'rollout-engine[llama]'`)
+    threads = 2                             # CPU threads; default: all
+    context_size = 8192                     # tokens per conversation; default: the model's
+    kv_memory_mb = 1024                     # the KV pool of every sequence, allocated on
+                                            # first use (SmolLM2-135M: 22.5 KiB per token)
+    sequences = 32                          # conversations whose KV the pool holds at once
+    chat_template = "{% for m in messages %}..."  # default: the GGUF's own
+    aliases = ["other-name"]
+    description = "..."
+
     [aliases]
     "gpt-5" = "NAME"                        # any model string, `sim:...` included
 
-The built-in `sim` models stay available alongside: a file that names one of them (as a model
-or an alias) is refused, as is an alias that would hide a model of the file.
+The built-in models (`sim` and its presets; `smollm2` with the llama extra) stay available
+alongside: a file that names one of them (as a model or an alias) is refused, as is an alias
+that would hide a model of the file.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from typing import Any
 from rollout.protocol import RemoteProtocolError
 
 from ._defaults import default_registry
+from ._llama import DEFAULT_KV_INDEX_MB, LlamaBackend, LlamaConfig, llama_available
 from ._models import DEFAULT_CONTEXT_WINDOW, ModelRegistry, ModelSpec
 from ._upstream import UpstreamBackend, UpstreamConfig
 
@@ -43,22 +56,40 @@ _UPSTREAM_KEYS = {
 }
 
 
+_GGUF_KEYS = {
+    "threads": int,
+    "context_size": int,
+    "kv_memory_mb": float,
+    "sequences": int,
+    "chat_template": str,
+}
+
+
 class ConfigError(ValueError):
     """The model registry file is invalid; the message names the file and the key."""
 
 
-def load_registry(path: Path) -> ModelRegistry:
+def load_registry(path: Path, *, kv_cache_mb: float = DEFAULT_KV_INDEX_MB) -> ModelRegistry:
     try:
         data = tomllib.loads(path.read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    return registry_from_mapping(data, source=str(path))
+    return registry_from_mapping(data, source=str(path), kv_cache_mb=kv_cache_mb)
 
 
 # Numbers that must be positive (retries may be 0).
-_POSITIVE = {"connect_timeout", "read_timeout", "max_connections", "context_window"}
+_POSITIVE = {
+    "connect_timeout",
+    "read_timeout",
+    "max_connections",
+    "context_window",
+    "threads",
+    "context_size",
+    "kv_memory_mb",
+    "sequences",
+}
 
 
 def _get(table: dict[str, Any], key: str, kind: type, where: str) -> Any:
@@ -88,8 +119,10 @@ def _not_builtin(name: str, where: str, builtin: list[str]) -> None:
         )
 
 
-def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> ModelRegistry:
-    registry = default_registry()
+def registry_from_mapping(
+    data: dict[str, Any], *, source: str = "models", kv_cache_mb: float = DEFAULT_KV_INDEX_MB
+) -> ModelRegistry:
+    registry = default_registry(kv_cache_mb=kv_cache_mb)
     builtin = registry.names()
     known = {"models", "aliases"}
     for key in data:
@@ -104,23 +137,22 @@ def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> Mo
         if ":" in name:  # `name:k=v` is how clients pass model parameters
             raise ConfigError(f"{where}: a model name can't contain ':'")
         _not_builtin(name, where, builtin)
+        if "gguf" in table:
+            registry.add(_gguf_model(name, table, where, kv_cache_mb))
+            _add_aliases(registry, name, table, where, builtin)
+            continue
         allowed = {"upstream", "model", "context_window", "aliases", "description", *_UPSTREAM_KEYS}
         unknown = sorted(set(table) - allowed)
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]}: unknown key")
         if "upstream" not in table:
-            raise ConfigError(f"{where}: `upstream` (the base URL) is required")
+            raise ConfigError(
+                f"{where}: `upstream` (the base URL) or `gguf` (a model file) is required"
+            )
         base_url = _get(table, "upstream", str, where)
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(
                 f"{where}.upstream: expected an http:// or https:// URL, got {base_url!r}"
-            )
-        aliases = table.get("aliases", [])
-        if not isinstance(aliases, list) or not all(
-            isinstance(a, str) and ":" not in a for a in aliases
-        ):
-            raise ConfigError(
-                f"{where}.aliases: expected an array of names (without ':'), got {aliases!r}"
             )
         options = {
             k: _get(table, k, kind, where) for k, kind in _UPSTREAM_KEYS.items() if k in table
@@ -144,9 +176,7 @@ def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> Mo
                 else "",
             )
         )
-        for alias in aliases:
-            _not_builtin(alias, f"{where}.aliases", builtin)
-            registry.alias(alias, name)
+        _add_aliases(registry, name, table, where, builtin)
     alias_table = _table(data, "aliases", source)
     models = set(_table(data, "models", source))
     for alias, target in alias_table.items():
@@ -167,6 +197,55 @@ def registry_from_mapping(data: dict[str, Any], *, source: str = "models") -> Mo
                 f"{source}: aliases.{alias}: {target!r} is not a model of the registry"
             ) from None
     return registry
+
+
+def _add_aliases(
+    registry: ModelRegistry, name: str, table: dict[str, Any], where: str, builtin: list[str]
+) -> None:
+    aliases = table.get("aliases", [])
+    if not isinstance(aliases, list) or not all(
+        isinstance(a, str) and ":" not in a for a in aliases
+    ):
+        raise ConfigError(
+            f"{where}.aliases: expected an array of names (without ':'), got {aliases!r}"
+        )
+    for alias in aliases:
+        _not_builtin(alias, f"{where}.aliases", builtin)
+        registry.alias(alias, name)
+
+
+def _gguf_model(name: str, table: dict[str, Any], where: str, kv_cache_mb: float) -> ModelSpec:
+    """A `gguf = PATH` table: a model run in this process (its file is opened now, memory-
+    mapped, to read its context size and chat template; its KV pool comes on first use)."""
+    allowed = {"gguf", "aliases", "description", *_GGUF_KEYS}
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key")
+    missing = llama_available()
+    if missing is not None:
+        raise ConfigError(f"{where}.gguf: {missing}")
+    path = Path(_get(table, "gguf", str, where)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{where}.gguf: no such file: {path}")
+    options = {k: _get(table, k, kind, where) for k, kind in _GGUF_KEYS.items() if k in table}
+    if "sequences" in options:
+        options["slots"] = options.pop("sequences")
+    backend = LlamaBackend(LlamaConfig(path=path, index_mb=kv_cache_mb, **options))
+    try:
+        context = backend.context_window
+    except Exception as exc:  # a damaged file, a template that cannot serve: named here
+        raise ConfigError(f"{where}.gguf: {path}: {exc}") from None
+    return ModelSpec(
+        name=name,
+        backend=backend,
+        renderer=backend.renderer,
+        accepts_params=True,  # calls=N: a forced tool loop (LlamaBackend.check_params)
+        context_window=context,
+        description=_get(table, "description", str, where)
+        if "description" in table
+        else f"{path.name}, run by llama.cpp in this process",
+        owned_by="rollout",
+    )
 
 
 def missing_api_keys(registry: ModelRegistry) -> list[str]:

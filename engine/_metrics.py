@@ -17,6 +17,15 @@ counts:
     rollout_render_cache_dropped_total{reason=budget|ttl}   counter  entries dropped
     rollout_render_cache_bytes                              gauge    memory held (estimated)
     rollout_render_cache_entries                            gauge    entries held
+    rollout_kv_cache_lookups_total{model=,outcome=hit|miss} counter  a real model's turns that
+                                                                     kept a cached prefix or not
+    rollout_kv_cache_tokens_reused_total{model=}            counter  context tokens whose KV was
+                                                                     kept, not evaluated
+    rollout_kv_cache_dropped_total{model=,reason=index|pool} counter sequences dropped: idle
+                                                                     ones for --kv-cache-mb,
+                                                                     kept ones for a full pool
+    rollout_kv_cache_tokens{model=,state=running|kept|indexed} gauge tokens the KV pool holds
+    rollout_kv_cache_bytes{model=}                          gauge    the KV pool's size
 
 The stage histograms stay the engine's own (`_counters.StageTimer`), exported here through
 `HistogramMetricFamily`: the engine measures without depending on an exposition library (it
@@ -144,6 +153,57 @@ class _RolloutCollector:
         )
         yield self._stages()
         yield from self._render_cache()
+        yield from self._kv_caches()
+
+    def _kv_caches(self) -> Iterator[Metric]:
+        """The KV index of every real model that has run (`_kv.py`)."""
+        from ._kv import KVIndex
+
+        models = [
+            (spec.name, spec.backend)
+            for spec in self._engine.registry.specs()
+            if isinstance(getattr(spec.backend, "kv", None), KVIndex)
+        ]
+        if not models:
+            return
+        lookups = CounterMetricFamily(
+            "rollout_kv_cache_lookups",
+            "A real model's turns by whether they kept a cached prefix's KV.",
+            labels=["model", "outcome"],
+        )
+        reused = CounterMetricFamily(
+            "rollout_kv_cache_tokens_reused",
+            "Context tokens whose KV was kept instead of evaluated.",
+            labels=["model"],
+        )
+        dropped = CounterMetricFamily(
+            "rollout_kv_cache_dropped",
+            "KV sequences dropped: idle ones for the index budget (--kv-cache-mb), kept ones "
+            "(suspended rollouts, WebSocket lanes) because the pool was full.",
+            labels=["model", "reason"],
+        )
+        held = GaugeMetricFamily(
+            "rollout_kv_cache_tokens",
+            "Tokens whose KV the pool holds, by state.",
+            labels=["model", "state"],
+        )
+        size = GaugeMetricFamily(
+            "rollout_kv_cache_bytes", "The size of a real model's KV pool.", labels=["model"]
+        )
+        for name, backend in models:
+            kv = backend.kv  # type: ignore[attr-defined]
+            stats = kv.stats
+            lookups.add_metric([name, "hit"], stats.hits)
+            lookups.add_metric([name, "miss"], stats.misses)
+            reused.add_metric([name], stats.tokens_reused)
+            dropped.add_metric([name, "index"], stats.evictions)
+            dropped.add_metric([name, "pool"], stats.kept_evictions)
+            running = sum(len(s.tokens) + s.reserved for s in kv.slots if s.running)
+            held.add_metric([name, "running"], running)
+            held.add_metric([name, "kept"], kv.kept_tokens)
+            held.add_metric([name, "indexed"], kv.indexed_tokens)
+            size.add_metric([name], kv.cells * backend.kv_bytes_per_token)  # type: ignore[attr-defined]
+        yield from (lookups, reused, dropped, held, size)
 
     def _render_cache(self) -> Iterator[Metric]:
         cache = self._engine.render_cache

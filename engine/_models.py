@@ -45,12 +45,6 @@ class ModelSpec:
     owned_by: str = "rollout"
     # The model's own tokenizer and chat template; None: the engine's default renderer.
     renderer: Renderer | None = None
-    # `renderer`'s version (`render_version`), computed once here for every route to it.
-    render_version: str | None = attrs.field(init=False)
-
-    @render_version.default
-    def _render_version(self) -> str | None:
-        return version_of(self.renderer) if self.renderer is not None else None
 
 
 def model_not_found(model: str) -> RemoteProtocolError:
@@ -82,6 +76,7 @@ class ModelRegistry:
     def __init__(self, specs: Iterable[ModelSpec] = (), aliases: Mapping[str, str] = {}) -> None:
         self._specs: dict[str, ModelSpec] = {}
         self._aliases: dict[str, str] = {}
+        self._versions: dict[str, str] = {}  # model name -> its own renderer's version
         for spec in specs:
             self.add(spec)
         for alias, target in aliases.items():
@@ -89,6 +84,7 @@ class ModelRegistry:
 
     def add(self, spec: ModelSpec) -> None:
         self._specs[spec.name] = spec
+        self._versions.pop(spec.name, None)
 
     def alias(self, alias: str, target: str) -> None:
         """`alias` stands for the model string `target` (which may carry parameters)."""
@@ -126,8 +122,18 @@ class ModelRegistry:
             context_window=spec.context_window,
             backend=spec.backend,
             renderer=spec.renderer,
-            render_version=spec.render_version,
+            render_version=self._render_version(spec),
         )
+
+    def _render_version(self, spec: ModelSpec) -> str | None:
+        """The version of a model's own renderer, computed once, on the model's first use (a
+        real model's renderer loads the model to know its tokenizer: listing it does not)."""
+        if spec.renderer is None:
+            return None
+        version = self._versions.get(spec.name)
+        if version is None:
+            version = self._versions[spec.name] = version_of(spec.renderer)
+        return version
 
     @staticmethod
     def _split(model: str) -> tuple[str, dict[str, str]]:

@@ -33,12 +33,14 @@ from hypercorn.utils import wrap_app
 from rollout.protocol import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, DEFAULT_MAX_MESSAGE_SIZE
 
 from ._app import DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
+from ._defaults import default_registry
 from ._deflate import DEFAULT_WEBSOCKET_DEFLATE, HypercornConfig, decline_deflate_offers
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
 from ._errors import EngineError
 from ._heap import freeze_startup_heap
 from ._interfaces import Classifier, HostedTool, ResponseStore, UsageLedger
 from ._ledger import open_sqlite_ledger
+from ._llama import DEFAULT_KV_INDEX_MB
 from ._logging import HTTP_LOGGER
 from ._models import ModelRegistry
 from ._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL, RenderCache
@@ -89,6 +91,9 @@ class ServerConfig:
     max_cached_responses: int = 8
     render_cache_bytes: int = DEFAULT_RENDER_CACHE_BYTES  # 0: no render cache
     render_cache_ttl: float = DEFAULT_RENDER_CACHE_TTL
+    # What idle conversations' KV may hold per real model (`--kv-cache-mb`; `registry` None:
+    # the built-in models get it; a registry built elsewhere has its own).
+    kv_cache_mb: float = DEFAULT_KV_INDEX_MB
     # Send a few requests through a throwaway engine before serving (`_warmup.py`; once per
     # process), so the first client's request is not the one that builds what is built on
     # first use.
@@ -297,10 +302,11 @@ async def serve(
     except BaseException:
         _close(sockets)
         raise
+    registry = config.registry or default_registry(kv_cache_mb=config.kv_cache_mb)
     try:
         async with (
             open_engine(
-                registry=config.registry,
+                registry=registry,
                 classifier=config.classifier,
                 hosted_tools=config.hosted_tools,
                 store=store,
@@ -374,8 +380,7 @@ async def serve(
         with trio.CancelScope(shield=True):
             await store.aclose()
             await ledger.aclose()
-            if config.registry is not None:
-                await config.registry.aclose()
+            await registry.aclose()
 
 
 async def _open_postgres(url: str) -> tuple[ResponseStore, UsageLedger, bytes]:

@@ -58,6 +58,12 @@ Checked at construction (a `ValueError` refuses the template):
 A vocabulary that asks for a BOS token gets it first in the prefix when the template does
 not write it.
 
+The model's spelling of its own turns (`remember_spelling`): a model does not always sample
+the tokens the tokenizer would choose for the text it writes. The backend hands each finished
+turn's tokens over; when they differ from the turn's rendering, that text's assistant turn
+renders with the model's tokens from then on (process-wide, content-addressed, bounded), so
+what the next turn's context holds is what the model's KV already holds.
+
 One deliberate difference from `apply_chat_template`: a conversation with no instructions and
 no tools whose first item is a system or developer message renders after the template's
 default system turn (rollout's prefix always holds it, whatever the items), where
@@ -69,6 +75,7 @@ convention version and this module's `RENDER_VERSION`.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 from array import array
@@ -119,6 +126,9 @@ __all__ = [
 
 # Bump when the text of an item changes (the mapping above, the placeholders).
 RENDER_VERSION = "template-1"
+# The model's own spellings of assistant turns it generated (see `remember_spelling`), kept
+# within this many bytes (text and tokens), least recently used dropped first.
+MAX_SPELLING_BYTES = 16 * 2**20
 IMAGE_PLACEHOLDER = "[image]"
 SCREENSHOT_PLACEHOLDER = "[screenshot]"
 FILE_PLACEHOLDER = "[file not shown]"
@@ -228,6 +238,8 @@ class TemplateRenderer:
         self.generation_prompt_text = self._generation_prompt()
         self.generation_prompt = array("I", vocab.encode_special(self.generation_prompt_text))
         self._check_generation_prompt()
+        self._spellings: collections.OrderedDict[str, array[int]] = collections.OrderedDict()
+        self._spelling_bytes = 0
 
     # --- the Renderer protocol -----------------------------------------------------------
 
@@ -241,7 +253,39 @@ class TemplateRenderer:
         message = self.chat_message(item)
         if message is None:
             return array("I")
+        if self._spellings and message["role"] == "assistant":
+            spelled = self._spellings.get(message["content"])
+            if spelled is not None:
+                self._spellings.move_to_end(message["content"])
+                return array("I", spelled)
         return array("I", self._turn_tokens(message))
+
+    def remember_spelling(self, text: str, generated: Sequence[int]) -> bool:
+        """The model generated an assistant turn of `text` as the tokens `generated` (after
+        the generation prompt, without its end token). When rendering that turn would spell
+        the text with other tokens (a tokenizer's merges are not always what a model
+        samples: a forced name sampled letter by letter, `"}` then `}` for `"` then `}}`),
+        the model's spelling is kept: the turn then renders as the model's KV holds it, and
+        its next turn evaluates only what is new. Process-wide and content-addressed, so
+        every client resending that text gets the same tokens; bounded by
+        `MAX_SPELLING_BYTES`. Returns whether a spelling was kept."""
+        shape = self._shapes.get("assistant")
+        if shape is None or shape.tail_text or self.vocab.decode(list(generated)) != text:
+            return False  # the turn cannot be spliced, or this is not that text's spelling
+        spelled = array("I", self.generation_prompt)
+        spelled.extend(generated)
+        spelled.extend(shape.tail_ids)
+        if list(spelled) == self._turn_tokens({"role": "assistant", "content": text}):
+            return False  # rendering spells it the same
+        old = self._spellings.pop(text, None)
+        if old is not None:
+            self._spelling_bytes -= len(text) + 4 * len(old)
+        self._spellings[text] = spelled
+        self._spelling_bytes += len(text) + 4 * len(spelled)
+        while self._spelling_bytes > MAX_SPELLING_BYTES and self._spellings:
+            dropped_text, dropped = self._spellings.popitem(last=False)
+            self._spelling_bytes -= len(dropped_text) + 4 * len(dropped)
+        return True
 
     def prefix_text(self, instructions: str | None, tools: Sequence[Tool]) -> str:
         return classifier_prefix_text(instructions, tools)

@@ -368,7 +368,7 @@ def _worker_main(spec: _WorkerSpec, index: int, control: Connection) -> None:
     if spec.models is not None:
         from ._config import load_registry
 
-        registry = load_registry(spec.models)
+        registry = load_registry(spec.models, kv_cache_mb=spec.config.kv_cache_mb)
     config = attrs.evolve(
         spec.config,
         registry=registry,

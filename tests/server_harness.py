@@ -251,10 +251,11 @@ def counters(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> di
     }
 
 
-async def fetch_counters(base_url: str) -> dict[str, int]:
-    """The work counters, read from the server's `/metrics`."""
+async def fetch_counters(base_url: str, key: str | None = None) -> dict[str, int]:
+    """The work counters, read from the server's `/metrics` (with `key` when it has keys)."""
     root = base_url.removesuffix("/v1")
-    async with httpx.AsyncClient() as client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(headers=headers) as client:
         resp = await client.get(f"{root}/metrics")
     resp.raise_for_status()
     return counters(parse_metrics(resp.text))

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import trio
 from rollout.engine._config import ConfigError, load_registry, registry_from_mapping
+from rollout.engine._defaults import default_registry
 from rollout.engine._upstream import UpstreamBackend
 from rollout.protocol import RemoteProtocolError
 
@@ -27,10 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DEADLINE = 20
 
 
-def readme_toml() -> str:
+def readme_toml(kind: str = "upstream") -> str:
+    """The README's models-file example of upstream models (or of `gguf` files)."""
     blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
-    assert len(blocks) == 1, "the README has one TOML example"
-    return str(blocks[0])
+    found = [b for b in blocks if f"\n{kind} = " in b]
+    assert len(found) == 1, f"the README has one TOML example of {kind} models"
+    return str(found[0])
 
 
 def upstream(registry: Any, model: str) -> UpstreamBackend:
@@ -108,7 +111,10 @@ BAD: list[tuple[str, str]] = [
     (X + "description = []\n", "models.x.description: expected str"),
     (X + 'aliases = "y"\n', "models.x.aliases: expected an array"),
     (X + "aliases = [1]\n", "models.x.aliases: expected an array"),
-    ('[models.x]\nmodel = "m"\n', "models.x: `upstream` (the base URL) is required"),
+    (
+        '[models.x]\nmodel = "m"\n',
+        "models.x: `upstream` (the base URL) or `gguf` (a model file) is required",
+    ),
     ("[models.x]\nupstream = 5\n", "models.x.upstream: expected str"),
     (
         '[models.x]\nupstream = "127.0.0.1:8001/v1"\n',
@@ -230,10 +236,10 @@ def test_a_file_naming_a_builtin_model_is_refused(tmp_path: Path) -> None:
     done = run_serve("--models", "models.toml", "--port", "0", cwd=tmp_path)
     assert done.returncode == 2
     assert done.stdout == ""
+    builtin = ", ".join(default_registry().names())  # sim and its presets (and smollm2)
     assert done.stderr == (
         "rollout serve: models.toml: models.sim: `sim` is a built-in model, which stays "
-        "available; a models file cannot replace it: use another name (built-in: sim, "
-        "sim-1000, sim-4000, sim-65)\n"
+        f"available; a models file cannot replace it: use another name (built-in: {builtin})\n"
     )
     assert not (tmp_path / "rollout-data").exists()
 

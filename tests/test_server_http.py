@@ -15,6 +15,7 @@ import pytest
 import trio
 import trio_websocket
 from rollout.engine._defaults import SIM_ALIASES
+from rollout.engine._llama import llama_available
 
 from tests.server_harness import counters, open_test_server, open_ws, parse_metrics
 
@@ -148,7 +149,8 @@ async def test_models(http: httpx.AsyncClient) -> None:
         body = resp.json()
         assert body["object"] == "list"
         ids = [m["id"] for m in body["data"]]
-        assert set(ids) == {"sim", *SIM_ALIASES}
+        builtin = {"sim", *SIM_ALIASES} | ({"smollm2"} if llama_available() is None else set())
+        assert set(ids) == builtin
         for model in body["data"]:
             assert model["object"] == "model" and isinstance(model["created"], int)
             assert model["owned_by"] == "rollout"

@@ -1,0 +1,369 @@
+"""The model's thread: one llama.cpp context, stepped in batches across every running turn.
+
+llama.cpp's calls block (a 512-token prefill takes seconds on a small CPU), so they never run
+on the event loop. One thread per model owns the model, its context (one pool of KV cells
+shared by `slots` sequences, `kv_unified`) and one batch, and loops:
+
+    take commands     start a job (its sequence operations first: evictions, a truncated or
+                      copied prefix, `_kv.Plan.ops`), cancel one, clear sequences, stop
+    build a batch     every decoding job's last sampled token (one each), then prefill
+                      chunks of jobs still reading their prompt, first come first served
+    decode            one `llama_decode` for the batch
+    sample            each job whose logits came out samples a token with its own sampler
+                      chain (grammar, then greedy or top-p/temperature); an end-of-generation
+                      token ends the job (not fed back), any other is fed at the next step
+    report            each job's news goes to its trio task (`trio.lowlevel.TrioToken`):
+                      tokens evaluated, tokens sampled, and at the end what its sequence holds
+
+A job is cancelled between steps (its prompt or output may stop mid-way; what its sequence
+holds is reported either way). The thread never touches the KV index: the event loop decides
+which sequence a job runs on and what it keeps (`_kv.py`), the thread only applies it.
+
+Evaluation boundaries: a prompt is evaluated in chunks of `batch` tokens from its first
+position (fewer while other jobs decode: `DECODE_SHARE_CHUNK`), so two turns that keep the same
+prefix and evaluate the same tokens alone run the same computations, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import queue
+import threading
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+
+from ._toolconv import Grammar, GrammarError
+
+__all__ = [
+    "DECODE_SHARE_CHUNK",
+    "EngineReport",
+    "Job",
+    "LlamaRuntime",
+    "SamplerSpec",
+    "kv_bytes_per_token",
+]
+
+log = logging.getLogger("rollout.engine.llama")
+
+# Prompt tokens evaluated per step while other jobs are decoding: a long prefill then delays
+# their next token by one such chunk (~0.4 s at 300 tokens/s) instead of a whole batch.
+DECODE_SHARE_CHUNK = 128
+
+
+@attrs.frozen
+class SamplerSpec:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+    grammar: Grammar | None = None
+
+
+@attrs.frozen
+class EngineReport:
+    """A job's news from one step (delivered on the event loop, in order)."""
+
+    evaluated: int = 0  # tokens the model evaluated for it in this step
+    sampled: tuple[int, ...] = ()  # tokens sampled (at most one per step)
+    # At the end: why ("eog", "length", "cancelled", "error"), and how many tokens its
+    # sequence now holds from its first prompt position (prompt evaluated + tokens fed back).
+    end: str | None = None
+    fed: array[int] | None = None
+    error: str | None = None
+
+
+@attrs.define(eq=False)
+class Job:
+    """One turn on one sequence. The thread owns the fields below `cancelled`."""
+
+    seq: int
+    ops: list[tuple[str, int, int, int]]
+    prompt: array[int]  # tokens to evaluate, from position `pos`
+    pos: int
+    sampler: SamplerSpec
+    max_tokens: int  # tokens it may sample (the end-of-generation token included)
+    report: Callable[[EngineReport], None]  # runs on the event loop
+    token: trio.lowlevel.TrioToken
+    cancelled: bool = False  # set from the event loop; read by the thread between steps
+    # --- the thread's ---
+    read: int = 0  # prompt tokens evaluated
+    fed: array[int] = attrs.field(factory=lambda: array("I"))
+    next_token: int | None = None  # sampled, to be fed at the next step
+    sampled: int = 0
+    chain: Any = None  # llama_sampler_p
+    grammar: Any = None  # llama_sampler_p: a greedy job's grammar, applied apart (`_sample`)
+
+    def deliver(self, report: EngineReport) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            self.token.run_sync_soon(self.report, report)
+
+
+def kv_bytes_per_token(llama: Any, model: Any) -> int:
+    """KV cache bytes per token of a model (f16 K and V): 2 * layers * kv_heads * head_dim * 2."""
+    layers = llama.llama_model_n_layer(model)
+    heads = llama.llama_model_n_head(model)
+    kv_heads = llama.llama_model_n_head_kv(model)
+    head_dim = llama.llama_model_n_embd(model) // max(1, heads)
+    return int(2 * layers * kv_heads * head_dim * 2)
+
+
+class LlamaRuntime:
+    """A loaded model, its context and its thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        cells: int,
+        slots: int,
+        threads: int,
+        batch: int,
+    ) -> None:
+        """`model`: a loaded `llama_model_p` (the caller frees it, after `close`)."""
+        import llama_cpp as llama
+
+        self._llama = llama
+        self.model = model
+        self.vocab = llama.llama_model_get_vocab(self.model)
+        cp = llama.llama_context_default_params()
+        cp.n_ctx = cells
+        cp.n_seq_max = slots
+        cp.kv_unified = True
+        cp.n_batch = batch
+        cp.n_ubatch = batch
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        self.ctx = llama.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise OSError(f"llama.cpp could not create a context of {cells} KV cells")
+        self.cells = llama.llama_n_ctx(self.ctx)
+        self.slots = slots
+        self.batch_size = batch
+        self.memory = llama.llama_get_memory(self.ctx)
+        self.batch = llama.llama_batch_init(batch, 0, 1)
+        self.bytes_per_token = kv_bytes_per_token(llama, self.model)
+        import numpy  # llama-cpp-python's own dependency
+
+        self._np = numpy
+        self.n_vocab = llama.llama_vocab_n_tokens(self.vocab)
+        self._candidates = numpy.zeros(
+            self.n_vocab, dtype=numpy.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        )
+        self._candidates["id"] = numpy.arange(self.n_vocab, dtype=numpy.int32)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._jobs: list[Job] = []
+        self._thread = threading.Thread(target=self._run, name="rollout-llama", daemon=True)
+        self._thread.start()
+
+    # --- the event loop's side ---------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        self._inbox.put(("start", job))
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True
+        self._inbox.put(("wake", None))
+
+    def clear(self, seqs: list[int]) -> None:
+        """Drop the KV of these sequences (evicted by the index)."""
+        if seqs:
+            self._inbox.put(("clear", seqs))
+
+    def close(self) -> None:
+        """Stop the thread (running jobs end `cancelled`) and free the context."""
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None))
+            self._thread.join()
+        llama = self._llama
+        if self.ctx:
+            llama.llama_batch_free(self.batch)
+            llama.llama_free(self.ctx)
+            self.ctx = None
+
+    # --- the thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._commands():
+                if self._jobs:
+                    self._step()
+        except Exception:  # a bug here must not hang the turns waiting on this thread
+            log.exception("the llama.cpp thread failed")
+            for job in self._jobs:
+                self._end(job, "error", "the model's thread failed")
+            self._jobs = []
+
+    def _commands(self) -> bool:
+        """Apply queued commands (waiting for one when no job runs); False on stop."""
+        while True:
+            try:
+                command, arg = self._inbox.get(block=not self._jobs)
+            except queue.Empty:
+                break
+            if command == "start":
+                self._start(arg)
+            elif command == "clear":
+                for seq in arg:
+                    self._llama.llama_memory_seq_rm(self.memory, seq, 0, -1)
+            elif command == "stop":
+                for job in self._jobs:
+                    self._end(job, "cancelled")
+                self._jobs = []
+                return False
+            if not self._jobs and self._inbox.empty():
+                continue
+        for job in [j for j in self._jobs if j.cancelled]:
+            self._end(job, "cancelled")
+        self._jobs = [j for j in self._jobs if not j.cancelled]
+        return True
+
+    def _start(self, job: Job) -> None:
+        llama = self._llama
+        for op in job.ops:
+            if op[0] == "rm":
+                llama.llama_memory_seq_rm(self.memory, op[1], op[2], op[3])
+            else:
+                llama.llama_memory_seq_cp(self.memory, op[1], op[2], 0, op[3])
+        if job.cancelled:
+            self._end(job, "cancelled")
+            return
+        try:
+            job.chain = self._sampler(job.sampler)
+            if job.sampler.grammar is not None and job.sampler.temperature <= 0:
+                job.grammar = job.sampler.grammar.sampler(self.vocab)
+        except GrammarError as exc:
+            self._end(job, "error", str(exc))
+            return
+        self._jobs.append(job)
+
+    def _sampler(self, spec: SamplerSpec) -> Any:
+        """The job's sampler chain: a grammar first when it has one (unless greedy: see
+        `_sample`), then greedy, or top-p, temperature and a seeded draw."""
+        llama = self._llama
+        chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+        if spec.grammar is not None and spec.temperature > 0:
+            llama.llama_sampler_chain_add(chain, spec.grammar.sampler(self.vocab))
+        if spec.temperature <= 0:
+            llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_greedy())
+        else:
+            if spec.top_p < 1:
+                llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_top_p(spec.top_p, 1))
+            llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_temp(spec.temperature))
+            llama.llama_sampler_chain_add(
+                chain, llama.llama_sampler_init_dist(spec.seed & 0xFFFFFFFF)
+            )
+        return chain
+
+    def _sample(self, job: Job, index: int) -> int:
+        """The job's next token from the logits at batch `index`. Greedy under a grammar
+        checks the best token against the grammar first and applies the grammar to the whole
+        vocabulary only when it refuses that token (as llama.cpp's own common sampler does:
+        applying it to all ~50k candidates costs several milliseconds a token); the token
+        is the same either way (the best one the grammar allows)."""
+        llama = self._llama
+        if job.grammar is None:
+            return int(llama.llama_sampler_sample(job.chain, self.ctx, index))
+        logits = self._np.ctypeslib.as_array(
+            llama.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,)
+        )
+        best = int(logits.argmax())
+        one = (llama.llama_token_data * 1)(llama.llama_token_data(best, float(logits[best]), 0.0))
+        single = llama.llama_token_data_array(one, 1, -1, False)
+        llama.llama_sampler_apply(job.grammar, ctypes.byref(single))
+        if math.isinf(one[0].logit):
+            candidates = self._candidates
+            candidates["logit"] = logits
+            candidates["p"] = 0.0
+            data = candidates.ctypes.data_as(ctypes.POINTER(llama.llama_token_data))
+            every = llama.llama_token_data_array(data, self.n_vocab, -1, False)
+            llama.llama_sampler_apply(job.grammar, ctypes.byref(every))
+            best = int(candidates["logit"].argmax())
+        llama.llama_sampler_accept(job.grammar, best)
+        return best
+
+    def _step(self) -> None:
+        llama = self._llama
+        batch = self.batch
+        n = 0
+        outputs: list[tuple[Job, int]] = []  # (job, batch index of its logits)
+        evaluated: dict[int, int] = {}
+        decoding = [j for j in self._jobs if j.next_token is not None]
+        for job in decoding:
+            self._put(n, job.next_token, job.pos + len(job.fed), job.seq, True)  # type: ignore[arg-type]
+            job.fed.append(job.next_token)  # type: ignore[arg-type]
+            job.next_token = None
+            outputs.append((job, n))
+            evaluated[id(job)] = 1
+            n += 1
+        share = self.batch_size if not decoding else min(self.batch_size, DECODE_SHARE_CHUNK)
+        for job in self._jobs:
+            left = len(job.prompt) - job.read
+            if left <= 0 or job in decoding:
+                continue
+            room = min(self.batch_size - n, share)
+            if room <= 0:
+                break
+            take = min(left, room)
+            for i in range(take):
+                index = job.read + i
+                last = index == len(job.prompt) - 1
+                self._put(n, job.prompt[index], job.pos + index, job.seq, last)
+                if last:
+                    outputs.append((job, n))
+                n += 1
+            job.fed.extend(job.prompt[job.read : job.read + take])
+            job.read += take
+            evaluated[id(job)] = take
+        batch.n_tokens = n
+        rc = llama.llama_decode(self.ctx, batch)
+        if rc != 0:
+            for job in self._jobs:
+                self._end(job, "error", f"llama_decode failed ({rc}): the KV cache is full")
+            self._jobs = []
+            return
+        sampled: dict[int, int] = {}
+        for job, index in outputs:
+            sampled[id(job)] = self._sample(job, index)
+            job.sampled += 1
+        still: list[Job] = []
+        for job in self._jobs:
+            token = sampled.get(id(job))
+            news = EngineReport(
+                evaluated=evaluated.get(id(job), 0),
+                sampled=(token,) if token is not None else (),
+            )
+            if token is not None and llama.llama_vocab_is_eog(self.vocab, token):
+                job.deliver(news)
+                self._end(job, "eog")
+            elif token is not None and job.sampled >= job.max_tokens:
+                job.deliver(news)
+                self._end(job, "length")
+            else:
+                if token is not None:
+                    job.next_token = token
+                job.deliver(news)
+                still.append(job)
+        self._jobs = still
+
+    def _put(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        batch = self.batch
+        batch.token[i] = token
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+
+    def _end(self, job: Job, why: str, error: str | None = None) -> None:
+        if job.chain is not None:
+            self._llama.llama_sampler_free(job.chain)
+            job.chain = None
+        if job.grammar is not None:
+            self._llama.llama_sampler_free(job.grammar)
+            job.grammar = None
+        job.deliver(EngineReport(end=why, fed=array("I", job.fed), error=error))
