@@ -16,9 +16,10 @@
     gguf = "/path/to/model.gguf"            # (needs `pip install 'rollout-engine[llama]'`)
     threads = 2                             # CPU threads; default: all
     context_size = 8192                     # tokens per conversation; default: the model's
-    kv_memory_mb = 1024                     # the KV pool of every sequence, allocated on
-                                            # first use (SmolLM2-135M: 22.5 KiB per token)
-    sequences = 32                          # conversations whose KV the pool holds at once
+    kv_memory_mb = 2048                     # the KV pool, allocated on first use: as many
+                                            # sequences of context_size tokens as it holds
+                                            # (SmolLM2-135M: 22.5 KiB per token)
+    sequences = 16                          # at most this many sequences (default 64)
     chat_template = "{% for m in messages %}..."  # default: the GGUF's own
     aliases = ["other-name"]
     description = "..."

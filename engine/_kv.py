@@ -1,7 +1,8 @@
 """The KV index: which llama.cpp sequence holds which tokens, and who keeps it.
 
-A real model's context (`_llama_engine.py`) has `n_slots` sequences sharing one pool of KV
-cells. Each sequence is a **slot** holding the KV of exactly its `tokens` (positions 0..n-1).
+A real model's context (`_llama_engine.py`) has `slots` sequences, each with its own KV cells
+(`capacity` tokens: one sequence's numbers never depend on what the others hold). Each
+sequence is a **slot** holding the KV of exactly its `tokens` (positions 0..n-1).
 A slot is, at any time, one of:
 
     running   a turn evaluates on it (prefill, then a token per step): never matched, never
@@ -19,8 +20,9 @@ A slot is, at any time, one of:
     best = the idle slot of this owner with the longest common token prefix with `context`
            (ties: one pinned by the turn's own holders, then the most recently used)
     best unpinned, or pinned only by the turn's holders  -> run on it, keeping the prefix
-    best pinned by another holder                        -> run on a free slot, copying the
-                                                            prefix's KV from it (it keeps its own)
+    best pinned by another holder                        -> run on a free slot, copying its
+                                                            KV (then cutting it to the prefix;
+                                                            the other keeps its own)
     no match                                             -> a free slot, nothing kept
     then, while the pool (or the slot count) is short: evict indexed slots, then kept ones,
     least recently used first; None when only running turns hold it (the turn waits)
@@ -31,8 +33,9 @@ tokens fed back) and pins it with the turn's holders; a holder keeps one slot pe
 newer turn's slot replaces its older one). `release(holder)` unpins.
 
 Pure bookkeeping, no llama.cpp and no clock: the caller applies a plan's operations on the
-model's thread (`Plan.ops`). Memory: `cells` is the pool's size in tokens; a slot's tokens are
-counted in full even where a copy shares cells with its source (an upper bound).
+model's thread (`Plan.ops`). Memory: `cells` is the pool's size in tokens (every slot's
+`capacity`, unless a shared pool is described: then a turn's cells come from the pool, and the
+least recently used idle slots go when it is short).
 """
 
 from __future__ import annotations
@@ -90,14 +93,17 @@ class Plan:
 
     def ops(self) -> list[tuple[str, int, int, int]]:
         """The sequence operations, in order: ("rm", seq, p0, p1) removes positions [p0, p1)
-        (p1 -1: to the end), ("cp", src, dst, p1) copies positions [0, p1) of src to dst."""
+        (p1 -1: to the end), ("cp", src, dst, -1) copies the whole of src to dst (llama.cpp
+        copies between sequences with cells of their own only whole)."""
         out = [("rm", seq, 0, -1) for seq in self.evict]
+        dst = self.slot.seq
         if self.copy_from is not None:
-            out.append(("rm", self.slot.seq, 0, -1))
+            out.append(("rm", dst, 0, -1))
             if self.keep:
-                out.append(("cp", self.copy_from.seq, self.slot.seq, self.keep))
+                out.append(("cp", self.copy_from.seq, dst, -1))
+                out.append(("rm", dst, self.keep, -1))
         else:
-            out.append(("rm", self.slot.seq, self.keep, -1))
+            out.append(("rm", dst, self.keep, -1))
         return out
 
 
@@ -118,10 +124,13 @@ class KVIndex:
     """Slots of one model's context (see the module docstring). Single-task: the event loop
     calls it, never the model's thread."""
 
-    def __init__(self, *, slots: int, cells: int, index_tokens: int) -> None:
+    def __init__(
+        self, *, slots: int, cells: int, index_tokens: int, capacity: int | None = None
+    ) -> None:
         if slots < 1 or cells < 1 or index_tokens < 0:
             raise ValueError("the KV index needs slots >= 1, cells >= 1, index_tokens >= 0")
         self.cells = cells
+        self.capacity = cells if capacity is None else capacity  # tokens one slot holds
         self.index_tokens = index_tokens
         self.slots = [Slot(seq) for seq in range(slots)]
         self.stats = KVStats()
@@ -162,8 +171,9 @@ class KVIndex:
         if not context:
             raise ValueError("a turn needs at least one context token")
         need = len(context) + reserve
-        if need > self.cells:
-            raise ValueError(f"a turn of {need} tokens does not fit a pool of {self.cells}")
+        if need > min(self.cells, self.capacity):
+            room = min(self.cells, self.capacity)
+            raise ValueError(f"a turn of {need} tokens does not fit a sequence of {room}")
         mine = set(holders)
         best, keep = self._best(owner, context, mine)
         keep = min(keep, len(context) - 1)  # the last token is evaluated: its logits sample

@@ -16,11 +16,14 @@
                    is kept by the request's holders (the rollout, the lane) and indexed
                    once they let go
 
-Memory: the model's KV pool (`kv_memory_mb`) is allocated when the model first runs; each
-token a sequence holds costs `kv_bytes_per_token` (SmolLM2-135M: 23,040 bytes, f16 K and V
-of 30 layers x 3 KV heads x 64). Kept sequences (suspended rollouts, WebSocket lanes) live in
-the pool until the pool is short (then the least recently used goes: that rollout's next turn
-evaluates its whole context again); idle ones are indexed within `index_mb` (`--kv-cache-mb`).
+Memory: the model's KV pool (`kv_memory_mb`) is allocated when the model first runs, as
+`sequences` of `context_size` tokens each (each sequence its own cells: its numbers never
+depend on what the others hold); a token costs `kv_bytes_per_token` (SmolLM2-135M: 23,040
+bytes, f16 K and V of 30 layers x 3 KV heads x 64, so a sequence of its 8,192 tokens is 180
+MiB and the default 2,048 MB pool holds 11). Kept sequences (suspended rollouts, WebSocket
+lanes) stay until every sequence is taken (then the least recently used idle one goes: a
+rollout's next turn then evaluates its context again); idle ones nobody keeps are indexed
+within `index_mb` (`--kv-cache-mb`).
 """
 
 from __future__ import annotations
@@ -59,13 +62,14 @@ __all__ = [
 
 log = logging.getLogger("rollout.engine.llama")
 
-# The KV pool of a model: every sequence's tokens, kept, indexed or running. 1 GiB holds
-# ~46,000 tokens of SmolLM2-135M (e.g. 8 suspended rollouts of 4,000 tokens and room to run).
-DEFAULT_KV_MEMORY_MB = 1024.0
+# The KV pool of a model: its sequences (running, kept, indexed), `context_size` tokens each.
+# 2 GiB holds 11 sequences of SmolLM2-135M's 8,192 tokens (8 suspended rollouts and 3 running).
+DEFAULT_KV_MEMORY_MB = 2048.0
 # Of the pool, what idle sequences nobody keeps may hold for later turns (`--kv-cache-mb`).
 DEFAULT_KV_INDEX_MB = 256.0
-# Sequences of the context: running turns, kept and indexed sequences together.
-DEFAULT_SLOTS = 32
+# The most sequences a model's context has (running, kept and indexed together), whatever
+# its pool would hold.
+DEFAULT_SLOTS = 64
 # Tokens per llama_decode call (a prompt is evaluated in chunks of this many).
 DEFAULT_BATCH = 512
 # The largest `calls=N` model parameter (a forced tool loop's length).
@@ -145,14 +149,22 @@ class LlamaBackend:
         return kv_bytes_per_token(llama_cpp, self._model)
 
     @property
+    def sequences(self) -> int:
+        """Sequences the pool holds: `kv_memory_mb` over one sequence's `context_limit`
+        tokens (at least one; at most `slots`)."""
+        per_sequence = self.context_limit * self.kv_bytes_per_token
+        held = int(self.config.kv_memory_mb * 2**20) // per_sequence
+        return max(1, min(self.config.slots, held))
+
+    @property
     def kv_cells(self) -> int:
-        """Tokens the KV pool holds (`kv_memory_mb` over the bytes per token)."""
-        return max(1, int(self.config.kv_memory_mb * 2**20) // self.kv_bytes_per_token)
+        """Tokens the KV pool holds (every sequence's)."""
+        return self.sequences * self.context_limit
 
     @property
     def context_window(self) -> int:
-        """The longest context a request may have: one sequence's limit, within the pool."""
-        return min(self.context_limit, self.kv_cells)
+        """The longest context a request may have: one sequence's."""
+        return self.context_limit
 
     async def start(self) -> LlamaRuntime:
         """Load the model and allocate its KV pool (in a worker thread), once."""
@@ -164,26 +176,28 @@ class LlamaBackend:
     def _open_runtime(self) -> LlamaRuntime:
         self.model_renderer()
         per_token = self.kv_bytes_per_token
-        cells = self.kv_cells
+        sequences, capacity = self.sequences, self.context_limit
         runtime = LlamaRuntime(
             self._model,
-            cells=cells,
-            slots=self.config.slots,
+            cells=sequences * capacity,
+            slots=sequences,
             threads=self.config.threads,
             batch=self.config.batch,
         )
+        capacity = min(capacity, runtime.cells_per_sequence)
         self.kv = KVIndex(
-            slots=self.config.slots,
-            cells=runtime.cells,
+            slots=sequences,
+            cells=sequences * capacity,
+            capacity=capacity,
             index_tokens=int(self.config.index_mb * 2**20) // per_token,
         )
         log.info(
-            "model %s loaded: KV pool of %d tokens (%.0f MiB, %d bytes per token), %d sequences",
+            "model %s loaded: %d sequences of %d tokens (KV %.0f MiB, %d bytes per token)",
             self.config.path.name,
-            runtime.cells,
+            sequences,
+            capacity,
             runtime.cells * per_token / 2**20,
             per_token,
-            self.config.slots,
         )
         return runtime
 

@@ -1,8 +1,8 @@
 """The model's thread: one llama.cpp context, stepped in batches across every running turn.
 
 llama.cpp's calls block (a 512-token prefill takes seconds on a small CPU), so they never run
-on the event loop. One thread per model owns the model, its context (one pool of KV cells
-shared by `slots` sequences, `kv_unified`) and one batch, and loops:
+on the event loop. One thread per model owns the model, its context (`slots` sequences, each
+with KV cells of its own) and one batch, and loops:
 
     take commands     start a job (its sequence operations first: evictions, a truncated or
                       copied prefix, `_kv.Plan.ops`), cancel one, clear sequences, stop
@@ -134,7 +134,11 @@ class LlamaRuntime:
         cp = llama.llama_context_default_params()
         cp.n_ctx = cells
         cp.n_seq_max = slots
-        cp.kv_unified = True
+        # Each sequence its own cells (a stream): in one shared buffer, a sequence's attention
+        # also runs over other sequences' (masked) cells, and its logits move with them
+        # (measured: up to 0.54 here); apart, the same tokens evaluated the same way give the
+        # same logits whatever else the model holds.
+        cp.kv_unified = False
         cp.n_batch = batch
         cp.n_ubatch = batch
         cp.n_threads = threads
@@ -143,6 +147,7 @@ class LlamaRuntime:
         if not self.ctx:
             raise OSError(f"llama.cpp could not create a context of {cells} KV cells")
         self.cells = llama.llama_n_ctx(self.ctx)
+        self.cells_per_sequence = llama.llama_n_ctx_seq(self.ctx)
         self.slots = slots
         self.batch_size = batch
         self.memory = llama.llama_get_memory(self.ctx)
@@ -229,7 +234,7 @@ class LlamaRuntime:
             if op[0] == "rm":
                 llama.llama_memory_seq_rm(self.memory, op[1], op[2], op[3])
             else:
-                llama.llama_memory_seq_cp(self.memory, op[1], op[2], 0, op[3])
+                llama.llama_memory_seq_cp(self.memory, op[1], op[2], -1, op[3])
         if job.cancelled:
             self._end(job, "cancelled")
             return

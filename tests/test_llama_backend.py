@@ -37,8 +37,8 @@ TOOL = {
 BYTES_PER_TOKEN = 23_040
 
 
-def registry(*, pool_tokens: int, slots: int, index_tokens: int = 0) -> ModelRegistry:
-    """The built-ins, and `small`: the packaged SmolLM2 in a pool of `pool_tokens`."""
+def registry(*, context: int, sequences: int, index_tokens: int = 0) -> ModelRegistry:
+    """The built-ins, and `small`: the packaged SmolLM2 with `sequences` of `context` tokens."""
     require_llama()
     from rollout.engine._llama_vocab import packaged_smollm2
 
@@ -47,9 +47,10 @@ def registry(*, pool_tokens: int, slots: int, index_tokens: int = 0) -> ModelReg
     backend = LlamaBackend(
         LlamaConfig(
             path=path,
-            kv_memory_mb=pool_tokens * BYTES_PER_TOKEN / 2**20,
+            context_size=context,
+            kv_memory_mb=sequences * context * BYTES_PER_TOKEN / 2**20,
             index_mb=index_tokens * BYTES_PER_TOKEN / 2**20,
-            slots=slots,
+            slots=sequences,
             threads=2,
         )
     )
@@ -59,7 +60,7 @@ def registry(*, pool_tokens: int, slots: int, index_tokens: int = 0) -> ModelReg
             name="small",
             backend=backend,
             renderer=backend.renderer,
-            context_window=8192,  # more than the pool: the backend must refuse, not crash
+            context_window=8192,  # more than a sequence: the backend must refuse, not crash
             accepts_params=True,
         )
     )
@@ -108,7 +109,7 @@ async def suspend(engine: Engine, request: p.ResponseCreate, stack: Any) -> Any:
 async def test_a_rollout_left_suspended_frees_its_sequence() -> None:
     from contextlib import AsyncExitStack
 
-    reg = registry(pool_tokens=2048, slots=2)
+    reg = registry(context=1024, sequences=2)
     with trio.fail_after(DEADLINE):
         async with engine_with(reg) as engine:
             async with AsyncExitStack() as stack:
@@ -125,7 +126,7 @@ async def test_a_turn_cut_off_mid_generation_ends_its_job() -> None:
     """A client that goes away while the model writes: the job stops at the next step and
     its sequence is free again (with one sequence in all, the next turn could not run
     otherwise)."""
-    reg = registry(pool_tokens=2048, slots=1)
+    reg = registry(context=1024, sequences=1)
     with trio.fail_after(DEADLINE):
         async with engine_with(reg) as engine:
             session = engine.session()
@@ -144,13 +145,13 @@ async def test_a_turn_cut_off_mid_generation_ends_its_job() -> None:
 
 
 async def test_a_full_pool_evicts_the_least_recently_used_kept_sequence() -> None:
-    """Three suspended rollouts in a pool that holds two: the least recently used loses its
+    """Three suspended rollouts, two sequences: the least recently used loses its
     KV (counted), and its next turn evaluates its context again but for the instructions and
     tools it shares with the others (copied from their sequences); the others, resumed
     newest first (each ending makes room), read only their new tokens."""
     from contextlib import AsyncExitStack
 
-    reg = registry(pool_tokens=450, slots=4)  # 512 cells (llama.cpp pads to 256)
+    reg = registry(context=512, sequences=2)
     with trio.fail_after(DEADLINE):
         async with engine_with(reg) as engine:
             async with AsyncExitStack() as stack:
@@ -194,7 +195,7 @@ async def test_a_full_pool_evicts_the_least_recently_used_kept_sequence() -> Non
 
 
 async def test_a_turn_larger_than_the_pool_fails_clearly() -> None:
-    reg = registry(pool_tokens=256, slots=2)
+    reg = registry(context=256, sequences=2)
     with trio.fail_after(DEADLINE):
         async with engine_with(reg) as engine:
             long = "Look up every word here: " + "apple pear plum " * 120
@@ -202,13 +203,13 @@ async def test_a_turn_larger_than_the_pool_fails_clearly() -> None:
     assert response.status == "failed"
     assert response.error is not None
     assert response.error.code == "context_length_exceeded"
-    assert "KV pool" in response.error.message
+    assert "context of 256 tokens" in response.error.message, response.error.message
 
 
 async def test_the_event_loop_serves_others_while_the_model_reads() -> None:
     """A long prompt (over a thousand tokens: seconds on these cores) is evaluated off the
     event loop: a simulated model's response started after it completes before it."""
-    reg = registry(pool_tokens=4096, slots=2)
+    reg = registry(context=2048, sequences=2)
     finished: list[str] = []
     with trio.fail_after(DEADLINE):
         async with engine_with(reg) as engine:

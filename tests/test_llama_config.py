@@ -71,7 +71,10 @@ def test_the_readme_example_of_gguf_files_parses() -> None:
     )
     # The context is the model's own (8k) when the table asks for more.
     assert route.context_window == min(table["context_size"], SMOLLM2_CONTEXT)
-    assert backend.kv_cells == int(table["kv_memory_mb"] * 2**20) // 23_040
+    per_sequence = SMOLLM2_CONTEXT * 23_040  # bytes: the model's context of f16 K and V
+    held = int(table["kv_memory_mb"] * 2**20) // per_sequence
+    assert backend.sequences == min(table["sequences"], held)
+    assert backend.kv_cells == backend.sequences * SMOLLM2_CONTEXT
 
 
 @pytest.mark.parametrize(
@@ -157,4 +160,5 @@ async def test_kv_metrics_and_the_kv_cache_option(tmp_path: Path) -> None:
     assert value("rollout_kv_cache_tokens_reused_total") > 0
     assert value("rollout_kv_cache_tokens", state="running") == 0
     assert 0 < value("rollout_kv_cache_tokens", state="indexed") <= 3 * 2**20 // 23_040
-    assert value("rollout_kv_cache_bytes") == pytest.approx(1024 * 2**20, rel=0.01)
+    # The default pool: as many sequences of 8,192 tokens as 2,048 MB holds (11).
+    assert value("rollout_kv_cache_bytes") == 11 * 8192 * 23_040

@@ -27,6 +27,7 @@ under `ROLLOUT_REQUIRE_ALL`.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,39 +35,55 @@ from typing import Any
 import attrs
 import httpx
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.llama_harness import require_llama, smollm2_renderer
 from tests.server_harness import fetch_counters, open_test_server, open_ws
+from tests.wire_scripts import examples
 
 DEADLINE = 300  # a real model on 2 shared cores: seconds, not milliseconds
-CALLS = 5  # a 6-turn tool loop
-MODEL = f"smollm2:calls={CALLS}"
-INSTRUCTIONS = "You are a weather assistant. Answer in one short sentence."
-QUESTION = "What is the weather in Paris right now?"
-TOOLS = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    }
-]
-SETTINGS: dict[str, Any] = {
-    "model": MODEL,
-    "instructions": INSTRUCTIONS,
-    "tools": TOOLS,
-    "temperature": 0,
-    "max_output_tokens": 96,
-}
 KEYS = {mode: f"sk-llama-{mode}" for mode in ("rollout", "ws_chain", "http_chain", "stateless")}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
 
 
-def tool_output(n: int) -> str:
-    return f"Reading {n}: sunny, {18 + n} C, light wind from the west, humidity {40 + 3 * n}%."
+@attrs.frozen
+class Script:
+    """A tool loop: the user's question, the tools, how many calls the model must make
+    (`smollm2:calls=N`), and the client's answers to them (cycled)."""
+
+    question: str = "What is the weather in Paris right now?"
+    instructions: str | None = "You are a weather assistant. Answer in one short sentence."
+    tools: tuple[dict[str, Any], ...] = (WEATHER,)
+    calls: int = 5  # a 6-turn tool loop
+    outputs: tuple[str, ...] = tuple(
+        f"Reading {n}: sunny, {18 + n} C, light wind from the west, humidity {40 + 3 * n}%."
+        for n in range(5)
+    )
+    max_output_tokens: int = 96
+
+    def settings(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": f"smollm2:calls={self.calls}",
+            "tools": list(self.tools),
+            "temperature": 0,
+            "max_output_tokens": self.max_output_tokens,
+        }
+        if self.instructions is not None:
+            body["instructions"] = self.instructions
+        return body
+
+
+LOOP = Script()
 
 
 def bare(item: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +93,7 @@ def bare(item: dict[str, Any]) -> dict[str, Any]:
 @attrs.define
 class Outcome:
     mode: str
+    script: Script = LOOP
     items: list[dict[str, Any]] = attrs.field(factory=list)  # output items, without ids
     input_tokens: list[int] = attrs.field(factory=list)  # per response
     output_tokens: list[int] = attrs.field(factory=list)
@@ -86,11 +104,12 @@ class Outcome:
     def outputs_for(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         calls = [i for i in items if i["type"] == "function_call"]
         done = sum(1 for i in self.items if i["type"] == "function_call") - len(calls)
+        outputs = self.script.outputs
         return [
             {
                 "type": "function_call_output",
                 "call_id": c["call_id"],
-                "output": tool_output(done + k),
+                "output": outputs[(done + k) % len(outputs)],
             }
             for k, c in enumerate(calls)
         ]
@@ -103,7 +122,10 @@ async def run_rollout(url: str, outcome: Outcome) -> None:
     """One response: `rollout: true`, suspended at each call (`response.done`), resumed by
     `response.append`."""
     async with open_ws(url, key=KEYS[outcome.mode]) as ws:
-        events = await ws.create(input=QUESTION, rollout=True, store=False, **SETTINGS)
+        script = outcome.script
+        events = await ws.create(
+            input=script.question, rollout=True, store=False, **script.settings()
+        )
         while True:
             turn = [
                 json.loads(json.dumps(r["item"]))
@@ -115,7 +137,7 @@ async def run_rollout(url: str, outcome: Outcome) -> None:
             if last.type != "response.done":
                 break
             events = await ws.append(last.response.id, outcome.outputs_for(turn))
-        assert last.type == "response.completed", last
+        assert last.type in ("response.completed", "response.incomplete"), last
         response = json.loads(json.dumps(ws.raw[-1]["response"]))
         usage = response["usage"]
         outcome.input_tokens.append(usage["input_tokens"])
@@ -125,14 +147,16 @@ async def run_rollout(url: str, outcome: Outcome) -> None:
 async def run_ws_chain(url: str, outcome: Outcome) -> None:
     """A create per turn on one connection, continuing with `previous_response_id`."""
     async with open_ws(url, key=KEYS[outcome.mode]) as ws:
-        body: dict[str, Any] = {"input": QUESTION}
+        body: dict[str, Any] = {"input": outcome.script.question}
         while True:
-            await ws.create(store=False, **SETTINGS, **body)
+            await ws.create(store=False, **outcome.script.settings(), **body)
             response = ws.raw[-1]["response"]
-            assert response["status"] == "completed", response
+            assert response["status"] in ("completed", "incomplete"), response
             _take(outcome, response)
-            if not any(i["type"] == "function_call" for i in response["output"]):
-                return
+            if response["status"] == "incomplete" or not any(
+                i["type"] == "function_call" for i in response["output"]
+            ):
+                return  # answered, or cut off (a call cut off has no output to send)
             body = {
                 "previous_response_id": response["id"],
                 "input": outcome.outputs_for(response["output"]),
@@ -143,17 +167,18 @@ async def run_http(url: str, outcome: Outcome, *, chain: bool) -> None:
     """`POST /v1/responses` per turn: a stored chain (`previous_response_id`), or the whole
     history every time (`store: false`)."""
     headers = {"Authorization": f"Bearer {KEYS[outcome.mode]}"}
-    history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": QUESTION}]
-    body: dict[str, Any] = {"input": QUESTION, "store": chain}
+    question = outcome.script.question
+    history: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": question}]
+    body: dict[str, Any] = {"input": question, "store": chain}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=DEADLINE) as http:
         while True:
-            resp = await http.post("/responses", json={**SETTINGS, **body})
+            resp = await http.post("/responses", json={**outcome.script.settings(), **body})
             assert resp.status_code == 200, resp.text
             response = resp.json()
-            assert response["status"] == "completed", response
+            assert response["status"] in ("completed", "incomplete"), response
             _take(outcome, response)
             outputs = outcome.outputs_for(response["output"])
-            if not outputs:
+            if not outputs or response["status"] == "incomplete":
                 return
             history += response["output"] + outputs
             if chain:
@@ -178,8 +203,8 @@ MODES: dict[str, Callable[[str, Outcome], Any]] = {
 }
 
 
-async def run_mode(url: str, mode: str) -> Outcome:
-    outcome = Outcome(mode=mode)
+async def run_mode(url: str, mode: str, script: Script = LOOP) -> Outcome:
+    outcome = Outcome(mode=mode, script=script)
     before = await fetch_counters(url, KEYS[mode])
     await MODES[mode](url, outcome)
     after = await fetch_counters(url, KEYS[mode])
@@ -198,24 +223,89 @@ def read_once(outcome: Outcome) -> int:
 # --- the tests -------------------------------------------------------------------------------
 
 
-async def test_every_mode_evaluates_each_token_once_and_samples_the_same(tmp_path: Path) -> None:
-    require_llama()
-    with trio.fail_after(DEADLINE):
-        async with open_test_server(tmp_path, api_keys=tuple(KEYS.values())) as url:
-            outcomes = [await run_mode(url, mode) for mode in MODES]
+def assert_equivalent(outcomes: list[Outcome]) -> None:
+    """The same items and usage every way, each evaluating every token of the final context
+    once."""
     base = next(o for o in outcomes if o.mode == "ws_chain")
-    calls = [i for i in base.items if i["type"] == "function_call"]
-    assert len(calls) == CALLS and base.items[-1]["type"] == "message", base.items
-    assert all(json.loads(c["arguments"]) for c in calls)  # valid JSON: the grammar's doing
     expected = read_once(base)
     for outcome in outcomes:
         assert outcome.items == base.items, (outcome.mode, outcome.items, base.items)
         assert sum(outcome.input_tokens) == sum(base.input_tokens), outcome.mode
         assert sum(outcome.output_tokens) == sum(base.output_tokens), outcome.mode
         assert outcome.prefilled == expected, (outcome.mode, outcome.prefilled, expected)
+
+
+async def test_every_mode_evaluates_each_token_once_and_samples_the_same(tmp_path: Path) -> None:
+    require_llama()
+    with trio.fail_after(DEADLINE):
+        async with open_test_server(tmp_path, api_keys=tuple(KEYS.values())) as url:
+            outcomes = [await run_mode(url, mode) for mode in MODES]
+    assert_equivalent(outcomes)
+    base = next(o for o in outcomes if o.mode == "ws_chain")
+    calls = [i for i in base.items if i["type"] == "function_call"]
+    assert len(calls) == LOOP.calls and base.items[-1]["type"] == "message", base.items
+    assert all(json.loads(c["arguments"]) for c in calls)  # valid JSON: the grammar's doing
     # The rollout is one response whose usage is the six turns' sum.
     rollout = next(o for o in outcomes if o.mode == "rollout")
-    assert len(rollout.input_tokens) == 1 and len(base.input_tokens) == CALLS + 1
+    assert len(rollout.input_tokens) == 1 and len(base.input_tokens) == LOOP.calls + 1
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    {
+        "type": "object",
+        "properties": {"path": {"type": "string"}, "line": {"type": "integer"}},
+        "required": ["path", "line"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 50},
+        },
+        "required": ["query"],
+    },
+    {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer"}},
+        "required": ["unit"],
+    },
+]
+WORDS = st.text(alphabet=st.sampled_from("abcdefghijklmnopqrstuvwxyz ,.?!'0123456789"))
+
+
+@st.composite
+def scripts(draw: st.DrawFn) -> Script:
+    """Small tool loops: 1-3 forced calls of one of 1-2 tools, short answers (a real model on
+    2 cores: each script runs four ways)."""
+    n_tools = draw(st.integers(1, 2))
+    tools = tuple(
+        {
+            "type": "function",
+            "name": f"tool_{i}_{draw(st.sampled_from(['lookup', 'fetch', 'search']))}",
+            "description": draw(WORDS.filter(str.strip).map(str.strip)),
+            "parameters": draw(st.sampled_from(SCHEMAS)),
+        }
+        for i in range(n_tools)
+    )
+    return Script(
+        question=draw(WORDS.filter(lambda t: len(t.strip()) > 3)),
+        instructions=draw(st.none() | WORDS.filter(str.strip)),
+        tools=tools,
+        calls=draw(st.integers(1, 3)),
+        outputs=tuple(draw(st.lists(WORDS.filter(str.strip), min_size=1, max_size=3))),
+        max_output_tokens=draw(st.sampled_from([48, 64, 96])),
+    )
+
+
+@examples(default=1, ci=2, deep=12)
+@given(script=scripts())
+async def test_generated_tool_loops_sample_the_same_every_way(script: Script) -> None:
+    require_llama()
+    with tempfile.TemporaryDirectory() as data, trio.fail_after(DEADLINE):
+        async with open_test_server(Path(data), api_keys=tuple(KEYS.values())) as url:
+            outcomes = [await run_mode(url, mode, script) for mode in MODES]
+    assert_equivalent(outcomes)
 
 
 async def test_without_the_kv_index_a_stateless_client_pays_for_its_whole_context(
@@ -243,7 +333,7 @@ async def test_after_a_restart_the_first_continuation_evaluates_its_context_once
 ) -> None:
     require_llama()
     headers = {"Authorization": f"Bearer {KEYS['http_chain']}"}
-    first = {**SETTINGS, "input": QUESTION, "store": True}
+    first = {**LOOP.settings(), "input": LOOP.question, "store": True}
     with trio.fail_after(DEADLINE):
         async with open_test_server(tmp_path, api_keys=tuple(KEYS.values())) as url:
             async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as http:
@@ -256,7 +346,7 @@ async def test_after_a_restart_the_first_continuation_evaluates_its_context_once
                 for _ in range(2):
                     before = (await fetch_counters(url, KEYS["http_chain"]))["tokens_prefilled"]
                     body = {
-                        **SETTINGS,
+                        **LOOP.settings(),
                         "previous_response_id": resp["id"],
                         "input": outcome.outputs_for(resp["output"]),
                         "store": True,
