@@ -177,12 +177,15 @@ class LlamaBackend:
         self.model_renderer()
         per_token = self.kv_bytes_per_token
         sequences, capacity = self.sequences, self.context_limit
+        openers, blank = self._call_openers()
         runtime = LlamaRuntime(
             self._model,
             cells=sequences * capacity,
             slots=sequences,
             threads=self.config.threads,
             batch=self.config.batch,
+            openers=openers,
+            blank=blank,
         )
         capacity = min(capacity, runtime.cells_per_sequence)
         self.kv = KVIndex(
@@ -200,6 +203,23 @@ class LlamaBackend:
             per_token,
         )
         return runtime
+
+    def _call_openers(self) -> tuple[list[int], frozenset[int]]:
+        """The tokens that would start a tool call's envelope in a blank output, and the blank
+        tokens (whitespace, or no text): a `no_call` turn's ban (`_toolconv`, "none")."""
+        from ._toolconv import opens_call
+
+        vocab = self._vocab
+        assert vocab is not None
+        openers: list[int] = []
+        blank: set[int] = set()
+        for token in range(vocab.n_vocab):
+            piece = vocab.piece(token, special=False)
+            if not piece.strip(b" \t\r\n"):
+                blank.add(token)
+            elif opens_call(piece):
+                openers.append(token)
+        return openers, frozenset(blank)
 
     async def aclose(self) -> None:
         runtime, self._runtime = self._runtime, None
@@ -274,6 +294,9 @@ class LlamaBackend:
                 parallel=request.parallel_tool_calls,
                 text_format=request.text_format,
             )
+        parser = CallParser(toolset)
+        # Tools described, none to be called: the model may not open a call (`_toolconv`).
+        no_call = toolset is not None and bool(toolset.tools) and not parser.parses_calls
         holders = tuple(h for h in request.holders if not h.closed)
         plan = None
         while plan is None:
@@ -306,6 +329,7 @@ class LlamaBackend:
                 top_p=request.top_p,
                 seed=request.seed if request.seed is not None else random.getrandbits(32),
                 grammar=grammar,
+                no_call=no_call,
             ),
             max_tokens=budget,
             report=on_report,
@@ -315,7 +339,6 @@ class LlamaBackend:
         ended: str | None = None
         try:
             decoder = vocab.text_decoder()
-            parser = CallParser(toolset)
             generated: list[int] = []  # the turn's tokens, its end token aside
             text: list[str] = []
             while ended is None:

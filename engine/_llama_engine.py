@@ -10,7 +10,8 @@ with KV cells of its own) and one batch, and loops:
                       chunks of jobs still reading their prompt, first come first served
     decode            one `llama_decode` for the batch
     sample            each job whose logits came out samples a token with its own sampler
-                      chain (grammar, then greedy or top-p/temperature); an end-of-generation
+                      chain (grammar, then greedy or top-p/temperature; a `no_call` job's
+                      banned openers masked while its output is blank); an end-of-generation
                       token ends the job (not fed back), any other is fed at the next step
     report            each job's news goes to its trio task (`trio.lowlevel.TrioToken`):
                       tokens evaluated, tokens sampled, and at the end what its sequence holds
@@ -33,7 +34,7 @@ import math
 import queue
 import threading
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -63,6 +64,9 @@ class SamplerSpec:
     top_p: float = 1.0
     seed: int = 0
     grammar: Grammar | None = None
+    # While the output is blank, the runtime's `openers` (the tokens that would start a tool
+    # call's envelope) are banned: tool_choice "none" with tools described (`_toolconv`).
+    no_call: bool = False
 
 
 @attrs.frozen
@@ -98,6 +102,7 @@ class Job:
     sampled: int = 0
     chain: Any = None  # llama_sampler_p
     grammar: Any = None  # llama_sampler_p: a greedy job's grammar, applied apart (`_sample`)
+    blank: bool = True  # every token sampled so far is whitespace (or has no text)
 
     def deliver(self, report: EngineReport) -> None:
         with contextlib.suppress(trio.RunFinishedError):
@@ -124,8 +129,12 @@ class LlamaRuntime:
         slots: int,
         threads: int,
         batch: int,
+        openers: Sequence[int] = (),
+        blank: frozenset[int] = frozenset(),
     ) -> None:
-        """`model`: a loaded `llama_model_p` (the caller frees it, after `close`)."""
+        """`model`: a loaded `llama_model_p` (the caller frees it, after `close`). `openers`:
+        the tokens a `no_call` job may not sample while its output is blank, that is while it
+        has sampled only `blank` tokens."""
         import llama_cpp as llama
 
         self._llama = llama
@@ -161,6 +170,8 @@ class LlamaRuntime:
             self.n_vocab, dtype=numpy.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         )
         self._candidates["id"] = numpy.arange(self.n_vocab, dtype=numpy.int32)
+        self._openers = numpy.array(sorted(openers), dtype=numpy.int64)
+        self._blank = blank
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._jobs: list[Job] = []
         self._thread = threading.Thread(target=self._run, name="rollout-llama", daemon=True)
@@ -266,6 +277,20 @@ class LlamaRuntime:
         return chain
 
     def _sample(self, job: Job, index: int) -> int:
+        """The job's next token from the logits at batch `index` (`_pick`), the openers masked
+        first for a `no_call` job whose output is still blank (in the context's own logits,
+        which every sampler reads)."""
+        if job.blank and job.sampler.no_call and len(self._openers):
+            logits = self._np.ctypeslib.as_array(
+                self._llama.llama_get_logits_ith(self.ctx, index), shape=(self.n_vocab,)
+            )
+            logits[self._openers] = -math.inf
+        token = self._pick(job, index)
+        if job.blank and token not in self._blank:
+            job.blank = False
+        return token
+
+    def _pick(self, job: Job, index: int) -> int:
         """The job's next token from the logits at batch `index`. Greedy under a grammar
         checks the best token against the grammar first and applies the grammar to the whole
         vocabulary only when it refuses that token (as llama.cpp's own common sampler does:

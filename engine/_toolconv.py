@@ -35,6 +35,15 @@ renderer's `template_id`, so stored renderings of another version are not reused
   after one call; a backend without grammar should stop at the end of a call (`CallParser.
   calls_closed`).
 
+Under `tool_choice` "none" (or when no tool is offered) the model, which the system turn taught
+the envelope, must not open one: its text would be a call nobody can run, which a client would
+show as the answer (SmolLM2 does this after a tool output it does not know how to read). So
+while its output is still blank, the tokens that would start writing ``<tool_call>``
+(`opens_call`) are banned (`SamplerSpec.no_call`, applied by the model's thread), and it
+answers in words. A grammar could say the same, but llama.cpp applies a grammar to the whole
+vocabulary at every token when sampling at a temperature (~10 ms a token for SmolLM2: the cost
+of a second model), where the ban masks a few logits at the first tokens only.
+
 `CallParser` turns the model's output, fed piece by piece as the detokenizer yields it, into
 `TextStart`/`TextDelta`/`TextEnd` and `CallStart`/`ArgsDelta`/`CallEnd` events. Arguments
 stream as they arrive: the parser follows JSON nesting, strings and escapes to find where the
@@ -101,6 +110,7 @@ __all__ = [
     "call_text",
     "describe_tools",
     "grammar_for",
+    "opens_call",
     "system_content",
 ]
 
@@ -167,6 +177,15 @@ def call_text(chat_name: str, arguments: str) -> str:
     return f'{CALL_OPEN}\n{{"name": {name}, "arguments": {arguments}}}\n{CALL_CLOSE}'
 
 
+def opens_call(piece: bytes) -> bool:
+    """Whether a token whose text is `piece`, sampled while the output is still blank, starts
+    writing the call envelope: its text after whitespace is a prefix of ``<tool_call>`` (``<``,
+    ``<tool``) or begins with it."""
+    text = piece.lstrip(_JSON_WHITESPACE.encode())
+    opener = CALL_OPEN.encode()
+    return bool(text) and (opener.startswith(text) or text.startswith(opener))
+
+
 # --- parsing the model's output ------------------------------------------------------------
 
 
@@ -214,6 +233,11 @@ class CallParser:
         self._finished = False
         self.tokens_fed = 0
         self.calls_closed = 0  # calls completed so far
+
+    @property
+    def parses_calls(self) -> bool:
+        """Calls are parsed (else the output is all text)."""
+        return self._parse_calls
 
     @property
     def in_call(self) -> bool:

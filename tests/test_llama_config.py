@@ -162,3 +162,60 @@ async def test_kv_metrics_and_the_kv_cache_option(tmp_path: Path) -> None:
     assert 0 < value("rollout_kv_cache_tokens", state="indexed") <= 3 * 2**20 // 23_040
     # The default pool: as many sequences of 8,192 tokens as 2,048 MB holds (11).
     assert value("rollout_kv_cache_bytes") == 11 * 8192 * 23_040
+
+
+async def test_under_tool_choice_none_the_model_answers_instead_of_writing_a_call(
+    tmp_path: Path,
+) -> None:
+    """SmolLM2, taught the call envelope by the system turn, writes one as its answer after a
+    tool output in words, even under `tool_choice: none` (and `calls=N`'s answer, which is
+    "none"): a message whose text is a call nobody runs. The model's thread bans the tokens
+    that would open the envelope while the output is blank, so it answers in words. With
+    `--kv-cache-mb 0` every request evaluates its whole context alike (the same logits), so
+    `auto` shows what the model would write first."""
+    packaged()
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        }
+    ]
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 22 C in Paris"},
+    ]
+    body = {"input": history, "tools": tools, "temperature": 0, "max_output_tokens": 48}
+    outputs = {}
+    with trio.fail_after(DEADLINE):
+        async with open_test_server(tmp_path, kv_cache_mb=0) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=DEADLINE) as http:
+                for model, choice in (
+                    ("smollm2", "auto"),
+                    ("smollm2", "none"),
+                    ("smollm2:calls=1", "auto"),
+                ):
+                    resp = await http.post(
+                        "/responses", json={**body, "model": model, "tool_choice": choice}
+                    )
+                    assert resp.status_code == 200, resp.text
+                    outputs[model, choice] = resp.json()["output"]
+    # Free to choose, the model calls the tool again: a call is what it would write first.
+    assert [o["type"] for o in outputs["smollm2", "auto"]] == ["function_call"]
+    for key in (("smollm2", "none"), ("smollm2:calls=1", "auto")):
+        (message,) = outputs[key]
+        assert message["type"] == "message", key
+        text = message["content"][0]["text"]
+        assert text.strip() and "<tool" not in text, (key, text)
+        assert "sunny" in text.lower(), (key, text)  # the tool's output, read

@@ -9,6 +9,10 @@
   Only the port differs (a free one for 8000). These need pip to reach the package index (its
   cache is enough) and curl; without them they skip with the reason, or fail under
   `ROLLOUT_REQUIRE_ALL`.
+- The examples using the packaged model (`smollm2`, the real-model section) run against a
+  second `rollout serve`, started once the same venv has the README's own
+  `pip install '.[llama]'` (that section's set-up line): the plain server is started first, so
+  the other examples keep running against a server installed without the extra.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +38,13 @@ from tests.test_server_process import free_port
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 INSTALL_TIMEOUT = 600  # a fresh venv and `pip install .` from the cache: ~30 s here
+# `pip install '.[llama]'` into that venv with llama-cpp-python's wheel in pip's cache: ~10 s
+# here (rollout's wheel again, llama-cpp-python, the 93 MB model's wheel, llm's dependencies);
+# without the cached wheel pip builds llama.cpp, ~5 minutes on 2 cores.
+LLAMA_INSTALL_TIMEOUT = 900
 RUN_TIMEOUT = 60
+# A real model on shared cores: a forced call takes seconds, the first turn loads the model.
+LLAMA_RUN_TIMEOUT = 300
 SERVER_START = 60
 
 
@@ -139,22 +150,29 @@ def readme_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sdk = [b.strip() for b in sh_blocks()[2:] if "pip install" in b and "openai" in b]
     assert len(sdk) == 1, "the README gives one install command for the SDK"
     for command in (install, sdk[0]):
-        done = _sh(command, here, INSTALL_TIMEOUT)
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.splitlines()[-5:])
-            if "No matching distribution" in done.stderr or "network" in done.stderr.lower():
-                unavailable(f"pip could not install the README's packages: {tail}")
-            raise AssertionError(f"{command!r} failed ({done.returncode}):\n{tail}")
+        _install(command, here, INSTALL_TIMEOUT)
     return here
 
 
-@pytest.fixture(scope="module")
-def readme_server(readme_checkout: Path) -> Iterator[int]:
-    """`rollout serve` from the README's venv, in its checkout; yields its port."""
+def _install(command: str, here: Path, timeout: float) -> float:
+    """Run a README install command in the checkout; its duration in seconds."""
+    began = time.monotonic()
+    done = _sh(command, here, timeout)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.splitlines()[-5:])
+        if "No matching distribution" in done.stderr or "network" in done.stderr.lower():
+            unavailable(f"pip could not install the README's packages: {tail}")
+        raise AssertionError(f"{command!r} failed ({done.returncode}):\n{tail}")
+    return time.monotonic() - began
+
+
+def _serve(checkout: Path) -> Iterator[int]:
+    """`rollout serve` on its defaults from the README's venv, in its checkout (the port
+    aside); yields its port, and stops it."""
     port = free_port()
     process = subprocess.Popen(
-        [str(readme_checkout / ".venv" / "bin" / "rollout"), "serve", "--port", str(port)],
-        cwd=readme_checkout,
+        [str(checkout / ".venv" / "bin" / "rollout"), "serve", "--port", str(port)],
+        cwd=checkout,
         stdin=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -186,6 +204,34 @@ def readme_server(readme_checkout: Path) -> Iterator[int]:
         reader.join(timeout=10)
 
 
+@pytest.fixture(scope="module")
+def readme_server(readme_checkout: Path) -> Iterator[int]:
+    """`rollout serve` installed the set-up's way (`pip install .`, no extra); its port."""
+    yield from _serve(readme_checkout)
+
+
+def llama_install() -> str:
+    """The real-model section's set-up (`pip install '.[llama]' && rollout serve`), without
+    `rollout serve`."""
+    commands = [b.strip() for b in sh_blocks() if "pip install '.[llama]'" in b]
+    assert len(commands) == 1, "the README gives one install command for the llama extra"
+    assert commands[0].endswith(" && rollout serve"), commands[0]
+    return commands[0].removesuffix(" && rollout serve")
+
+
+@pytest.fixture(scope="module")
+def readme_llama_server(readme_checkout: Path, readme_server: int) -> Iterator[int]:
+    """A second `rollout serve` (on its defaults: the same data folder), after the README's
+    `pip install '.[llama]'` in the same venv. The plain server is up first, so it never had
+    the extra."""
+    del readme_server  # started before the extra is installed
+    seconds = _install(
+        f". .venv/bin/activate && {llama_install()}", readme_checkout, LLAMA_INSTALL_TIMEOUT
+    )
+    print(f"pip install '.[llama]' into the README's venv took {seconds:.0f} s")
+    yield from _serve(readme_checkout)
+
+
 def _at(port: int, text: str) -> str:
     return text.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
 
@@ -194,9 +240,19 @@ def curl_blocks() -> list[str]:
     return [b for b in sh_blocks() if b.lstrip().startswith("curl ")]
 
 
+def uses_smollm2(block: str) -> bool:
+    return 'model="smollm2' in block
+
+
 def client_blocks() -> list[str]:
-    """Every Python example of the README but the embedded one: a client of `rollout serve`."""
-    return [b for b in python_blocks() if "open_engine" not in b]
+    """Every Python example of the README but the embedded one and those of the packaged
+    model: a client of `rollout serve` installed without the extra."""
+    return [b for b in python_blocks() if "open_engine" not in b and not uses_smollm2(b)]
+
+
+def llama_blocks() -> list[str]:
+    """The examples of the packaged model: clients of `rollout serve` with the llama extra."""
+    return [b for b in python_blocks() if uses_smollm2(b)]
 
 
 def test_the_readme_has_its_client_examples() -> None:
@@ -204,7 +260,9 @@ def test_the_readme_has_its_client_examples() -> None:
     clients = client_blocks()
     assert any("websockets.sync.client" in b for b in clients), "the raw WebSocket example"
     assert any("client.responses.connect()" in b for b in clients), "the SDK example"
-    assert all("http://127.0.0.1:8000/v1" in b or ":8000/v1/" in b for b in clients)
+    assert any("function_call_output" in b for b in llama_blocks()), "the agent loop example"
+    for block in clients + llama_blocks():
+        assert "http://127.0.0.1:8000/v1" in block or ":8000/v1/" in block
 
 
 def test_curl_examples(readme_checkout: Path, readme_server: int) -> None:
@@ -223,26 +281,57 @@ def test_curl_examples(readme_checkout: Path, readme_server: int) -> None:
     assert events[0] == "response.created" and events[-1] == "response.completed", events
 
 
-@pytest.mark.parametrize("index", range(len(client_blocks())))
-def test_client_examples(readme_checkout: Path, readme_server: int, index: int) -> None:
-    """Each runs with the README venv's python and prints what it says it prints."""
-    block = client_blocks()[index]
-    script = readme_checkout / f"example_{index}.py"
-    script.write_text(_at(readme_server, block))
-    python = readme_checkout / ".venv" / "bin" / "python"
+def _run_example(checkout: Path, port: int, name: str, block: str, timeout: float) -> str:
+    """The example, run with the README venv's python; what it printed."""
+    script = checkout / f"{name}.py"
+    script.write_text(_at(port, block))
+    python = checkout / ".venv" / "bin" / "python"
     done = subprocess.run(
         [str(python), str(script)],
-        cwd=readme_checkout,
+        cwd=checkout,
         capture_output=True,
         text=True,
-        timeout=RUN_TIMEOUT,
+        timeout=timeout,
         env=client_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout.strip()
     assert out, "the example printed nothing"
+    return out
+
+
+@pytest.mark.parametrize("index", range(len(client_blocks())))
+def test_client_examples(readme_checkout: Path, readme_server: int, index: int) -> None:
+    """Each runs with the README venv's python and prints what it says it prints."""
+    block = client_blocks()[index]
+    out = _run_example(readme_checkout, readme_server, f"example_{index}", block, RUN_TIMEOUT)
     if "websockets.sync.client" in block:
         types = out.splitlines()
         assert types[0] == "response.created" and types[-1] == "response.completed", types
     elif "stream_id" in block:  # the lanes example: each lane's answer
         assert "'poem': '" in out and "'greeting': '" in out, out
+
+
+def stated_output(block: str) -> list[str]:
+    """The lines the README says an example prints: the `text` block right after it."""
+    text = README.read_text()
+    after = text[text.index(block) + len(block) :]
+    match = re.match(r"```\n\n[^`]*?```text\n(.*?)```", after, flags=re.DOTALL)
+    assert match, "no printed output stated after the example"
+    return match[1].strip().splitlines()
+
+
+@pytest.mark.parametrize("index", range(len(llama_blocks())))
+def test_real_model_examples(readme_checkout: Path, readme_llama_server: int, index: int) -> None:
+    """The packaged model's agent loop prints the call the README states, then an answer
+    from the function's output (its wording may vary, as the README says; greedy on a fresh
+    server, it is the stated one here)."""
+    block = llama_blocks()[index]
+    out = _run_example(
+        readme_checkout, readme_llama_server, f"llama_example_{index}", block, LLAMA_RUN_TIMEOUT
+    )
+    lines = out.splitlines()
+    stated = stated_output(block)
+    assert len(lines) == len(stated) == 2, (lines, stated)
+    assert lines[0] == stated[0]  # the call, its arguments as parsed
+    assert "foggy" in lines[1].lower() and "foggy" in stated[1].lower(), lines

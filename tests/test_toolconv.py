@@ -30,6 +30,7 @@ from rollout.engine._toolconv import (
     call_text,
     describe_tools,
     grammar_for,
+    opens_call,
     system_content,
 )
 from rollout.protocol import (
@@ -288,6 +289,35 @@ def test_no_calls_without_tools_or_with_choice_none() -> None:
             TextEnd(),
             Finish("stop"),
         ]
+
+
+def test_parsers_say_whether_they_parse_calls() -> None:
+    assert CallParser(ChatToolset(TOOLS, "auto")).parses_calls
+    assert CallParser(ChatToolset(TOOLS, "required")).parses_calls
+    for toolset in (None, ChatToolset(TOOLS, "none"), ChatToolset([], "auto")):
+        assert not CallParser(toolset).parses_calls
+
+
+@pytest.mark.parametrize(
+    ("piece", "opens"),
+    [
+        (b"<", True),
+        (b" <", True),
+        (b"\n<tool", True),
+        (b"<tool_call>", True),
+        (b"<tool_call>\n{", True),
+        (b"</", False),  # another tag
+        (b"<b>", False),
+        (b"<tools", False),  # not the envelope
+        (b"The", False),
+        (b"  ", False),  # blank: the ban stays on
+        (b"", False),
+        (b"a<", False),  # not at the start of the output's text
+    ],
+)
+def test_the_tokens_that_open_a_call(piece: bytes, opens: bool) -> None:
+    """Under "none" the model's thread bans these while the output is blank."""
+    assert opens_call(piece) is opens
 
 
 def test_token_counts_add_up() -> None:
