@@ -180,6 +180,13 @@ class LlamaRuntime:
     # --- the event loop's side ---------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
+        """Queue a job; a thread that stopped (closed, or failed on a bug) ends it at once
+        with an error instead of leaving it waiting."""
+        if not self._thread.is_alive():
+            job.deliver(
+                EngineReport(end="error", fed=array("I"), error="the model's thread has stopped")
+            )
+            return
         self._inbox.put(("start", job))
 
     def cancel(self, job: Job) -> None:

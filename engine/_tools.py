@@ -133,6 +133,50 @@ def _matches(entry: CallTarget, ref: dict[str, object]) -> bool:
     return isinstance(entry.tool, BuiltinTool) and entry.tool.type == kind
 
 
+def _target_keys(entry: CallTarget) -> list[tuple[str, object]]:
+    """The `allowed_tools` keys that name this tool (see `_matches`)."""
+    keys: list[tuple[str, object]] = []
+    if entry.kind in ("function", "custom"):
+        keys.append((entry.kind, entry.name))
+        if entry.qualified != entry.name:
+            keys.append((entry.kind, entry.qualified))
+    tool = entry.tool
+    if isinstance(tool, BuiltinTool):
+        keys.append(("type", tool.type))
+        if tool.type == "mcp":
+            label = tool.settings.get("server_label")
+            if _hashable(label):
+                keys.append(("mcp", label))
+    return keys
+
+
+def _ref_key(ref: dict[str, object]) -> tuple[str, object] | None:
+    """The key of an `allowed_tools` entry, None when it can name no tool."""
+    kind = ref.get("type")
+    if kind in ("function", "custom"):
+        value, tag = ref.get("name"), str(kind)
+    elif kind == "mcp":
+        value, tag = ref.get("server_label"), "mcp"
+    else:
+        value, tag = kind, "type"
+    return (tag, value) if _hashable(value) else None
+
+
+def _hashable(value: object) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)
+
+
+def _allowed_index(every: Sequence[CallTarget]) -> dict[tuple[str, object], list[int]]:
+    """Each `allowed_tools` key -> the positions of the tools it names: one pass over the
+    tools, then one lookup per entry (linear in what the client sent; `_matches` is the
+    same rule, entry by entry)."""
+    index: dict[tuple[str, object], list[int]] = {}
+    for position, entry in enumerate(every):
+        for key in _target_keys(entry):
+            index.setdefault(key, []).append(position)
+    return index
+
+
 def resolve_choice(choice: ToolChoice, tools: Sequence[Tool]) -> Choice:
     """The tools `choice` leaves callable among `tools` (the offered ones)."""
     every = callable_tools(tools)
@@ -143,8 +187,13 @@ def resolve_choice(choice: ToolChoice, tools: Sequence[Tool]) -> Choice:
         named = [c for c in every if c.kind == kind and choice.name in (c.name, c.qualified)]
         return Choice("required", tuple(named[:1]))
     if isinstance(choice, ToolChoiceAllowed):
-        allowed = [c for c in every if any(_matches(c, ref) for ref in choice.tools)]
-        return Choice(choice.mode, tuple(allowed))
+        index = _allowed_index(every)
+        named: set[int] = set()
+        for ref in choice.tools:
+            key = _ref_key(ref)
+            if key is not None:
+                named.update(index.get(key, ()))
+        return Choice(choice.mode, tuple(every[i] for i in sorted(named)))
     if isinstance(choice, ToolChoiceMcp):
         ref: dict[str, object] = {"type": "mcp", "server_label": choice.server_label}
         return Choice("required", tuple(c for c in every if _matches(c, ref)))
@@ -191,16 +240,18 @@ def check_tools(
                     )
     if choice is None or isinstance(choice, str):
         return
-    declared = resolve_choice(choice, tools)
     if isinstance(choice, ToolChoiceAllowed):
+        index = _allowed_index(callable_tools(tools))
         for k, ref in enumerate(choice.tools):
-            if not any(_matches(c, ref) for c in callable_tools(tools)):
+            key = _ref_key(ref)
+            if key is None or key not in index:
                 label = ref.get("name") or ref.get("server_label") or ref.get("type")
                 raise _invalid(
                     f"Tool choice entry '{str(label)[:64]}' not found in 'tools' parameter.",
                     f"tool_choice.tools[{k}]",
                 )
         return
+    declared = resolve_choice(choice, tools)
     if not declared.tools:
         named = getattr(choice, "name", None) or getattr(choice, "server_label", None)
         raise _invalid(
