@@ -188,12 +188,12 @@ def resolve_choice(choice: ToolChoice, tools: Sequence[Tool]) -> Choice:
         return Choice("required", tuple(named[:1]))
     if isinstance(choice, ToolChoiceAllowed):
         index = _allowed_index(every)
-        named: set[int] = set()
-        for ref in choice.tools:
-            key = _ref_key(ref)
-            if key is not None:
-                named.update(index.get(key, ()))
-        return Choice(choice.mode, tuple(every[i] for i in sorted(named)))
+        positions: set[int] = set()
+        for entry in choice.tools:
+            found = _ref_key(entry)
+            if found is not None:
+                positions.update(index.get(found, ()))
+        return Choice(choice.mode, tuple(every[i] for i in sorted(positions)))
     if isinstance(choice, ToolChoiceMcp):
         ref: dict[str, object] = {"type": "mcp", "server_label": choice.server_label}
         return Choice("required", tuple(c for c in every if _matches(c, ref)))
@@ -243,8 +243,8 @@ def check_tools(
     if isinstance(choice, ToolChoiceAllowed):
         index = _allowed_index(callable_tools(tools))
         for k, ref in enumerate(choice.tools):
-            key = _ref_key(ref)
-            if key is None or key not in index:
+            found = _ref_key(ref)
+            if found is None or found not in index:
                 label = ref.get("name") or ref.get("server_label") or ref.get("type")
                 raise _invalid(
                     f"Tool choice entry '{str(label)[:64]}' not found in 'tools' parameter.",
