@@ -47,8 +47,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from .engine._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL
     from .engine._ws import (
         DEFAULT_CONNECTION_AGE_LIMIT,
+        DEFAULT_IDLE_LIMIT,
         DEFAULT_MAX_BUFFERED_BYTES,
         DEFAULT_MAX_QUEUED_CREATES,
+        DEFAULT_PING_INTERVAL,
+        DEFAULT_PING_TIMEOUT,
         DEFAULT_SEND_STALL_LIMIT,
     )
 
@@ -171,6 +174,30 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=DEFAULT_SEND_STALL_LIMIT,
         help="seconds a response may wait on a client that does not read before both end "
         f"(default {DEFAULT_SEND_STALL_LIMIT:g})",
+    )
+    p.add_argument(
+        "--websocket-idle-limit",
+        type=_POSITIVE,
+        default=DEFAULT_IDLE_LIMIT,
+        metavar="SECONDS",
+        help="a WebSocket with no response running or waiting and no client message for this "
+        f"long is closed (1000) (default {DEFAULT_IDLE_LIMIT:g})",
+    )
+    p.add_argument(
+        "--websocket-ping-interval",
+        type=_POSITIVE,
+        default=DEFAULT_PING_INTERVAL,
+        metavar="SECONDS",
+        help="the server pings each WebSocket this often; inf: never "
+        f"(default {DEFAULT_PING_INTERVAL:g})",
+    )
+    p.add_argument(
+        "--websocket-ping-timeout",
+        type=_POSITIVE,
+        default=DEFAULT_PING_TIMEOUT,
+        metavar="SECONDS",
+        help="a WebSocket whose peer does not answer a ping within this is aborted "
+        f"(default {DEFAULT_PING_TIMEOUT:g})",
     )
     p.add_argument(
         "--rollout-suspend-limit",
@@ -301,6 +328,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         max_buffered_bytes=args.max_buffered_bytes,
         send_stall_limit=args.send_stall_limit,
+        idle_limit=args.websocket_idle_limit,
+        ping_interval=args.websocket_ping_interval,
+        ping_timeout=args.websocket_ping_timeout,
         rollout_suspend_limit=args.rollout_suspend_limit,
         graceful_timeout=args.graceful_timeout,
         render_cache_bytes=0 if args.no_render_cache else int(args.render_cache_mb * 2**20),

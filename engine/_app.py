@@ -58,6 +58,7 @@ from ._chat_api import ChatApi
 from ._engine import Engine, server_error
 from ._metrics import MetricsExporter
 from ._responses_api import ResponsesApi
+from ._transport import TRANSPORT_EXTENSION
 from ._ws import WebSocketConnection, WebSocketLimits
 
 __all__ = ["DEFAULT_MAX_CONNECTIONS", "AppConfig", "RolloutApp", "owner_of"]
@@ -208,6 +209,7 @@ class RolloutApp:
                 for name, value in scope.get("headers", [])
                 if name.lower() == b"openai-beta"
             ),
+            transport=scope.get("extensions", {}).get(TRANSPORT_EXTENSION),
         )
         try:
             await connection.run()

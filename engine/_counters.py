@@ -60,6 +60,14 @@ class Counters:
     sse_bytes_encoded: int = 0  # bytes of the server-sent-event frames encoded
     offloaded_decodes: int = 0  # client messages large enough to decode in a worker thread
     slow_consumers: int = 0  # WebSocket clients torn down for not reading (responses cancelled)
+    # WebSocket connections cut off at the TCP level (reset: a slow consumer, a ping unanswered)
+    ws_aborts: int = 0
+    ws_ping_timeouts: int = 0  # WebSocket peers that did not answer a ping in time (aborted)
+    ws_idle_closes: int = 0  # WebSocket connections closed (1000) for being idle too long
+    ws_age_closes: int = 0  # WebSocket connections past their age limit (closed once idle)
+    # WebSocket upgrades refused because the key (or, without auth, the client address)
+    # already held its share of the connections
+    ws_key_share_refusals: int = 0
     responses_completed: int = 0
     responses_incomplete: int = 0
     responses_failed: int = 0

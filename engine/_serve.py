@@ -45,12 +45,16 @@ from ._logging import HTTP_LOGGER
 from ._models import ModelRegistry
 from ._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL, RenderCache
 from ._store import open_sqlite_store
+from ._transport import offer_websocket_transport
 from ._warmup import warm_up, warm_up_needed
 from ._write import write_directly
 from ._ws import (
     DEFAULT_CONNECTION_AGE_LIMIT,
+    DEFAULT_IDLE_LIMIT,
     DEFAULT_MAX_BUFFERED_BYTES,
     DEFAULT_MAX_QUEUED_CREATES,
+    DEFAULT_PING_INTERVAL,
+    DEFAULT_PING_TIMEOUT,
     DEFAULT_SEND_STALL_LIMIT,
     WebSocketLimits,
 )
@@ -86,6 +90,10 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     send_stall_limit: float = DEFAULT_SEND_STALL_LIMIT
+    # WebSocket liveness (`_ws.py`): idle connections closed, pings and their pongs.
+    idle_limit: float = DEFAULT_IDLE_LIMIT
+    ping_interval: float = DEFAULT_PING_INTERVAL
+    ping_timeout: float = DEFAULT_PING_TIMEOUT
     rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT
     graceful_timeout: float = 10.0
     max_cached_responses: int = 8
@@ -126,6 +134,9 @@ class ServerConfig:
                 max_in_flight=self.max_in_flight,
                 max_buffered_bytes=self.max_buffered_bytes,
                 send_stall_limit=self.send_stall_limit,
+                idle_limit=self.idle_limit,
+                ping_interval=self.ping_interval,
+                ping_timeout=self.ping_timeout,
             ),
             max_connections=self.max_connections,
             max_cached_responses=self.max_cached_responses,
@@ -295,6 +306,7 @@ async def serve(
     answer_peer_protocol_errors()
     decline_deflate_offers()
     write_directly()
+    offer_websocket_transport()
     hconfig = _hypercorn_config(config)
     sockets = bind_sockets(hconfig)
     try:

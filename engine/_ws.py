@@ -24,12 +24,31 @@ response's lane. An inject the response never took (it ended first) is answered
 `response.inject.failed` (`response_already_completed`, its input returned) once the response
 has ended.
 
-Backpressure: the outbox holds at most `max_buffered_bytes` of encoded frames. A client that
-reads slower than the server writes pauses the responses (their sampling waits on the outbox);
-one that stops reading for `send_stall_limit` seconds is a slow consumer: its responses are
-cancelled (the usage of what was sampled is recorded) and the connection is torn down. What
-then stays pinned is one frame and the kernel's socket buffer: hypercorn writes each frame
-shielded from cancellation, so a frame already handed to it waits for the peer or for TCP.
+Backpressure: the outbox holds at most `max_buffered_bytes` of encoded frames (a frame larger
+than that is queued alone). A client that reads slower than the server writes pauses the
+responses (their sampling waits on the outbox). One that stops reading is a slow consumer once
+the outbox has had no room for `send_stall_limit` seconds, or a single write (a frame, a ping,
+the close frame) has waited that long on the peer: its responses are cancelled (the usage of
+what was sampled is recorded, once, as interrupted) and the connection is aborted, not closed:
+hypercorn writes each frame shielded from cancellation and a close frame would wait behind the
+stuck one, so the transport (`WebSocketTransport`, hypercorn's `rollout.transport` extension:
+`_transport.py`) resets the TCP connection, which ends the blocked write and releases every
+buffer of the connection. While it lasts, a stalled connection holds the outbox, the frame each
+running response is waiting to queue (one per response in flight, `max_in_flight`), and the
+frame being written (its text and its encoded bytes).
+
+Liveness (one watchdog task per connection, `_watch`, on trio's clock):
+- the server pings every `ping_interval` seconds; a ping unanswered (no pong) `ping_timeout`
+  seconds after it was written aborts the connection (`ws_ping_timeouts`), and one that cannot
+  be written for `send_stall_limit` is a stalled write as above: so a client that floods pings
+  and never reads the pongs (hypercorn's reader waits on the pong it cannot write, and reads
+  nothing more) is cut off within `ping_interval + send_stall_limit`;
+- an idle connection (no response running or waiting, no client message) is closed (1000)
+  after `idle_limit` seconds (`ws_idle_closes`);
+- the age limit is enforced on the clock too: past it, the connection closes as soon as no
+  response runs (`ws_age_closes`), without waiting for a create to find it expired.
+Without a transport (an ASGI server other than rollout's hypercorn) there are no pings and a
+cut-off cannot abort: the responses are still cancelled and the frames dropped.
 
 Events about a response from outside its stream (an ack of input sent to it) go out on that
 response's lane with `send_about(response_id, event)`.
@@ -41,7 +60,7 @@ import collections
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -71,9 +90,13 @@ from ._engine import Rollout, Session, server_error
 
 __all__ = [
     "DEFAULT_CONNECTION_AGE_LIMIT",
+    "DEFAULT_IDLE_LIMIT",
     "DEFAULT_MAX_QUEUED_CREATES",
+    "DEFAULT_PING_INTERVAL",
+    "DEFAULT_PING_TIMEOUT",
     "WebSocketConnection",
     "WebSocketLimits",
+    "WebSocketTransport",
 ]
 
 log = logging.getLogger("rollout.ws")
@@ -84,9 +107,23 @@ DEFAULT_CONNECTION_AGE_LIMIT = 3600.0
 # enough for thousands of deltas or a large response.completed, small enough that a thousand
 # such clients cost a few GB at most.
 DEFAULT_MAX_BUFFERED_BYTES = 4 * 1024 * 1024
-# How long a response may stay paused on a full outbox before the client is taken for one that
-# has stopped reading.
+# How long a response may stay paused on a full outbox, or one write wait on the peer, before
+# the client is taken for one that has stopped reading.
 DEFAULT_SEND_STALL_LIMIT = 30.0
+# How long a connection may stay idle (no response running or waiting, no client message)
+# before it is closed: as long as a suspended rollout waits for its tool outputs
+# (`DEFAULT_ROLLOUT_SUSPEND_LIMIT`), so a conversation quiet longer than a tool call may take
+# is over; a client that comes back reconnects (the OpenAI API closes every connection after
+# an hour anyway).
+DEFAULT_IDLE_LIMIT = 600.0
+# How often the server pings a WebSocket, and how long it waits for the pong (the `websockets`
+# library's defaults, which the openai SDK's client uses the other way): a peer gone without a
+# FIN (a dead network path, a suspended laptop) is found within 40 s, at one ~6-byte frame per
+# connection every 20 s.
+DEFAULT_PING_INTERVAL = 20.0
+DEFAULT_PING_TIMEOUT = 20.0
+
+_PING = "rollout.ping"  # an outbox entry: the writer pings through the transport
 
 ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
@@ -101,6 +138,27 @@ class WebSocketLimits:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     send_stall_limit: float = DEFAULT_SEND_STALL_LIMIT
+    idle_limit: float = DEFAULT_IDLE_LIMIT
+    ping_interval: float = DEFAULT_PING_INTERVAL  # inf: no pings
+    ping_timeout: float = DEFAULT_PING_TIMEOUT
+
+
+class WebSocketTransport(Protocol):
+    """What the server under the app offers a WebSocket beyond ASGI messages (rollout's
+    hypercorn: `_transport.HypercornTransport`)."""
+
+    def abort(self) -> bool:
+        """Reset the TCP connection now, ending any write blocked on it (the app then gets
+        `websocket.disconnect`); False if it could not."""
+        ...
+
+    async def ping(self, payload: bytes) -> bool:
+        """Write a ping frame; False if the WebSocket is closing (nothing was sent)."""
+        ...
+
+    def watch_pongs(self, on_pong: Callable[[bytes], None]) -> bool:
+        """Call `on_pong(payload)` at each pong from the peer; False if it cannot."""
+        ...
 
 
 class SlowConsumer(trio.ClosedResourceError):
@@ -122,6 +180,7 @@ class WebSocketConnection:
         timing: bool = False,
         shutting_down: trio.Event | None = None,
         betas: frozenset[str] = frozenset(),
+        transport: WebSocketTransport | None = None,
     ) -> None:
         self.session = session
         self._send = send
@@ -138,6 +197,21 @@ class WebSocketConnection:
         self._disconnected = False  # the peer closed or went away
         self._opened_at = trio.current_time()
         self._expired = False  # past the age limit: creates are refused, then it closes
+        self._transport = transport
+        # The watchdog (`_watch`): when it wakes next, and how to wake it earlier.
+        self._wake_at = math.inf
+        self._poke = trio.Event()
+        self._watching = trio.CancelScope()
+        self._write_started: float | None = None  # when the write in progress began
+        self._heard_at = self._opened_at  # the last client message
+        self._idle_since = self._opened_at
+        self._ping_due = self._opened_at + limits.ping_interval
+        self._pinging = False  # a ping is queued or waits for its pong
+        self._ping_payload: bytes | None = None  # the ping written, awaiting its pong
+        self._ping_written_at = math.inf
+        self._pings = 0
+        self._cut = False  # cut off (stalled, or no pong): responses cancelled, aborted
+        self._serving = False  # the responses' nursery is open
         self.protocol = ServerConnection(
             max_message_size=limits.max_message_size,
             max_queued_creates=limits.max_queued_creates,
@@ -185,14 +259,23 @@ class WebSocketConnection:
         (`ServerConnection.lane_of`)."""
         await self.send_event(event, stream_id=self.protocol.lane_of(response_id))
 
-    async def close(self, code: int = 1000) -> None:
-        """Close after the frames already queued (not for a slow consumer: see `_stalled`)."""
+    async def close(self, code: int = 1000, reason: str | None = None) -> None:
+        """Close after the frames already queued (not for a slow consumer: see `_cut_off`)."""
+        self._queue_close(code, reason)
+
+    def _queue_close(self, code: int, reason: str | None = None) -> None:
+        """Queue the close frame after the frames already queued (it takes no room: if those
+        cannot be written, the stalled write cuts the connection off)."""
         if not self._closing and not self._closed:
             self._closing = True
-            await self._enqueue({"type": "websocket.close", "code": code}, 0, closing=True)
+            message: dict[str, Any] = {"type": "websocket.close", "code": code}
+            if reason is not None:
+                message["reason"] = reason
+            self._outbox.append((message, 0))
+            self._queued.set()
 
-    async def _enqueue(self, message: dict[str, Any], size: int, *, closing: bool = False) -> None:
-        if self._closed or (self._closing and not closing):
+    async def _enqueue(self, message: dict[str, Any], size: int) -> None:
+        if self._closed or self._closing:
             raise trio.ClosedResourceError("the WebSocket is closed")
         limit = self.limits.max_buffered_bytes
         if self._buffered and self._buffered + size > limit:
@@ -208,21 +291,37 @@ class WebSocketConnection:
         self._queued.set()
 
     def _stalled(self) -> None:
-        """The client has not read for the stall limit: tear the connection down."""
-        self.session.engine.counters.slow_consumers += 1
-        log.warning(
-            "a WebSocket client stopped reading (%d bytes waiting for %g s): closing it",
-            self._buffered,
-            self.limits.send_stall_limit,
-        )
-        self._closed = True
+        """The outbox has had no room for the stall limit: cut the client off."""
+        self._slow_consumer()
+        raise SlowConsumer("the client stopped reading")
+
+    def _slow_consumer(self) -> None:
+        if not self._cut:
+            self.session.engine.counters.slow_consumers += 1
+            log.warning(
+                "a WebSocket client stopped reading (%d bytes waiting for %g s): cutting it off",
+                self._buffered,
+                self.limits.send_stall_limit,
+            )
+        self._cut_off()
+
+    def _cut_off(self) -> None:
+        """Stop serving a peer that cannot be written to or does not answer: cancel the
+        responses (their usage is recorded as interrupted), drop the queued frames, and abort
+        the TCP connection (ending the write blocked on it, releasing its buffers)."""
+        if self._cut:
+            return
+        self._cut = self._closed = True
         self._outbox.clear()
         self._queued.set()
         self._tasks.cancel()
-        raise SlowConsumer("the client stopped reading")
+        if self._transport is not None and self._transport.abort():
+            self.session.engine.counters.ws_aborts += 1
 
     async def _writer(self) -> None:
-        """Send queued frames in order; a close frame ends the writing."""
+        """Send queued frames in order; a close frame ends the writing. Each write is timed
+        (`_write_started`): the watchdog cuts off a peer that holds one past the stall limit."""
+        stall = self.limits.send_stall_limit
         while True:
             while not self._outbox:
                 if self._closed or self._disconnected:
@@ -232,14 +331,21 @@ class WebSocketConnection:
             if self._disconnected:  # the peer is gone: nothing more can be delivered
                 return
             message, size = self._outbox.popleft()
+            self._write_started = started = trio.current_time()
+            if started + stall < self._wake_at:
+                self._poke.set()
             try:
-                await self._send(message)
+                if message["type"] == _PING:
+                    await self._write_ping()
+                else:
+                    await self._send(message)
             except Exception:  # the transport failed under us: the connection is over
                 log.info("sending a WebSocket frame failed; closing", exc_info=True)
                 self._closed = True
                 self._tasks.cancel()
                 return
             finally:
+                self._write_started = None
                 self._buffered -= size
                 self._drained.set()
                 self._drained = trio.Event()
@@ -247,26 +353,122 @@ class WebSocketConnection:
                 self._closed = True
                 self._tasks.cancel()
                 return
-            self.frames_out += 1
+            if message["type"] != _PING:
+                self.frames_out += 1
+
+    async def _write_ping(self) -> None:
+        assert self._transport is not None  # (only queued with one)
+        self._pings += 1
+        self._ping_payload = payload = b"%d" % self._pings  # (its pong may come at once)
+        if not await self._transport.ping(payload):  # closing: no ping went out
+            self._ping_payload = None
+            self._pinging = False
+        elif self._ping_payload is not None:  # written; the pong is awaited from now
+            self._ping_written_at = now = trio.current_time()
+            if now + self.limits.ping_timeout < self._wake_at:
+                self._poke.set()
+
+    def _pong(self, payload: bytes) -> None:
+        """The peer answered a ping (only the last one's pong counts)."""
+        if self._ping_payload is not None and payload == self._ping_payload:
+            self._ping_payload = None
+            self._ping_written_at = math.inf
+            self._pinging = False
+            self._ping_due = trio.current_time() + self.limits.ping_interval
+
+    # --- the clock ---
+    async def _watch(self) -> None:
+        """The connection's clock, until the writer is done: a write held past the stall
+        limit or a ping unanswered past the ping timeout cuts the peer off; a ping is queued
+        every ping interval; an idle connection is closed past the idle limit, an old one once
+        idle past the age limit. Sleeps until the next of those deadlines (the writer and the
+        dispatcher wake it when they bring one closer)."""
+        limits = self.limits
+        with self._watching:
+            while True:
+                now = trio.current_time()
+                wake = math.inf
+                started = self._write_started
+                if started is not None:
+                    if now >= started + limits.send_stall_limit:
+                        self._slow_consumer()
+                        return
+                    wake = started + limits.send_stall_limit
+                if self._ping_payload is not None:
+                    if now >= self._ping_written_at + limits.ping_timeout:
+                        self.session.engine.counters.ws_ping_timeouts += 1
+                        log.info(
+                            "a WebSocket client did not answer a ping in %g s: cutting it off",
+                            limits.ping_timeout,
+                        )
+                        self._cut_off()
+                        return
+                    wake = min(wake, self._ping_written_at + limits.ping_timeout)
+                if not (self._closing or self._closed):
+                    wake = min(wake, self._tick(now))
+                self._wake_at = wake
+                with trio.move_on_at(wake):
+                    await self._poke.wait()
+                self._poke = trio.Event()
+
+    def _tick(self, now: float) -> float:
+        """The open connection's deadlines at `now`: queue the ping that is due, close when
+        idle past the idle limit, expire past the age limit; the next deadline."""
+        limits = self.limits
+        wake = math.inf
+        if self._idle.is_set():
+            idle_until = max(self._heard_at, self._idle_since) + limits.idle_limit
+            if now >= idle_until:
+                self.session.engine.counters.ws_idle_closes += 1
+                self._queue_close(1000, f"idle for {limits.idle_limit:g} s")
+                return wake
+            wake = idle_until
+        if not self._expired:
+            expires = self._opened_at + limits.connection_age_limit
+            if now >= expires:
+                self._past_age_limit()
+            else:
+                wake = min(wake, expires)
+        if self._transport is not None and not self._pinging:
+            if now >= self._ping_due:
+                self._pinging = True
+                self._outbox.append(({"type": _PING}, 0))
+                self._queued.set()
+            else:
+                wake = min(wake, self._ping_due)
+        return wake
 
     # --- the tasks ---
     async def run(self) -> None:
+        if self._transport is not None and not self._transport.watch_pongs(self._pong):
+            self._transport = None  # (no pongs to hear: no pings)
+        if not math.isfinite(self.limits.ping_interval):
+            self._pinging = True  # (never due)
         async with trio.open_nursery() as outer:
-            outer.start_soon(self._writer)
+            outer.start_soon(self._watch)
+            outer.start_soon(self._write_then_stop_watching)
             try:
                 with self._tasks:
                     async with trio.open_nursery() as nursery:
                         self._responses = nursery
+                        self._serving = True
                         nursery.start_soon(self._watch_shutdown)
                         try:
                             await self._reader()
                         finally:
+                            self._serving = False
                             nursery.cancel_scope.cancel()
             finally:
                 # The reader is done (disconnect, close, slow consumer): stop the writer once
                 # it has sent what is queued (a frame it is sending finishes or fails alone).
                 self._closed = True
                 self._queued.set()
+
+    async def _write_then_stop_watching(self) -> None:
+        try:
+            await self._writer()
+        finally:
+            self._watching.cancel()
 
     async def _watch_shutdown(self) -> None:
         """On server shutdown: close once the running responses (if any) have finished."""
@@ -289,6 +491,7 @@ class WebSocketConnection:
             if kind != "websocket.receive":
                 continue
             self.frames_in += 1
+            self._heard_at = trio.current_time()
             try:
                 await self._receive_frame(message)
             except trio.ClosedResourceError:
@@ -407,8 +610,11 @@ class WebSocketConnection:
         if self.protocol.queued or self.protocol.in_flight:
             if self._idle.is_set():
                 self._idle = trio.Event()
-        else:
+        elif not self._idle.is_set():
             self._idle.set()
+            self._idle_since = now = trio.current_time()
+            if now + self.limits.idle_limit < self._wake_at:
+                self._poke.set()
 
     async def _respond(self, request: ResponseCreate, timings: dict[str, float]) -> None:
         """Answer one started create, on its lane; then let the next creates start."""
@@ -440,10 +646,12 @@ class WebSocketConnection:
         and closes once no response runs)."""
         limit = self.limits.connection_age_limit
         if not self._expired and math.isfinite(limit):
-            if trio.current_time() - self._opened_at > limit:
+            if trio.current_time() - self._opened_at >= limit:
                 self._expired = True
-                assert self._responses is not None
-                self._responses.start_soon(self._close_when_idle, 1000)
+                self.session.engine.counters.ws_age_closes += 1
+                if self._serving:  # (else the connection is ending anyway)
+                    assert self._responses is not None
+                    self._responses.start_soon(self._close_when_idle, 1000)
         return self._expired
 
     async def _run_one(self, request: ResponseCreate, timings: dict[str, float]) -> None:

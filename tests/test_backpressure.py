@@ -38,27 +38,31 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_usage_recorded(
             tmp_path, max_buffered_bytes=64 * 1024, send_stall_limit=STALL
         ) as url:
             # The stalled client: a create for ~1M tokens, then it never reads again (its
-            # library stops reading the socket once one message waits unread).
-            async with trio_websocket.open_websocket_url(
-                url.replace("http", "ws") + "/responses", message_queue_size=0
-            ) as stalled:
-                await stalled.send_message(
-                    json.dumps(
-                        {
-                            "type": "response.create",
-                            "model": "sim:tokens=1000000,interval_ms=0",
-                            "input": "Write forever.",
-                            "store": False,
-                        }
+            # library stops reading the socket once one message waits unread). The server
+            # resets its connection; its library's reader, waiting to hand over a message,
+            # would wait forever on the way out, so the block is cancelled at the end.
+            with trio.CancelScope() as leave:
+                async with trio_websocket.open_websocket_url(
+                    url.replace("http", "ws") + "/responses", message_queue_size=0
+                ) as stalled:
+                    await stalled.send_message(
+                        json.dumps(
+                            {
+                                "type": "response.create",
+                                "model": "sim:tokens=1000000,interval_ms=0",
+                                "input": "Write forever.",
+                                "store": False,
+                            }
+                        )
                     )
-                )
-                # Meanwhile, another client is served, again and again, until the server has
-                # given up on the stalled one.
-                async with open_ws(url) as ws:
-                    while (await fetch_counters(url)).get("slow_consumers", 0) == 0:
-                        events = await ws.create(model="sim:tokens=4", input="Hi", store=False)
-                        assert events[-1].type == "response.completed"
-                counters = await fetch_counters(url)
+                    # Meanwhile, another client is served, again and again, until the server has
+                    # given up on the stalled one.
+                    async with open_ws(url) as ws:
+                        while (await fetch_counters(url)).get("slow_consumers", 0) == 0:
+                            events = await ws.create(model="sim:tokens=4", input="Hi", store=False)
+                            assert events[-1].type == "response.completed"
+                    counters = await fetch_counters(url)
+                    leave.cancel()
     assert counters["slow_consumers"] == 1
     assert counters["responses_completed"] >= 1  # the other client's, all of them
     # Its usage: one interrupted step, with the tokens sampled before the cut.

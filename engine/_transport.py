@@ -1,0 +1,151 @@
+"""What hypercorn's WebSocket offers the app beyond ASGI messages: aborting the TCP connection,
+sending a ping, and hearing the pongs (the ASGI scope extension `rollout.transport`).
+
+ASGI gives a WebSocket app `websocket.send` and `websocket.close` and nothing else, and
+hypercorn (0.17, 0.18) writes every chunk shielded from cancellation
+(`TCPServer.protocol_send`): a client that stops reading leaves the write of the frame in
+flight, and of anything after it (the close frame, the pongs hypercorn answers the client's
+pings with, from its reader task), waiting for the peer forever, with the connection's buffers
+pinned and its place counted. A polite close cannot help: it is one more write. What ends such
+a connection is closing its socket under the blocked write: trio wakes the write (and the
+reader) with `ClosedResourceError`, which hypercorn handles as the peer gone, the app gets
+`websocket.disconnect`, and every buffer of the connection is released. `SO_LINGER` 0 first
+makes the close a reset, so the kernel drops its send buffer at once instead of keeping it for
+the peer (an orphaned socket's data).
+
+ASGI has no ping either, and hypercorn's own (`websocket_ping_interval`) never looks at the
+pongs, so it cannot tell a peer that stopped answering.
+
+`offer_websocket_transport()` patches hypercorn's `WSStream.handle` (idempotent) so that each
+WebSocket's ASGI scope carries `scope["extensions"]["rollout.transport"]`, a
+`HypercornTransport` over that stream:
+
+- `abort()`: reset the TCP connection now (the one under the stream: on HTTP/2, every stream
+  of that connection, all of them the same peer's);
+- `ping(payload)`: one ping frame, written like any frame (returns once written; False when the
+  WebSocket is closing and no ping can go out);
+- `watch_pongs(on_pong)`: `on_pong(payload)` at each pong the peer sends.
+
+An app that does not look at the extension sees hypercorn's behaviour unchanged. The path to
+the TCP stream (`WSStream.send` is its protocol's bound `stream_send`, whose `send` is the
+`TCPServer`'s bound `protocol_send`) and the rest this relies on are pinned by
+`tests/test_ws_liveness.py::test_hypercorn_internals_the_transport_relies_on`.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import struct
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import trio
+
+__all__ = ["TRANSPORT_EXTENSION", "HypercornTransport", "offer_websocket_transport"]
+
+# The ASGI scope extension holding a WebSocket's `HypercornTransport`.
+TRANSPORT_EXTENSION = "rollout.transport"
+
+_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
+
+
+class HypercornTransport:
+    """One hypercorn WebSocket stream (`WSStream`), seen from the app."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.aborted = False
+
+    def _socket(self) -> trio.socket.SocketType | None:
+        """The trio socket under the stream (through its protocol and its TCP server)."""
+        protocol = getattr(self._stream.send, "__self__", None)
+        server = getattr(getattr(protocol, "send", None), "__self__", None)
+        tcp: Any = getattr(server, "stream", None)
+        tcp = getattr(tcp, "transport_stream", tcp)  # under TLS, the socket stream
+        sock = getattr(tcp, "socket", None)
+        return sock if isinstance(sock, trio.socket.SocketType) else None
+
+    def abort(self) -> bool:
+        """Reset the TCP connection now: a write blocked on it ends (hypercorn takes the peer
+        for gone), the app is told `websocket.disconnect`, the kernel drops its buffers.
+        False when there is no socket to reset (already closed, or not found)."""
+        sock = self._socket()
+        if sock is None or sock.fileno() == -1:
+            return False
+        self.aborted = True
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        except OSError:  # the peer already reset it: a plain close is as good
+            pass
+        sock.close()  # trio wakes every task waiting on it with ClosedResourceError
+        return True
+
+    async def ping(self, payload: bytes) -> bool:
+        """Write a ping frame (like any frame: after the one being written). False when the
+        WebSocket is not open (closing, or not yet accepted): no ping went out."""
+        from hypercorn.protocol.events import Data
+        from wsproto.events import Ping
+        from wsproto.utilities import LocalProtocolError
+
+        connection = getattr(self._stream, "connection", None)
+        if connection is None or getattr(self._stream, "closed", True):
+            return False
+        try:
+            data = connection.send(Ping(payload=payload))
+        except LocalProtocolError:  # closing: wsproto sends no more frames
+            return False
+        await self._stream.send(Data(stream_id=self._stream.stream_id, data=data))
+        return True
+
+    def watch_pongs(self, on_pong: Callable[[bytes], None]) -> bool:
+        """Call `on_pong(payload)` at each pong the peer sends from now on (once the
+        WebSocket is accepted; False before)."""
+        from wsproto.events import Pong
+
+        connection = getattr(self._stream, "connection", None)
+        if connection is None:
+            return False
+        events = connection.events  # bound now: the class's (and any patch of it)
+
+        def observed() -> Iterator[Any]:
+            for event in events():
+                if isinstance(event, Pong):
+                    on_pong(bytes(event.payload))
+                yield event
+
+        connection.events = observed  # this connection's only
+        return True
+
+
+class _WithTransport:
+    """hypercorn's app wrapper for one WebSocket stream, adding the transport to its scope."""
+
+    def __init__(self, app: Any, transport: HypercornTransport) -> None:
+        self._app = app
+        self._transport = transport
+
+    async def __call__(self, scope: dict[str, Any], *args: Any) -> None:
+        extensions = scope.setdefault("extensions", {})
+        extensions[TRANSPORT_EXTENSION] = self._transport
+        await self._app(scope, *args)
+
+
+def offer_websocket_transport() -> None:
+    """Give every hypercorn WebSocket's ASGI scope its `HypercornTransport` (see the module
+    docstring). Idempotent."""
+    from hypercorn.protocol.events import Request
+    from hypercorn.protocol.ws_stream import WSStream
+
+    original = WSStream.handle
+    if getattr(original, "_rollout_transport", False):
+        return
+
+    @functools.wraps(original)  # (keeps other patches' markers: they are not applied twice)
+    async def handle(self: Any, event: Any) -> None:  # (self: a WSStream)
+        if isinstance(event, Request) and not isinstance(self.app, _WithTransport):
+            self.app = _WithTransport(self.app, HypercornTransport(self))
+        await original(self, event)
+
+    handle._rollout_transport = True  # type: ignore[attr-defined]
+    WSStream.handle = handle  # type: ignore[method-assign]
