@@ -37,10 +37,18 @@ _NON_NEGATIVE_INT = _number(int, zero=True)
 _NON_NEGATIVE = _number(float, zero=True)
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a fraction in (0, 1]."""
+    value = float(_POSITIVE(text))
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return value
+
+
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from rollout.protocol import DEFAULT_MAX_MESSAGE_SIZE
 
-    from .engine._app import DEFAULT_MAX_CONNECTIONS
+    from .engine._app import DEFAULT_KEY_CONNECTION_SHARE, DEFAULT_MAX_CONNECTIONS
     from .engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
     from .engine._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT
     from .engine._llama import DEFAULT_KV_INDEX_MB
@@ -200,6 +208,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         f"(default {DEFAULT_PING_TIMEOUT:g})",
     )
     p.add_argument(
+        "--key-connection-share",
+        type=_fraction,
+        default=DEFAULT_KEY_CONNECTION_SHARE,
+        metavar="FRACTION",
+        help="the fraction of --max-connections one API key (without auth: one client "
+        "address) may hold; more are refused with 429 too_many_connections_for_key; 1: no "
+        f"share (default {DEFAULT_KEY_CONNECTION_SHARE:g})",
+    )
+    p.add_argument(
         "--rollout-suspend-limit",
         type=_POSITIVE,
         default=DEFAULT_ROLLOUT_SUSPEND_LIMIT,
@@ -331,6 +348,7 @@ def _serve(args: argparse.Namespace) -> int:
         idle_limit=args.websocket_idle_limit,
         ping_interval=args.websocket_ping_interval,
         ping_timeout=args.websocket_ping_timeout,
+        key_connection_share=args.key_connection_share,
         rollout_suspend_limit=args.rollout_suspend_limit,
         graceful_timeout=args.graceful_timeout,
         render_cache_bytes=0 if args.no_render_cache else int(args.render_cache_mb * 2**20),

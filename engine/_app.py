@@ -27,6 +27,7 @@ key that created them.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import re
@@ -59,9 +60,16 @@ from ._engine import Engine, server_error
 from ._metrics import MetricsExporter
 from ._responses_api import ResponsesApi
 from ._transport import TRANSPORT_EXTENSION
+from ._trim import release_freed_memory
 from ._ws import WebSocketConnection, WebSocketLimits
 
-__all__ = ["DEFAULT_MAX_CONNECTIONS", "AppConfig", "RolloutApp", "owner_of"]
+__all__ = [
+    "DEFAULT_KEY_CONNECTION_SHARE",
+    "DEFAULT_MAX_CONNECTIONS",
+    "AppConfig",
+    "RolloutApp",
+    "owner_of",
+]
 
 access_log = logging.getLogger("rollout.access")
 # Outside the logger tree and above every level: where an app without access lines logs them.
@@ -69,9 +77,15 @@ _NO_ACCESS_LOG = logging.Logger("rollout.access.off", level=logging.CRITICAL + 1
 log = logging.getLogger("rollout.server")
 
 # Open WebSocket connections at most. An idle one costs ~35 KB; one whose client stopped
-# reading can pin its outbox (`max_buffered_bytes`, 4 MiB) and a kernel socket buffer until
-# torn down, so 1,024 of those stay within a few GB.
+# reading can pin its outbox (`max_buffered_bytes`, 4 MiB), the frames its responses wait to
+# queue and a kernel socket buffer until it is cut off (`send_stall_limit`, then aborted), so
+# 1,024 of those stay within a few GB, for 30 s.
 DEFAULT_MAX_CONNECTIONS = 1024
+# The fraction of `max_connections` one API key may hold (without auth: one client address),
+# so that a single client cannot take every place: with the default, two keys at their share
+# fill the server. 1 turns the share off (behind a proxy without auth, every client has the
+# proxy's address).
+DEFAULT_KEY_CONNECTION_SHARE = 0.5
 
 # WebSocket mode's one endpoint. Every route of the API is under /v1, as a client's base URL
 # is; a path that would match with the prefix gets a 404 that says so (`_did_you_mean`).
@@ -91,6 +105,7 @@ class AppConfig:
     max_cached_responses: int = 8
     max_cached_tokens: int = 8_000_000
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    key_connection_share: float = DEFAULT_KEY_CONNECTION_SHARE
     access_log: bool = True  # a `rollout.access` line per request (off for the warm-up's)
     # One worker of several (`rollout serve --workers N`): /metrics merges the counts every
     # worker writes into this directory (see `_metrics.py`).
@@ -118,6 +133,8 @@ class RolloutApp:
         self.shutting_down = trio.Event()
         self.open_connections = 0
         self.refused_connections = 0  # upgrades refused at the connection limit
+        # Open WebSocket connections by holder: the API key's owner, or the client address.
+        self._held: collections.Counter[str] = collections.Counter()
         self.http_requests = 0
         self._started = time.time()
         self._keys = ApiKeys(config.api_keys)
@@ -177,7 +194,8 @@ class RolloutApp:
         path = scope["path"].rstrip("/")
         headers = headers_of(scope)
         allowed, owner = self._keys.authenticate(headers)
-        refusal = self._refuse_upgrade(path, allowed)
+        holder = _holder(scope, owner)
+        refusal = self._refuse_upgrade(path, allowed, holder)
         if refusal is not None:
             status, body = refusal
             await _deny_upgrade(send, status, body)
@@ -190,6 +208,7 @@ class RolloutApp:
             return
         await send({"type": "websocket.accept"})
         self.open_connections += 1
+        self._held[holder] += 1
         started = time.perf_counter()
         session = self.engine.session(
             owner=owner,
@@ -216,6 +235,9 @@ class RolloutApp:
         finally:
             session.close()
             self.open_connections -= 1
+            self._held[holder] -= 1
+            if not self._held[holder]:
+                del self._held[holder]
             seconds = round(time.perf_counter() - started, 6)
             self._access_log.info(
                 "WebSocket %s closed after %.3f s: %d frames in, %d out",
@@ -231,10 +253,20 @@ class RolloutApp:
                     "seconds": seconds,
                 },
             )
+            if connection.cut_off:  # what it held is free: give it back to the OS
+                await release_freed_memory()
 
-    def _refuse_upgrade(self, path: str, allowed: bool) -> tuple[int, dict[str, Any]] | None:
+    def key_connection_limit(self) -> int:
+        """The WebSocket connections one key (or client address) may hold."""
+        share = int(self.config.max_connections * self.config.key_connection_share)
+        return max(1, min(self.config.max_connections, share))
+
+    def _refuse_upgrade(
+        self, path: str, allowed: bool, holder: str
+    ) -> tuple[int, dict[str, Any]] | None:
         """The status and body refusing an upgrade, in order: no such endpoint, WebSocket mode
-        off, the connection limit (counted), no valid key; None to accept it."""
+        off, the connection limit (counted), the key's share of it (counted), no valid key;
+        None to accept it."""
         if path != _WEBSOCKET_PATH:
             hint = " Did you mean /v1/responses? (The base URL ends in /v1.)"
             hint = hint if path == _WEBSOCKET_PATH.removeprefix("/v1") else ""
@@ -251,6 +283,15 @@ class RolloutApp:
                 "limit; retry later or use HTTP.",
                 code="too_many_connections",
                 type_="server_error",
+            )
+        share = self.key_connection_limit()
+        if allowed and self._held[holder] >= share:
+            self.engine.counters.ws_key_share_refusals += 1
+            who = "API key" if self.config.api_keys else "client address"
+            return 429, error_body(
+                f"This {who} holds {self._held[holder]} open WebSocket connections, its share "
+                f"of this server's {self.config.max_connections}; close one, or use HTTP.",
+                code="too_many_connections_for_key",
             )
         if not allowed:
             return 401, _invalid_api_key()
@@ -410,6 +451,15 @@ class RolloutApp:
                 param="model",
             ),
         )
+
+
+def _holder(scope: Scope, owner: str | None) -> str:
+    """Whose share a WebSocket counts against: the API key's owner, or without auth the
+    client's address (its host: every port of one machine is one client)."""
+    if owner is not None:
+        return f"key:{owner}"
+    client = scope.get("client")
+    return f"peer:{client[0]}" if client else "peer:"
 
 
 def _invalid_api_key() -> dict[str, Any]:

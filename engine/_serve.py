@@ -32,7 +32,7 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from rollout.protocol import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, DEFAULT_MAX_MESSAGE_SIZE
 
-from ._app import DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
+from ._app import DEFAULT_KEY_CONNECTION_SHARE, DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
 from ._defaults import default_registry
 from ._deflate import DEFAULT_WEBSOCKET_DEFLATE, HypercornConfig, decline_deflate_offers
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
@@ -90,10 +90,12 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
     send_stall_limit: float = DEFAULT_SEND_STALL_LIMIT
-    # WebSocket liveness (`_ws.py`): idle connections closed, pings and their pongs.
+    # WebSocket liveness (`_ws.py`): idle connections closed, pings and their pongs, and the
+    # fraction of `max_connections` one key (without auth, one client address) may hold.
     idle_limit: float = DEFAULT_IDLE_LIMIT
     ping_interval: float = DEFAULT_PING_INTERVAL
     ping_timeout: float = DEFAULT_PING_TIMEOUT
+    key_connection_share: float = DEFAULT_KEY_CONNECTION_SHARE
     rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT
     graceful_timeout: float = 10.0
     max_cached_responses: int = 8
@@ -139,6 +141,7 @@ class ServerConfig:
                 ping_timeout=self.ping_timeout,
             ),
             max_connections=self.max_connections,
+            key_connection_share=self.key_connection_share,
             max_cached_responses=self.max_cached_responses,
             metrics_dir=self.metrics_dir,
         )

@@ -76,7 +76,7 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_usage_recorded(
 
 async def test_connections_past_the_limit_are_refused() -> None:
     with trio.fail_after(DEADLINE):
-        async with open_test_server(max_connections=2) as url:
+        async with open_test_server(max_connections=2, key_connection_share=1.0) as url:
             async with open_ws(url), open_ws(url):
                 with pytest.raises(trio_websocket.ConnectionRejected) as refused:
                     async with open_ws(url):
