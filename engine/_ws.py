@@ -230,6 +230,11 @@ class WebSocketConnection:
         self.frames_in = 0
         self.frames_out = 0
 
+    @property
+    def cut_off(self) -> bool:
+        """Whether the peer was cut off (stalled, or a ping unanswered)."""
+        return self._cut
+
     # --- output ---
     async def send_event(
         self, event: ServerEvent | dict[str, Any], *, stream_id: str | None = None
