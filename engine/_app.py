@@ -23,6 +23,12 @@ Errors use the OpenAI body `{"error": {"message", "type", "param", "code"}}` and
 status. With API keys configured, a request without a valid `Authorization: Bearer` key gets
 401 (a WebSocket upgrade is refused before 101) and stored responses are visible only to the
 key that created them.
+
+WebSocket connections are capped (`max_connections`, 503 `too_many_connections` past it), and
+one key may hold at most its share of them (`key_connection_share` of the cap, 429
+`too_many_connections_for_key` past it), so a single client cannot take every place. Without
+auth a "key" is a client address (its host), which behind a proxy is the proxy's: set the
+share to 1 there.
 """
 
 from __future__ import annotations
