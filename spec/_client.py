@@ -61,6 +61,9 @@ TERMINAL = TERMINAL_EVENT_TYPES
 RECEIVE_LIMIT = 256 * 1024 * 1024
 # Frames buffered by trio-websocket before the reader takes them.
 _MESSAGE_QUEUE = 1024
+# The data of the chat-completions stream's last event, which the official SDK reads as the
+# end of any stream.
+SSE_DONE = "[DONE]"
 # The longest excerpt of a peer's bytes quoted in a failure message.
 _QUOTE = 160
 # How often a waiting ping looks whether the connection closed meanwhile, in seconds.
@@ -437,6 +440,11 @@ async def http_sse(
                 decoder = SseDecoder(max_event_size=RECEIVE_LIMIT)
                 async for chunk in r.aiter_bytes():
                     for sse in decoder.feed(chunk):
+                        if sse.data.startswith(SSE_DONE) and events:
+                            # The chat-completions end marker: the official SDK stops reading
+                            # here (HTTP-1.2 allows it after the terminal event, which the
+                            # checks look for).
+                            return HttpResult(r.status_code, r.headers, None, ""), events
                         events.append(SseEvent(sse.event, _sse_data(sse.data)))
                 return HttpResult(r.status_code, r.headers, None, ""), events
     except trio.TooSlowError:

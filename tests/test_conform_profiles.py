@@ -19,12 +19,13 @@ import io
 import json
 from typing import Any
 
+import trio
 from rich.console import Console
 from rollout import spec
 from rollout.engine._app import RolloutApp
 
-from tests.test_conform import API_KEY, serving
-from tests.test_conform_cli import Receive, Scope, Send, conform, sample_report
+from tests.test_conform import API_KEY, harness_options, serving
+from tests.test_conform_cli import DEADLINE, Receive, Scope, Send, conform, sample_report
 from tests.test_conform_mutations import Conn, Mutant, ws_error
 
 # The profiles, as the summary names them. (The tests name only what a user sees, so they can
@@ -227,3 +228,21 @@ def test_the_report_fits_80_columns_and_names_each_failure_once() -> None:
     for r in report.results:
         if r.outcome is spec.Outcome.FAILED and r.id not in grouped:
             assert text.count(f"  {r.id}  {r.rule}  ") == 1, r.id
+
+
+class DoneMarker(Mutant):
+    """A gateway that ends every event stream as chat completions do: `data: [DONE]` after the
+    terminal event (the official SDK stops reading there)."""
+
+    def sse_chunk(self, chunk: bytes) -> bytes:
+        if b"event: response.completed" in chunk:
+            return chunk + b"data: [DONE]\n\n"
+        return chunk
+
+
+async def test_a_done_marker_after_the_terminal_event_breaks_nothing() -> None:
+    with trio.fail_after(DEADLINE):
+        async with serving(app_wrapper=DoneMarker) as url:
+            options = harness_options(filter=("http.sse", "schema.sse_events"))
+            report = await spec.run_conformance(url, options)
+    assert [r.outcome for r in report.results] == [spec.Outcome.PASSED] * 2, report.failures
