@@ -23,7 +23,7 @@ from ._analysis import (
 )
 from ._client import TERMINAL, CheckFailed, CheckSkipped, WsClient, describe_value
 from ._context import CheckSet, Context
-from ._probes import PROBE_ANSWER_SECONDS
+from ._probes import PROBE_ANSWER_SECONDS, error_text
 from ._requests import auto_body, text_body, tool_output, unknown_id
 from ._steps import MAX_ROUNDS, Event, completed, fail_on, first_event, response_of
 
@@ -68,10 +68,9 @@ async def probe_multi_agent(ctx: Context) -> str | None:
     if str(event["type"]).startswith("response.inject."):
         return None
     if event["type"] == "error":
-        error = as_dict(event.get("error"))
         return (
-            f"the server answers response.inject with error {describe_value(error.get('code'))}"
-            ": the multi-agent beta (response.inject) is not supported"
+            f"the server answers response.inject with error {error_text(event)}: the "
+            "multi-agent beta (response.inject) is not supported"
         )
     raise CheckFailed(f"a response.inject was answered with {event['type']}")
 

@@ -21,6 +21,7 @@ __all__ = [
     "PROBE_ANSWER_SECONDS",
     "compare_outputs",
     "deterministic",
+    "error_text",
     "probe_auth",
     "probe_deterministic",
     "probe_lanes",
@@ -121,7 +122,8 @@ def _refusal(event: Mapping[str, Any], param: str) -> str | None:
     return None
 
 
-def _error_text(event: Mapping[str, Any]) -> str:
+def error_text(event: Mapping[str, Any]) -> str:
+    """An `error` event's code and message, quoted."""
     error = as_dict(event.get("error"))
     return f"{describe_value(error.get('code'))}: {describe_value(error.get('message'))}"
 
@@ -143,9 +145,7 @@ async def probe_rollout(ctx: Context) -> str | None:
         refusal = _refusal(last, "rollout")
         if refusal is not None:
             return f"rejected `rollout: true` ({refusal})"
-        raise CheckFailed(
-            f"a create with rollout: true was answered with error {_error_text(last)}"
-        )
+        raise CheckFailed(f"a create with rollout: true was answered with error {error_text(last)}")
     output = as_dict(last.get("response")).get("output") or []
     if last["type"] == "response.completed":
         if call_items(output):
@@ -169,7 +169,7 @@ async def probe_lanes(ctx: Context) -> str | None:
         refusal = _refusal(last, "stream_id")
         if refusal is not None:
             return f"the server refuses `stream_id` ({refusal}): lanes are not supported"
-        raise CheckFailed(f"a create with stream_id was answered with error {_error_text(last)}")
+        raise CheckFailed(f"a create with stream_id was answered with error {error_text(last)}")
     if not any(e.get("stream_id") == lane for e in events):
         return (
             "ignored `stream_id`: the response ran on the default lane (none of its "
@@ -195,10 +195,9 @@ async def probe_steer(ctx: Context) -> str | None:
     if str(event["type"]).startswith("response.steer."):
         return None
     if event["type"] == "error":
-        error = as_dict(event.get("error"))
         return (
-            f"the server answers response.steer with error {describe_value(error.get('code'))}: "
-            "steering is not supported"
+            f"the server answers response.steer with error {error_text(event)}: steering is "
+            "not supported"
         )
     raise CheckFailed(f"a response.steer was answered with {event['type']}")
 
