@@ -122,10 +122,18 @@ def _refusal(event: Mapping[str, Any], param: str) -> str | None:
     return None
 
 
+# The longest excerpt of an error's message quoted in a probe's evidence.
+_MESSAGE_QUOTE = 80
+
+
 def error_text(event: Mapping[str, Any]) -> str:
-    """An `error` event's code and message, quoted."""
+    """An `error` event's code and the start of its message's first line, quoted."""
     error = as_dict(event.get("error"))
-    return f"{describe_value(error.get('code'))}: {describe_value(error.get('message'))}"
+    message = error.get("message")
+    if isinstance(message, str):
+        first = message.strip().split("\n")[0]
+        message = first if len(first) <= _MESSAGE_QUOTE else first[:_MESSAGE_QUOTE] + "..."
+    return f"{describe_value(error.get('code'))}: {describe_value(message)}"
 
 
 async def probe_rollout(ctx: Context) -> str | None:
