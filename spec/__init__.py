@@ -11,8 +11,8 @@ driving `rollout.protocol.ClientConnection`; the benchmark and the test suite us
 """
 
 from ._client import CheckFailed, CheckSkipped, WsClient, open_ws
-from ._context import Case, Options, load_cases
-from ._report import CheckResult, Outcome, Report
+from ._context import Case, Options, Profile, load_cases, load_profiles
+from ._report import CheckResult, Outcome, ProfileVerdict, Report, Support
 from ._runner import run_conformance, run_conformance_sync, select_cases
 
 __version__ = "0.1.0"
@@ -24,9 +24,13 @@ __all__ = [
     "CheckSkipped",
     "Options",
     "Outcome",
+    "Profile",
+    "ProfileVerdict",
     "Report",
+    "Support",
     "WsClient",
     "load_cases",
+    "load_profiles",
     "open_ws",
     "run_conformance",
     "run_conformance_sync",

@@ -4,7 +4,7 @@
 each inject in the response's own sequence and goes on in the same response; injects into a
 completed or unknown response fail with the SDK's codes and their input returned; without
 the header the beta is refused. The feature is probed (`probe_multi_agent`): a server that
-refuses `multi_agent` on a beta connection has its checks skipped."""
+does not answer `response.inject` with an inject event has its checks skipped."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from ._analysis import (
 )
 from ._client import TERMINAL, CheckFailed, CheckSkipped, WsClient, describe_value
 from ._context import CheckSet, Context
+from ._probes import PROBE_ANSWER_SECONDS, error_text
 from ._requests import auto_body, text_body, tool_output, unknown_id
 from ._steps import MAX_ROUNDS, Event, completed, fail_on, first_event, response_of
 
@@ -49,28 +50,29 @@ def inject_event(response_id: str, items: Sequence[Mapping[str, Any]]) -> dict[s
 
 
 async def probe_multi_agent(ctx: Context) -> str | None:
-    """None when a beta connection accepts `multi_agent: {enabled: true}`, else why the
-    injection checks cannot run."""
+    """None when a beta connection answers a `response.inject` of an unknown response with an
+    inject event (`response.inject.failed`), else why the injection checks cannot run: an
+    `error` (the event type is unknown to the server), or no answer at all. (A server that
+    merely ignores `multi_agent` in a create would complete at the tool call; asking about
+    the inject itself tells the two apart without a model.)"""
+    wait = min(PROBE_ANSWER_SECONDS, ctx.timeout)
     async with ctx.ws(headers=BETA_HEADERS) as ws:
-        event = await first_event(
-            ctx, ws, {"type": "response.create", **multi_agent_body(text_body(ctx))}
+        ctx.step = "probing the multi-agent beta (a response.inject of an unknown response)"
+        await ws.send(inject_event(unknown_id(), [tool_output(unknown_id("call"))]))
+        event = await ws.poll(wait)
+    if event is None:
+        return (
+            f"no answer to response.inject within {wait:g}s: the multi-agent beta "
+            "(response.inject) is not supported"
         )
-    if event["type"] in ("response.created", "response.queued"):
+    if str(event["type"]).startswith("response.inject."):
         return None
     if event["type"] == "error":
-        error = as_dict(event.get("error"))
-        if str(error.get("param", "")).startswith("multi_agent") or "multi_agent" in str(
-            error.get("message", "")
-        ):
-            return (
-                f"the server refuses `multi_agent` on a beta connection ({error.get('code')}): "
-                "the multi-agent beta (response.inject) is not supported"
-            )
-        raise CheckFailed(
-            "a multi_agent create on a beta connection was answered with error "
-            f"{describe_value(error.get('code'))}: {describe_value(error.get('message'))}"
+        return (
+            f"the server answers response.inject with error {error_text(event)}: the "
+            "multi-agent beta (response.inject) is not supported"
         )
-    raise CheckFailed(f"a multi_agent create was answered with {event['type']}")
+    raise CheckFailed(f"a response.inject was answered with {event['type']}")
 
 
 async def _run_injecting(ctx: Context, ws: WsClient) -> tuple[list[Event], int, int, str]:

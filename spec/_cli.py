@@ -35,9 +35,19 @@ structure, not text. Options describing the server's configuration enable the
 checks that need them; without them those checks are skipped. The URL, the API
 key and the models are probed first: a wrong one is a single message.
 
+profiles: core (the Responses API over HTTP, SSE and WebSocket mode), then
+inflight (stream_id lanes, response.steer), inject (the multi-agent beta),
+rollout (rollout: true), auth, limits. Each optional profile is probed once;
+one the server does not implement is reported once as not supported (with
+the probe's evidence) and its checks are skipped; one it answers is checked
+in full. The output: a line per profile, then only the failures (checks
+failed by the same answer as one line); --verbose adds every check.
+
 exit status:
-  0    every required check passed
-  1    a required check failed (or a --require'd feature was skipped)
+  0    every check of core and of each profile the server supports passed
+  1    core failed: the server breaks the Responses API
+  5    core passed, but a supported profile failed or a --require'd one is
+       not supported
   2    usage error
   3    nothing, or no API, at BASE_URL
   4    the server refuses the API key or a model
@@ -104,6 +114,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "'ws.error_*', 'WS-3.*'); repeatable",
     )
     p.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="PROFILE,...",
+        help="run only the checks of these profiles (core, inflight, inject, rollout, auth, "
+        "limits); repeatable",
+    )
+    p.add_argument(
         "--json",
         metavar="PATH",
         help="write the JSON report here ('-' for stdout: the table then goes to stderr)",
@@ -151,8 +169,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--require",
         action="append",
         default=[],
-        metavar="FEATURE",
-        help="fail when this feature's checks are skipped (e.g. 'rollout'); repeatable",
+        metavar="PROFILE",
+        help="fail (exit 5) when the server does not support this profile (or feature), "
+        "e.g. 'rollout'; repeatable",
     )
     p.add_argument(
         "--quiet-seconds",
@@ -160,6 +179,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=_positive(float),
         default=DEFAULT_QUIET_SECONDS,
         help="how long 'nothing arrives' is observed (default %(default)s)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every check's result, not only the failures",
     )
     p.add_argument(
         "--list",
@@ -234,9 +258,9 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
     import trio
 
-    from ._context import Options, load_cases
+    from ._context import Options, load_cases, load_profiles
     from ._preflight import Problem
-    from ._report import print_cases, print_table
+    from ._report import print_cases, print_report, print_table
     from ._runner import select_cases
 
     def fail(message: str, code: int = 2) -> int:
@@ -251,6 +275,7 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
             timeout=args.timeout,
             concurrency=args.concurrency,
             filter=_split(args.filter),
+            profiles=_split(args.profile),
             age_limit_seconds=args.age_limit_seconds,
             max_message_size=args.max_message_size,
             max_queued_creates=args.max_queued_creates,
@@ -259,14 +284,16 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
             quiet_seconds=args.quiet_seconds,
         )
         every = load_cases()
-        cases = select_cases(every, options.filter)
+        cases = select_cases(every, options.filter, options.profiles)
     except ValueError as exc:
         return fail(f"{exc}\nSee `rollout conform --list` for the check ids.")
-    features = sorted({c.feature for c in every})
-    unknown = [f for f in options.require if f not in features]
+    profiles = [p.name for p in load_profiles()]
+    features = sorted({c.feature for c in every} - set(profiles))
+    unknown = [f for f in options.require if f not in profiles and f not in features]
     if unknown:
         return fail(
-            f"--require {unknown[0]!r} is not a feature.\nThe features: {', '.join(features)}."
+            f"--require {unknown[0]!r} is not a profile or a feature.\nThe profiles: "
+            f"{', '.join(profiles)}; the features: {', '.join(features)}."
         )
     if args.list:
         if args.json:
@@ -349,8 +376,8 @@ def _run(args: argparse.Namespace, console: Console, err: Console) -> int:
             except OSError as exc:
                 return fail(f"cannot write {args.json}: {exc}")
         return fail(outcome.lines(), outcome.exit_code)
-    # With the JSON report on stdout, the table goes to stderr.
-    print_table(outcome, err if args.json == "-" else console)
+    # With the JSON report on stdout, the verdict goes to stderr.
+    print_report(outcome, err if args.json == "-" else console, verbose=args.verbose)
     if not _write_json(outcome, args.json, err):
         return 2
     return outcome.exit_code

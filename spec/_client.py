@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import urllib.parse
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -61,6 +61,9 @@ TERMINAL = TERMINAL_EVENT_TYPES
 RECEIVE_LIMIT = 256 * 1024 * 1024
 # Frames buffered by trio-websocket before the reader takes them.
 _MESSAGE_QUEUE = 1024
+# The data of the chat-completions stream's last event, which the official SDK reads as the
+# end of any stream.
+SSE_DONE = "[DONE]"
 # The longest excerpt of a peer's bytes quoted in a failure message.
 _QUOTE = 160
 # How often a waiting ping looks whether the connection closed meanwhile, in seconds.
@@ -74,9 +77,10 @@ class CheckFailed(Exception):
 class UpgradeRefused(CheckFailed):
     """The server answered the WebSocket upgrade with an HTTP status instead of 101."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, body: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.body = body
 
 
 class CheckSkipped(Exception):
@@ -116,6 +120,8 @@ class WsClient:
     strict: bool = False
     connection: ClientConnection = attrs.field(factory=ClientConnection)
     violations: list[str] = attrs.field(factory=list)
+    # Called with every `error` event received (the conformance checks note the answers).
+    on_error: Callable[[dict[str, Any]], None] | None = None
 
     # --- the protocol ---
     def encode(self, event: ClientEvent | Mapping[str, Any] | str | bytes) -> str | bytes:
@@ -192,6 +198,8 @@ class WsClient:
         event = decode_event(raw)
         self.log.append(event)
         self.follow(event)
+        if event["type"] == "error" and self.on_error is not None:
+            self.on_error(event)
         return event
 
     async def poll(self, seconds: float) -> dict[str, Any] | None:
@@ -305,6 +313,7 @@ async def open_ws(
     *,
     headers: Mapping[str, str] | None = None,
     limit: float,
+    on_error: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[WsClient]:
     """Connect (the upgrade must succeed within `limit`) and yield a client; the socket is
     closed on exit without waiting long for the server's close frame."""
@@ -320,13 +329,14 @@ async def open_ws(
             disconnect_timeout=min(1.0, limit),
         ) as conn:
             connected = True
-            yield WsClient(conn=conn, timeout=limit)
+            yield WsClient(conn=conn, timeout=limit, on_error=on_error)
     except trio_websocket.ConnectionRejected as exc:
         body = (exc.body or b"").decode("utf-8", "replace")
         raise UpgradeRefused(
             f"the WebSocket upgrade was refused with HTTP {exc.status_code} "
             f"(expected 101 Switching Protocols): {describe_value(body)}",
             exc.status_code,
+            body,
         ) from None
     except trio_websocket.DisconnectionTimeout:
         if not connected:
@@ -430,6 +440,11 @@ async def http_sse(
                 decoder = SseDecoder(max_event_size=RECEIVE_LIMIT)
                 async for chunk in r.aiter_bytes():
                     for sse in decoder.feed(chunk):
+                        if sse.data.startswith(SSE_DONE) and events:
+                            # The chat-completions end marker: the official SDK stops reading
+                            # here (HTTP-1.2 allows it after the terminal event, which the
+                            # checks look for).
+                            return HttpResult(r.status_code, r.headers, None, ""), events
                         events.append(SseEvent(sse.event, _sse_data(sse.data)))
                 return HttpResult(r.status_code, r.headers, None, ""), events
     except trio.TooSlowError:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import importlib.resources
 import json
 import math
-from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -19,7 +20,9 @@ from ._client import (
     CheckSkipped,
     HttpResult,
     SseEvent,
+    UpgradeRefused,
     WsClient,
+    describe_value,
     http_request,
     http_sse,
     open_ws,
@@ -27,13 +30,16 @@ from ._client import (
 )
 
 __all__ = [
+    "Answer",
     "Case",
     "CheckFn",
     "CheckSet",
     "Context",
     "Options",
     "Probes",
+    "Profile",
     "load_cases",
+    "load_profiles",
 ]
 
 # The default model id: rollout's built-in simulated model. Any other server needs --model.
@@ -68,10 +74,14 @@ class Options:
     timeout: float = DEFAULT_TIMEOUT
     concurrency: int = DEFAULT_CONCURRENCY
     filter: tuple[str, ...] = ()
+    # Only the checks of these profiles (`--profile`; all of them when empty).
+    profiles: tuple[str, ...] = ()
     age_limit_seconds: float | None = None
     max_message_size: int | None = None
     max_queued_creates: int | None = None
     rollout_suspend_limit: float | None = None
+    # Profiles (or features) the server must support: one that is not supported, or whose
+    # probe could not run, fails the run (`--require`).
     require: tuple[str, ...] = ()
     quiet_seconds: float = DEFAULT_QUIET_SECONDS
 
@@ -86,7 +96,7 @@ class Options:
 
 @attrs.frozen(kw_only=True)
 class Case:
-    """One entry of checks.json."""
+    """One entry of checks.json; `profile` is the profile of its feature."""
 
     id: str
     rule: str
@@ -94,16 +104,48 @@ class Case:
     feature: str
     required: bool
     needs: tuple[str, ...] = ()
+    profile: str = "core"
 
 
-def load_cases() -> list[Case]:
-    """The case list shipped beside the specification (spec/checks.json)."""
+@attrs.frozen(kw_only=True)
+class Profile:
+    """A group of checks a server implements as a whole (checks.json's `profiles`): `core`,
+    which every server must pass, and the optional ones, each found out by its features'
+    probes before its checks run. `probe` says what the probe sends (None: no probe)."""
+
+    name: str
+    title: str
+    features: tuple[str, ...]
+    probe: str | None = None
+
+
+def _case_list() -> dict[str, Any]:
     text = (
         importlib.resources.files("rollout.spec")
         .joinpath("checks.json")
         .read_text(encoding="utf-8")
     )
-    data = json.loads(text)
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+def load_profiles() -> list[Profile]:
+    """The profiles, `core` first, in the order of spec/checks.json."""
+    return [
+        Profile(
+            name=p["name"],
+            title=p["title"],
+            features=tuple(p["features"]),
+            probe=p.get("probe"),
+        )
+        for p in _case_list()["profiles"]
+    ]
+
+
+def load_cases() -> list[Case]:
+    """The case list shipped beside the specification (spec/checks.json)."""
+    data = _case_list()
+    profile_of = {f: p["name"] for p in data["profiles"] for f in p["features"]}
     return [
         Case(
             id=c["id"],
@@ -112,9 +154,26 @@ def load_cases() -> list[Case]:
             feature=c["feature"],
             required=bool(c["required"]),
             needs=tuple(c.get("needs", ())),
+            profile=profile_of[c["feature"]],
         )
         for c in data["checks"]
     ]
+
+
+# The probes whose value is a bool (the others are feature probes: None when the server
+# supports the feature, else why not).
+VALUE_PROBES = ("deterministic",)
+# Every feature probe `Probes.known` reports, probed or not.
+FEATURES = ("rollout", "lanes", "steer", "multi_agent", "auth")
+
+
+class ProbeFailed(CheckFailed):
+    """A probe could not find out what the server does (the server failed it); `cause` is
+    the answer behind the failure when one stands out (see `Answer`)."""
+
+    def __init__(self, message: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class Probes:
@@ -122,18 +181,13 @@ class Probes:
 
     def __init__(self) -> None:
         self._lock = trio.Lock()
-        self._results: dict[str, tuple[Any, str | None]] = {}
+        self._results: dict[str, tuple[Any, str | None, str | None]] = {}
 
     def known(self) -> dict[str, bool | None]:
         """What was found: a feature probe's value is None (supported) or why not (a string);
         other probes answer a bool. None here: not probed, or the probe failed."""
-        out: dict[str, bool | None] = {
-            "rollout": None,
-            "lanes": None,
-            "multi_agent": None,
-            "deterministic": None,
-        }
-        for name, (value, error) in self._results.items():
+        out: dict[str, bool | None] = {name: None for name in (*FEATURES, *VALUE_PROBES)}
+        for name, (value, error, _) in self._results.items():
             if error is not None:
                 out[name] = None
             elif isinstance(value, bool):
@@ -142,19 +196,88 @@ class Probes:
                 out[name] = value is None
         return out
 
-    async def get(self, name: str, run: Callable[[], Awaitable[Any]]) -> Any:
-        """The probe's value; a probe that failed fails every check that asks for it, with
-        the probe's reason (it is not re-run against a server that just failed it)."""
+    def findings(self) -> dict[str, tuple[bool | None, str, str | None]]:
+        """Each feature probe that ran: (supported: True, False, or None when the probe
+        failed; the evidence or the probe's failure; the cause of that failure, if any)."""
+        out: dict[str, tuple[bool | None, str, str | None]] = {}
+        for name, (value, error, cause) in self._results.items():
+            if name in VALUE_PROBES:
+                continue
+            if error is not None:
+                out[name] = (None, error, cause)
+            else:
+                out[name] = (value is None, value or "", None)
+        return out
+
+    async def get(
+        self,
+        name: str,
+        run: Callable[[], Awaitable[Any]],
+        cause: Callable[[str], str | None] | None = None,
+    ) -> Any:
+        """The probe's value; a probe that failed raises `ProbeFailed` for every check that
+        asks for it, with the probe's reason (it is not re-run against a server that just
+        failed it). `cause` names the answer behind a failure (from the prober's context)."""
         async with self._lock:
             if name not in self._results:
                 try:
-                    self._results[name] = (await run(), None)
+                    self._results[name] = (await run(), None, None)
                 except CheckFailed as exc:
-                    self._results[name] = (None, str(exc))
-        value, error = self._results[name]
+                    why = str(exc)
+                    self._results[name] = (None, why, cause(why) if cause else None)
+        value, error, why_cause = self._results[name]
         if error is not None:
-            raise CheckFailed(f"the {name} probe failed: {error}")
+            raise ProbeFailed(f"the {name} probe failed: {error}", why_cause)
         return value
+
+
+@attrs.frozen
+class Answer:
+    """An error answer the server gave a check: an HTTP status and body (of a request or of a
+    refused WebSocket upgrade: the same status and body are the same answer), or a WebSocket
+    `error` event (its status and `error` object). When a failed check saw one answer only,
+    and its reason names it, that answer is the failure's cause; checks failed by the same
+    cause are reported as one (`Report.causes`)."""
+
+    status: int | None
+    body: str
+    event: bool = False
+
+    @classmethod
+    def of(cls, status: int, body: str) -> Answer:
+        """An HTTP answer; a JSON body is compared as its value (spacing and key order aside)."""
+        try:
+            body = json.dumps(json.loads(body), sort_keys=True, separators=(",", ":"))
+        except ValueError:
+            pass
+        return cls(status, body)
+
+    def describe(self) -> str:
+        if self.event:
+            return f"error event (status {self.status}) {describe_value(self.body)}"
+        return f"HTTP {self.status} {describe_value(' '.join(self.body.split()))}"
+
+    def named_by(self, reason: str) -> bool:
+        """Whether a failure's reason names this answer (its status, or its error code)."""
+        if self.status is not None and re.search(rf"\b{self.status}\b", reason):
+            return True
+        if self.event:
+            try:
+                code = json.loads(self.body).get("code")
+            except (ValueError, AttributeError):
+                return False
+            return isinstance(code, str) and bool(code) and code in reason
+        return False
+
+
+def cause_of(answers: Sequence[Answer], reason: str) -> str | None:
+    """The answer behind a failure: the one distinct error answer of the check, when its
+    reason names it; else None."""
+    distinct = set(answers)
+    if len(distinct) != 1:
+        return None
+    (answer,) = distinct
+    return answer.describe() if answer.named_by(reason) else None
 
 
 class Context:
@@ -176,7 +299,20 @@ class Context:
         # Why the check could only verify structure (`weaken`): its outcome is then WEAK.
         self.weak: list[str] = []
         self.deadline_scope: trio.CancelScope | None = None
+        # The error answers the server gave this check (`Answer`), in order.
+        self.answers: list[Answer] = []
         self._http = http
+
+    def note_error_event(self, event: Mapping[str, Any]) -> None:
+        """A WebSocket `error` event received (see `Answer`)."""
+        status = event.get("status")
+        error = event.get("error")
+        body = json.dumps(error if error is not None else event, sort_keys=True)
+        self.answers.append(Answer(status if isinstance(status, int) else None, body, event=True))
+
+    def cause(self, reason: str) -> str | None:
+        """The answer behind a failure with this reason (`cause_of`)."""
+        return cause_of(self.answers, reason)
 
     # --- options ---
     def weaken(self, why: str) -> None:
@@ -218,7 +354,21 @@ class Context:
     ) -> AbstractAsyncContextManager[WsClient]:
         self.step = "opening a WebSocket"
         merged = {**(self.auth_headers() if auth else {}), **(headers or {})}
-        return open_ws(ws_url_of(self.base_url, query), headers=merged, limit=self.timeout)
+        return self._open_ws(ws_url_of(self.base_url, query), merged)
+
+    @asynccontextmanager
+    async def _open_ws(self, url: str, headers: Mapping[str, str]) -> AsyncIterator[WsClient]:
+        opened = False
+        try:
+            async with open_ws(
+                url, headers=headers, limit=self.timeout, on_error=self.note_error_event
+            ) as ws:
+                opened = True
+                yield ws
+        except UpgradeRefused as exc:
+            if not opened:
+                self.answers.append(Answer.of(exc.status, exc.body))
+            raise
 
     async def http(
         self,
@@ -234,7 +384,7 @@ class Context:
         merged = {**(self.auth_headers() if auth else {}), **(headers or {})}
         if content is not None:
             merged.setdefault("Content-Type", "application/json")
-        return await http_request(
+        result = await http_request(
             self._http,
             method,
             self.base_url + path,
@@ -243,16 +393,24 @@ class Context:
             content=content,
             headers=merged,
         )
+        self._note(result)
+        return result
+
+    def _note(self, result: HttpResult) -> None:
+        if result.status >= 400:
+            self.answers.append(Answer.of(result.status, result.text))
 
     async def sse(self, body: Mapping[str, Any]) -> tuple[HttpResult, list[SseEvent]]:
         self.step = "POST /responses (stream)"
-        return await http_sse(
+        result, events = await http_sse(
             self._http,
             self.base_url + "/responses",
             body,
             limit=self.timeout,
             headers=self.auth_headers(),
         )
+        self._note(result)
+        return result, events
 
     def need(self, option: str) -> Any:
         value = getattr(self.options, option)

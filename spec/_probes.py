@@ -1,24 +1,28 @@
-"""What the server supports, probed once per run: the rollout extension, lanes and steering
-(features: their checks are skipped without them), and whether the model is deterministic (the
-same requests twice give equal outputs modulo ids). With a deterministic model, outputs that
-must be equal are compared modulo ids, otherwise their structure is compared
-(`compare_outputs`)."""
+"""What the server supports, probed once per run: the rollout extension, lanes, steering and
+API keys (features: their checks are skipped without them, and the profile they belong to is
+reported once as not supported, with the probe's evidence), and whether the model is
+deterministic (the same requests twice give equal outputs modulo ids). With a deterministic
+model, outputs that must be equal are compared modulo ids, otherwise their structure is
+compared (`compare_outputs`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._analysis import as_dict, first_difference, shape
+from ._analysis import as_dict, call_items, first_difference, shape
 from ._client import CheckFailed, describe_value
 from ._context import Context
 from ._requests import text_body, tool_body, unknown_id
-from ._steps import completed, first_event
+from ._steps import SUSPEND_OR_END, completed
 
 __all__ = [
     "FEATURE_PROBES",
+    "PROBE_ANSWER_SECONDS",
     "compare_outputs",
     "deterministic",
+    "error_text",
+    "probe_auth",
     "probe_deterministic",
     "probe_lanes",
     "probe_rollout",
@@ -96,67 +100,133 @@ async def probe_deterministic(ctx: Context) -> bool:
     )
 
 
+# How long a probe waits for the answer to a client event that needs no model (a steer or an
+# inject of an unknown response), in seconds: a server that knows the event answers at once;
+# one that drops unknown events (WS-6.7 says it must not) stays silent, and its silence is the
+# probe's answer.
+PROBE_ANSWER_SECONDS = 5.0
+# Error codes meaning "I do not know / do not support this parameter".
+_UNSUPPORTED_CODES = ("unknown_parameter", "unsupported_parameter")
+
+
+def _refusal(event: Mapping[str, Any], param: str) -> str | None:
+    """How an `error` event refuses the parameter `param` (its code, its param), or None
+    when it refuses something else: an error naming `param`, or an unknown/unsupported
+    parameter error naming no param, or one whose message names `param`."""
+    error = as_dict(event.get("error"))
+    code, named = error.get("code"), error.get("param")
+    message = str(error.get("message") or "")
+    if named == param or (not named and code in _UNSUPPORTED_CODES) or param in message:
+        where = f", param {named!r}" if named else ""
+        return f"{code}{where}" if code else f"an error without a code{where}"
+    return None
+
+
+# The longest excerpt of an error's message quoted in a probe's evidence.
+_MESSAGE_QUOTE = 80
+
+
+def error_text(event: Mapping[str, Any]) -> str:
+    """An `error` event's code and the start of its message's first line, quoted."""
+    error = as_dict(event.get("error"))
+    message = error.get("message")
+    if isinstance(message, str):
+        first = message.strip().split("\n")[0]
+        message = first if len(first) <= _MESSAGE_QUOTE else first[:_MESSAGE_QUOTE] + "..."
+    return f"{describe_value(error.get('code'))}: {describe_value(message)}"
+
+
 async def probe_rollout(ctx: Context) -> str | None:
-    """None when the server accepts `rollout: true`, else why the extension is absent. A
-    server that rejects the parameter does not support the extension (its checks are
-    skipped); one that accepts it claims it (its checks run)."""
+    """None when a create with `rollout: true` and a forced tool call suspends with
+    `response.done` at the call, else what the server did instead: it rejected the parameter
+    (`unknown_parameter`, `unsupported_parameter`, or an error naming `rollout`), or ignored it
+    and ended the response at the tool call. Either way the extension is absent and its checks
+    are skipped; a server that suspends claims it, and its checks run."""
     async with ctx.ws() as ws:
-        event = await first_event(
-            ctx, ws, {"type": "response.create", **tool_body(ctx, rollout=True)}
-        )
-    if event["type"] in ("response.created", "response.queued"):
+        await ws.send({"type": "response.create", **tool_body(ctx, rollout=True)})
+        ctx.step = "probing the rollout extension (a create with rollout: true)"
+        events = await ws.collect(until=SUSPEND_OR_END)
+    last = events[-1]
+    if last["type"] == "response.done":
         return None
-    if event["type"] == "error":
-        error = as_dict(event.get("error"))
-        if error.get("param") == "rollout" or "rollout" in str(error.get("message", "")):
-            return (
-                "the server rejects the `rollout` parameter "
-                f"({error.get('code')}): the rollout extension is not supported"
-            )
-        raise CheckFailed(
-            "a create with rollout: true was answered with error "
-            f"{describe_value(error.get('code'))}: "
-            f"{describe_value(error.get('message'))}"
-        )
-    raise CheckFailed(f"a create with rollout: true was answered with {event['type']}")
+    if last["type"] == "error":
+        refusal = _refusal(last, "rollout")
+        if refusal is not None:
+            return f"rejected `rollout: true` ({refusal})"
+        raise CheckFailed(f"a create with rollout: true was answered with error {error_text(last)}")
+    output = as_dict(last.get("response")).get("output") or []
+    if last["type"] == "response.completed":
+        if call_items(output):
+            return "ignored `rollout: true` and completed at the tool call"
+        return "ignored `rollout: true` and completed without suspending"
+    raise CheckFailed(
+        f"a create with rollout: true and a forced tool call ended with {last['type']}"
+    )
 
 
 async def probe_lanes(ctx: Context) -> str | None:
-    """None when the server runs a create with `stream_id` (a lane, WS-7), else why lanes are
-    absent: the server refuses the parameter, as WS-2.8 allows."""
+    """None when a create with `stream_id` runs on that lane (its events echo it, WS-7), else
+    why lanes are absent: the server refuses the parameter (as WS-2.8 allows), or ignores it
+    and runs the response on the default lane."""
+    lane = "conformance.lane-probe"
     async with ctx.ws() as ws:
-        event = await first_event(
-            ctx,
-            ws,
-            {"type": "response.create", **text_body(ctx, stream_id="conformance.lane-probe")},
+        ctx.step = "probing lanes (a create with stream_id)"
+        events = await ws.create(text_body(ctx, stream_id=lane))
+    last = events[-1]
+    if last["type"] == "error" and len(events) == 1:
+        refusal = _refusal(last, "stream_id")
+        if refusal is not None:
+            return f"the server refuses `stream_id` ({refusal}): lanes are not supported"
+        raise CheckFailed(f"a create with stream_id was answered with error {error_text(last)}")
+    if not any(e.get("stream_id") == lane for e in events):
+        return (
+            "ignored `stream_id`: the response ran on the default lane (none of its "
+            f"{len(events)} events carries the stream_id)"
         )
-    if event["type"] in ("response.created", "response.queued"):
-        return None
-    error = as_dict(event.get("error"))
-    if event["type"] == "error" and error.get("param") == "stream_id":
-        return f"the server refuses `stream_id` ({error.get('code')}): lanes are not supported"
-    raise CheckFailed(
-        f"a create with stream_id was answered with {event['type']} "
-        f"{describe_value(error.get('code'))}: {describe_value(error.get('message'))}"
-    )
+    return None
 
 
 async def probe_steer(ctx: Context) -> str | None:
     """None when the server answers a `response.steer` (of an unknown response) with a
     steering event, else why steering is absent: an `error` (the event type is unknown to
-    it) skips the steering checks."""
+    it), or no answer at all, skips the steering checks."""
     async with ctx.ws() as ws:
         probe = {"type": "response.steer", "previous_response_id": unknown_id(), "input": "?"}
-        event = await first_event(ctx, ws, probe)
+        ctx.step = "probing steering (a response.steer of an unknown response)"
+        await ws.send(probe)
+        event = await ws.poll(min(PROBE_ANSWER_SECONDS, ctx.timeout))
+    if event is None:
+        return (
+            f"no answer to response.steer within {min(PROBE_ANSWER_SECONDS, ctx.timeout):g}s: "
+            "steering is not supported"
+        )
     if str(event["type"]).startswith("response.steer."):
         return None
     if event["type"] == "error":
-        error = as_dict(event.get("error"))
         return (
-            f"the server answers response.steer with error {describe_value(error.get('code'))}: "
-            "steering is not supported"
+            f"the server answers response.steer with error {error_text(event)}: steering is "
+            "not supported"
         )
     raise CheckFailed(f"a response.steer was answered with {event['type']}")
 
 
-FEATURE_PROBES = {"rollout": probe_rollout, "lanes": probe_lanes, "steer": probe_steer}
+async def probe_auth(ctx: Context) -> str | None:
+    """None when the server refuses a create sent without the API key (whatever the status:
+    the checks say whether it is the right one), else why the auth checks cannot apply: the
+    server served it without a key."""
+    body = {"model": ctx.model, "input": "Say OK.", "max_output_tokens": 16, "store": False}
+    result = await ctx.http("POST", "/responses", json_body=body, auth=False)
+    if result.status < 400:
+        return (
+            f"POST /responses without an API key was answered HTTP {result.status}: the "
+            "server does not check API keys"
+        )
+    return None
+
+
+FEATURE_PROBES = {
+    "rollout": probe_rollout,
+    "lanes": probe_lanes,
+    "steer": probe_steer,
+    "auth": probe_auth,
+}

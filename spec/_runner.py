@@ -17,7 +17,16 @@ import trio
 
 from ._catalog import CHECKS, FEATURE_PROBES
 from ._client import CheckFailed, CheckSkipped
-from ._context import OPTION_FLAGS, Case, Context, Options, Probes, load_cases
+from ._context import (
+    OPTION_FLAGS,
+    Case,
+    Context,
+    Options,
+    ProbeFailed,
+    Probes,
+    load_cases,
+    load_profiles,
+)
 from ._preflight import connect_problem
 from ._report import CheckResult, Outcome, Report
 
@@ -27,10 +36,20 @@ OnStart = Callable[[Case], None]
 OnResult = Callable[[CheckResult], None]
 
 
-def select_cases(cases: Sequence[Case], patterns: Sequence[str]) -> list[Case]:
-    """The cases whose id, rule or feature matches one of `patterns` (exact, or a glob such
-    as `rollout.*` or `WS-3.*`); all cases without patterns. A pattern matching nothing is an
-    error."""
+def select_cases(
+    cases: Sequence[Case], patterns: Sequence[str], profiles: Sequence[str] = ()
+) -> list[Case]:
+    """The cases of `profiles` (all of them when empty) whose id, rule, feature or profile
+    matches one of `patterns` (exact, or a glob such as `rollout.*` or `WS-3.*`); all cases
+    without patterns. A pattern or a profile matching nothing is an error."""
+    if profiles:
+        known = [p.name for p in load_profiles()]
+        for name in profiles:
+            if name not in known:
+                raise ValueError(
+                    f"--profile {name!r} is not a profile (the profiles: {', '.join(known)})"
+                )
+        cases = [c for c in cases if c.profile in profiles]
     if not patterns:
         return list(cases)
     chosen: set[str] = set()
@@ -38,7 +57,9 @@ def select_cases(cases: Sequence[Case], patterns: Sequence[str]) -> list[Case]:
         hits = {
             c.id
             for c in cases
-            if any(fnmatch.fnmatchcase(name, pattern) for name in (c.id, c.rule, c.feature))
+            if any(
+                fnmatch.fnmatchcase(name, pattern) for name in (c.id, c.rule, c.feature, c.profile)
+            )
         }
         if not hits:
             raise ValueError(f"--filter {pattern!r} matches no check id, rule or feature")
@@ -75,6 +96,8 @@ async def _run_case(
     ctx = Context(base_url, options, http, probes, case)
     started = trio.current_time()
     outcome, reason = Outcome.PASSED, ""
+    unsupported = False
+    probe_ctx: Context | None = None
     with trio.CancelScope(deadline=started + options.timeout) as scope:
         ctx.deadline_scope = scope
         try:
@@ -83,8 +106,19 @@ async def _run_case(
                 raise CheckSkipped("needs " + ", ".join(OPTION_FLAGS.get(n, n) for n in missing))
             probe = FEATURE_PROBES.get(case.feature)
             if probe is not None:
-                why_not = await probes.get(case.feature, functools.partial(probe, ctx))
+                # The probe talks to the server in a context of its own: what it sees is its
+                # own evidence, not the check's.
+                probe_ctx = Context(base_url, options, http, probes, case)
+                probe_ctx.deadline_scope = scope
+                try:
+                    why_not = await probes.get(
+                        case.feature, functools.partial(probe, probe_ctx), probe_ctx.cause
+                    )
+                except ProbeFailed as exc:
+                    unsupported = True
+                    raise CheckSkipped(f"not probed: {exc}") from None
                 if why_not:
+                    unsupported = True
                     raise CheckSkipped(str(why_not))
             ctx.step = ""
             await CHECKS[case.id](ctx)
@@ -102,8 +136,9 @@ async def _run_case(
     if scope.cancelled_caught:
         outcome = Outcome.FAILED
         reason = f"timed out after {trio.current_time() - started:.1f}s"
-        if ctx.step:
-            reason += f" ({ctx.step})"
+        step = ctx.step or (probe_ctx.step if probe_ctx is not None else "")
+        if step:
+            reason += f" ({step})"
     return CheckResult(
         id=case.id,
         rule=case.rule,
@@ -113,6 +148,9 @@ async def _run_case(
         outcome=outcome,
         reason=reason,
         seconds=trio.current_time() - started,
+        profile=case.profile,
+        cause=ctx.cause(reason) if outcome is Outcome.FAILED else None,
+        unsupported=unsupported and outcome is Outcome.SKIPPED,
     )
 
 
@@ -127,7 +165,7 @@ async def run_conformance(
     `http://127.0.0.1:8000/v1`) and return the report. `on_start` and `on_result` are called
     as each check starts and ends (for a progress view)."""
     options = options or Options()
-    cases = select_cases(load_cases(), options.filter)
+    cases = select_cases(load_cases(), options.filter, options.profiles)
     missing = [c.id for c in cases if c.id not in CHECKS]
     if missing:
         raise LookupError(f"checks.json lists checks with no implementation: {missing}")
@@ -146,6 +184,8 @@ async def run_conformance(
                 required=case.required,
                 outcome=Outcome.FAILED,
                 reason=unreachable,
+                profile=case.profile,
+                cause=unreachable,
             )
             results[case.id] = result
             if on_result is not None:
@@ -177,6 +217,7 @@ async def run_conformance(
         results=tuple(results[c.id] for c in cases),
         seconds=trio.current_time() - started,
         features=probes.known(),
+        findings=probes.findings(),
         required_features=tuple(options.require),
     )
 

@@ -178,7 +178,18 @@ def test_required_checks_verify_must_rules() -> None:
 def test_case_list_fields() -> None:
     known_needs = {"api_key", "age_limit_seconds", "max_message_size", "max_queued_creates",
                    "rollout_suspend_limit"}  # fmt: skip
+    profiles = spec.load_profiles()
+    assert [p.name for p in profiles] == [
+        "core", "inflight", "inject", "rollout", "auth", "limits"
+    ]  # fmt: skip
+    # Each feature belongs to one profile; every optional feature with a probe has it named.
+    owners = [f for p in profiles for f in p.features]
+    assert len(owners) == len(set(owners))
+    for profile in profiles:
+        assert profile.title
+        assert (profile.probe is None) == (profile.name in ("core", "limits")), profile.name
     for case in spec.load_cases():
+        assert case.feature in owners and case.profile in {p.name for p in profiles}
         assert case.feature in {
             "http",
             "websocket",
@@ -201,9 +212,13 @@ def test_public_names() -> None:
         "CheckSkipped",
         "Options",
         "Outcome",
+        "Profile",
+        "ProfileVerdict",
         "Report",
+        "Support",
         "WsClient",
         "load_cases",
+        "load_profiles",
         "open_ws",
         "run_conformance",
         "run_conformance_sync",
@@ -283,10 +298,14 @@ def not_passed(results: Any) -> dict[str, str]:
     return out
 
 
+# The profiles CI requires of rollout's own server: every optional one it implements.
+ROLLOUT_PROFILES = ("rollout", "inflight", "inject", "auth", "limits")
+
+
 async def test_rollout_server_passes_every_check() -> None:
     with trio.fail_after(60):
         async with serving() as url:
-            options = harness_options(require=("rollout", "steer"))
+            options = harness_options(require=ROLLOUT_PROFILES)
             report = await spec.run_conformance(url, options)
     failed = not_passed(report.results)
     assert not failed, failed
@@ -297,7 +316,16 @@ async def test_rollout_server_passes_every_check() -> None:
         "lanes": True,
         "steer": True,
         "multi_agent": True,
+        "auth": True,
         "deterministic": True,
+    }
+    verdicts = {p.name: (p.support, p.verdict, p.required) for p in report.profiles()}
+    assert verdicts == {
+        "core": (spec.Support.SUPPORTED, "passes", False),
+        **{
+            name: (spec.Support.SUPPORTED, "passes", True)
+            for name in ("inflight", "inject", "rollout", "auth", "limits")
+        },
     }
     lanes_checks = [r for r in report.results if r.feature == "lanes"]
     assert len(lanes_checks) >= 8 and not not_passed(lanes_checks)
@@ -327,9 +355,13 @@ async def test_steering_checks_against_a_fast_model_skip_not_fail() -> None:
 
 
 async def test_cli_report_and_exit_status(tmp_path: Path) -> None:
+    """What CI runs against rollout's own server: every profile required, every row shown."""
     out = tmp_path / "report.json"
+    required = [arg for name in ROLLOUT_PROFILES for arg in ("--require", name)]
     async with serving() as url:
-        code, stdout, stderr = await run_cli(url, *CLI_OPTIONS, "--json", str(out), deadline=60)
+        code, stdout, stderr = await run_cli(
+            url, *CLI_OPTIONS, *required, "--verbose", "--json", str(out), deadline=60
+        )
     report = json.loads(out.read_text())
     assert not not_passed(report["checks"]), stdout + stderr
     assert len(report["checks"]) == len(spec.load_cases()) >= 40
@@ -339,8 +371,13 @@ async def test_cli_report_and_exit_status(tmp_path: Path) -> None:
         assert report["summary"]["failed"] == 0
         assert {c["outcome"] for c in report["checks"]} == {"passed"}
     for entry in report["checks"]:
-        assert set(entry) >= {"id", "rule", "title", "required", "feature", "outcome", "reason"}
-    assert "ws.sequence_numbers" in stdout
+        assert set(entry) >= {"id", "rule", "title", "required", "feature", "outcome", "reason",
+                              "profile", "cause", "unsupported"}  # fmt: skip
+    assert [(p["name"], p["verdict"]) for p in report["profiles"]] == [
+        ("core", "passes"), ("inflight", "passes"), ("inject", "passes"),
+        ("rollout", "passes"), ("auth", "passes"), ("limits", "passes"),
+    ]  # fmt: skip
+    assert "ws.sequence_numbers" in stdout  # --verbose: every row
     assert "conformant" in stdout or schema_failures_tolerated()
 
 
@@ -434,6 +471,7 @@ async def test_nondeterministic_model_is_compared_by_structure() -> None:
         "lanes": True,
         "steer": True,
         "multi_agent": True,
+        "auth": True,
         "deterministic": False,
     }
 
@@ -471,8 +509,12 @@ async def test_http_only_server_fails_websocket_checks() -> None:
     for check_id in ("ws.upgrade_minimal", "ws.frames", "ws.create_text"):
         assert results[check_id].outcome is spec.Outcome.FAILED
         assert "refused with HTTP 426" in results[check_id].reason
-    # The rollout probe cannot even connect: the rollout checks fail, they are not skipped.
-    assert results["rollout.resume"].outcome is spec.Outcome.FAILED
+    # The rollout probe cannot even connect: whether the server has the extension is unknown,
+    # its checks are skipped (the 426 already fails core), and it says why.
+    assert results["rollout.resume"].outcome is spec.Outcome.SKIPPED
+    assert results["rollout.resume"].reason.startswith("not probed: the rollout probe failed: ")
+    verdicts = {p.name: p.support for p in report.profiles()}
+    assert verdicts["rollout"] is spec.Support.UNKNOWN
 
 
 async def test_silent_server_times_out_within_the_deadline() -> None:

@@ -261,8 +261,9 @@ USAGE = "usage: rollout conform BASE_URL [options]  (or: rollout conform --list)
         ),
         (
             ["http://127.0.0.1:1/v1", "--require", "rollouts"],
-            "rollout conform: --require 'rollouts' is not a feature.\nThe features: auth, "
-            "http, lanes, limits, multi_agent, rollout, steer, websocket.\n",
+            "rollout conform: --require 'rollouts' is not a profile or a feature.\nThe "
+            "profiles: core, inflight, inject, rollout, auth, limits; the features: http, "
+            "lanes, multi_agent, steer, websocket.\n",
         ),
         (
             ["http://127.0.0.1:1/v1", "--api-key", ""],
@@ -442,7 +443,7 @@ def test_results_table_fits_the_terminal_and_splits_no_value(width: int) -> None
     counts = report.counts()
     assert " ".join(text.split()).endswith(
         f"NOT CONFORMANT: {counts['passed']} passed, {counts['weak']} weak (structure only), "
-        f"{counts['failed']} failed, {counts['skipped']} skipped in 1.5s"
+        f"{counts['failed']} failed, {counts['skipped']} skipped in 1.5s (core fails)"
     )
 
 

@@ -483,15 +483,18 @@ class ForgetParent(Mutant):
         return event
 
 
-class StripStreamId(Mutant):
-    """Silently runs a laned create on the default lane."""
+class UnlabelledTerminal(Mutant):
+    """Runs lanes (the probe sees its events echo the lane) but drops the `stream_id` of the
+    terminal event. (A server that drops `stream_id` altogether has no lanes: its lanes checks
+    are skipped, tests/test_conform_profiles.py.)"""
 
     breaks = ("ws.stream_id",)
-    reason = "was accepted but response.created does not echo it"
+    reason = "was accepted but response.completed does not echo it"
 
-    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
-        event.pop("stream_id", None)
-        return event
+    def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
+        if event.get("type") == "response.completed":
+            event.pop("stream_id", None)
+        return [text(event)]
 
 
 def lane_error(code: str, stream_id: str, param: str | None = None, status: int = 400) -> Message:
@@ -969,13 +972,8 @@ class RejectOverlap(Mutant):
 
 
 class NoAuth(Mutant):
-    """Lets every request in, as if it had carried the key."""
-
-    breaks = ("auth.http_401", "auth.ws_401")
-    reason: ClassVar[Mapping[str, str]] = {
-        "auth.http_401": "without a key answered HTTP 200, expected 401",
-        "auth.ws_401": "the upgrade without a key succeeded (101), expected HTTP 401",
-    }
+    """Lets every request in, as if it had carried the key. Not a broken variant: a server
+    that checks no key has no auth profile, and its auth checks are skipped."""
 
     def _with_key(self, scope: Scope) -> Scope:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"authorization"]
@@ -1024,7 +1022,10 @@ class DeleteKeeps(Mutant):
 
 
 class DoneAsCompleted(Mutant):
-    """A suspended rollout says response.completed instead of response.done."""
+    """A suspended rollout says response.completed instead of response.done, on every
+    connection but the first to open a rollout (so the rollout probe, which runs first, sees
+    the extension: a server that does this from the start has no rollout profile,
+    tests/test_conform_profiles.py)."""
 
     breaks = (
         "rollout.suspend",
@@ -1040,8 +1041,18 @@ class DoneAsCompleted(Mutant):
         "rollout.resume": "made a tool call but ended without response.done",
     }
 
+    def __init__(self, app: RolloutApp) -> None:
+        super().__init__(app)
+        self.rollouts = 0
+
+    async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
+        if _create(event) and event.get("rollout") and "broken" not in conn.state:
+            self.rollouts += 1
+            conn.state["broken"] = self.rollouts > 1
+        return event
+
     def server_event(self, conn: Conn, event: dict[str, Any]) -> list[Message]:
-        if event["type"] == "response.done":
+        if event["type"] == "response.done" and conn.state.get("broken"):
             event = {**event, "type": "response.completed"}
             event.pop("pending_call_ids", None)
             event["response"]["status"] = "completed"
@@ -1585,7 +1596,7 @@ MUTANTS: tuple[type[Mutant], ...] = (
     RequireItemType,
     WarmupGenerates,
     ForgetParent,
-    StripStreamId,
+    UnlabelledTerminal,
     DropDeltaLane,
     AcceptBadLanes,
     FewLanes,
@@ -1609,7 +1620,6 @@ MUTANTS: tuple[type[Mutant], ...] = (
     StoreNothing,
     GatewayValidatesOutputs,
     RejectOverlap,
-    NoAuth,
     HttpCreateStripped,
     SseEventNames,
     DeleteKeeps,
@@ -1724,10 +1734,10 @@ async def test_rollout_checks_are_skipped_when_the_server_rejects_the_parameter(
     assert len(report.results) >= 10
     for result in report.results:
         assert result.outcome is spec.Outcome.SKIPPED, (result.id, result.reason)
-        assert "rejects the `rollout` parameter" in result.reason
+        assert "rejected `rollout: true` (unknown_parameter" in result.reason
     assert report.ok
-    # With --require rollout, the skipped extension fails the run.
-    assert not required.ok and required.exit_code == 1
+    # With --require rollout, the skipped extension fails the run (exit 5: the core passes).
+    assert not required.ok and required.exit_code == 5
 
 
 class WithoutLanes(Mutant):
@@ -1751,15 +1761,30 @@ async def test_lanes_checks_are_skipped_when_the_server_refuses_stream_id() -> N
                 url, harness_options(filter=("lanes.echo",), require=("lanes",))
             )
     assert report.features["lanes"] is False
-    results = report.by_id()
-    assert results["ws.stream_id"].outcome is spec.Outcome.PASSED  # a refusal is allowed
+    # ws.stream_id is a lanes check: a refusal is allowed (WS-2.8), and skips it too.
     lanes = [r for r in report.results if r.feature == "lanes"]
-    assert len(lanes) >= 8
+    assert len(lanes) >= 9 and "ws.stream_id" in {r.id for r in lanes}
     for result in lanes:
         assert result.outcome is spec.Outcome.SKIPPED, (result.id, result.reason)
-        assert "refuses `stream_id` (unsupported_parameter)" in result.reason
+        assert "refuses `stream_id` (unsupported_parameter" in result.reason
     assert report.ok
-    assert not required.ok and required.exit_code == 1
+    assert not required.ok and required.exit_code == 5
+
+
+async def test_auth_checks_are_skipped_when_the_server_checks_no_key() -> None:
+    with trio.fail_after(60):
+        async with serving(app_wrapper=NoAuth) as url:
+            report = await spec.run_conformance(url, harness_options(filter=("auth",)))
+            required = await spec.run_conformance(
+                url, harness_options(filter=("auth",), require=("auth",))
+            )
+    assert report.features["auth"] is False
+    assert len(report.results) == 2
+    for result in report.results:
+        assert result.outcome is spec.Outcome.SKIPPED, (result.id, result.reason)
+        assert "answered HTTP 200: the server does not check API keys" in result.reason
+    assert report.ok
+    assert not required.ok and required.exit_code == 5
 
 
 class WithoutSteering(Mutant):
@@ -1787,11 +1812,15 @@ async def test_steer_checks_are_skipped_when_the_server_lacks_steering() -> None
 
 class WithoutMultiAgent(Mutant):
     """A server without the multi-agent beta: it rejects `multi_agent` like an unknown
-    parameter. Not a broken variant: its injection checks must be skipped, never passed."""
+    parameter, and `response.inject` like an unknown event type. Not a broken variant: its
+    injection checks must be skipped, never passed."""
 
     async def client_event(self, conn: Conn, event: dict[str, Any]) -> dict[str, Any] | None:
         if _create(event) and "multi_agent" in event:
             await conn.emit([ws_error("unknown_parameter", "multi_agent")])
+            return None
+        if event.get("type") == "response.inject":
+            await conn.emit([ws_error("invalid_value", "type")])
             return None
         return event
 
