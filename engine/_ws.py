@@ -46,7 +46,8 @@ Liveness (one watchdog task per connection, `_watch`, on trio's clock):
 - an idle connection (no response running or waiting, no client message) is closed (1000)
   after `idle_limit` seconds (`ws_idle_closes`);
 - the age limit is enforced on the clock too: past it, the connection closes as soon as no
-  response runs (`ws_age_closes`), without waiting for a create to find it expired.
+  response runs (`ws_age_closes`), after an unsolicited `websocket_connection_limit_reached`
+  error (unless a create was just refused with it), without waiting for a create.
 Without a transport (an ASGI server other than rollout's hypercorn) there are no pings and a
 cut-off cannot abort: the responses are still cancelled and the frames dropped.
 
@@ -197,6 +198,7 @@ class WebSocketConnection:
         self._disconnected = False  # the peer closed or went away
         self._opened_at = trio.current_time()
         self._expired = False  # past the age limit: creates are refused, then it closes
+        self._age_told = False  # a create was refused for the age (no farewell error then)
         self._transport = transport
         # The watchdog (`_watch`): when it wakes next, and how to wake it earlier.
         self._wake_at = math.inf
@@ -480,10 +482,24 @@ class WebSocketConnection:
         await self._shutting_down.wait()
         await self._close_when_idle(1001)
 
-    async def _close_when_idle(self, code: int) -> None:
+    async def _close_when_idle(self, code: int, farewell: ErrorEvent | None = None) -> None:
+        """Close once no response runs, after `farewell` (an error saying why) if given."""
         while not self._idle.is_set():
             await self._idle.wait()
+        if farewell is not None and not self._age_told:
+            try:
+                await self.send_event(farewell)
+            except trio.ClosedResourceError:
+                return
         await self.close(code)
+
+    def _age_error(self) -> ErrorEvent:
+        return _error(
+            f"This connection is older than its limit of "
+            f"{self.limits.connection_age_limit:g} seconds; open a new WebSocket "
+            "connection to continue.",
+            code="websocket_connection_limit_reached",
+        )
 
     async def _reader(self) -> None:
         while True:
@@ -626,15 +642,8 @@ class WebSocketConnection:
         lane = request.stream_id
         try:
             if self._past_age_limit():
-                await self._refuse(
-                    lane,
-                    _error(
-                        f"This connection is older than its limit of "
-                        f"{self.limits.connection_age_limit:g} seconds; open a new WebSocket "
-                        "connection to continue.",
-                        code="websocket_connection_limit_reached",
-                    ),
-                )
+                self._age_told = True
+                await self._refuse(lane, self._age_error())
                 return
             await self._run_one(request, timings)
         except trio.ClosedResourceError:
@@ -656,7 +665,8 @@ class WebSocketConnection:
                 self.session.engine.counters.ws_age_closes += 1
                 if self._serving:  # (else the connection is ending anyway)
                     assert self._responses is not None
-                    self._responses.start_soon(self._close_when_idle, 1000)
+                    # (the error first, unsolicited: the client learns why, as a create would)
+                    self._responses.start_soon(self._close_when_idle, 1000, self._age_error())
         return self._expired
 
     async def _run_one(self, request: ResponseCreate, timings: dict[str, float]) -> None:
