@@ -417,9 +417,13 @@ def _load_model(path: Path) -> Any:
 
     silence_llama_logs()
     llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(
-        str(path).encode(), llama_cpp.llama_model_default_params()
-    )
+    params = llama_cpp.llama_model_default_params()
+    # No extra buffer types (weights repacked for AMX and the like): a build for a CPU that
+    # advertises AMX runs its tile instructions, which fault (SIGSEGV in
+    # ggml_backend_amx_mul_mat) where the kernel or hypervisor has not enabled the tile state,
+    # as on the virtual machines this project is tested on; the portable kernels run everywhere.
+    params.use_extra_bufts = False
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise BackendError(f"llama.cpp could not load the model file {path}")
     return model
