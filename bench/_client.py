@@ -78,6 +78,7 @@ EXTRA_TURNS = 2
 
 _DELTAS = frozenset({"response.output_text.delta", "response.function_call_arguments.delta"})
 _FAILURES = frozenset({"response.failed", "response.incomplete", "error"})
+_ENDS = frozenset({"response.completed", "response.done"})
 
 Scrape = Callable[[], Awaitable[dict[str, int] | None]]
 
@@ -101,6 +102,14 @@ class RolloutSpec:
     # an estimate, and only the text is checked.
     sim_tokens: bool = True
     keep_frames: bool = False  # keep each turn's events as received (to time their encoding)
+    # For a real model: the tools to declare instead of the scenario's (whose argument length
+    # is the `sim` model's output size), and fields every create carries (`temperature`,
+    # `max_output_tokens`).
+    tools: tuple[dict[str, Any], ...] | None = None
+    body: tuple[tuple[str, Any], ...] = ()
+    # A turn that ends `response.incomplete` (max_output_tokens) is a turn like a completed
+    # one, not a failure: a real model's answer is cut at the scenario's output size.
+    incomplete_ends: bool = False
 
 
 def parse_server_timing(header: str | None) -> dict[str, float] | None:
@@ -123,9 +132,10 @@ def parse_server_timing(header: str | None) -> dict[str, float] | None:
 class _TurnReader:
     """Feeds a turn's events; knows when the turn is over."""
 
-    def __init__(self, turn: TurnRecord, mode: str) -> None:
+    def __init__(self, turn: TurnRecord, mode: str, *, incomplete_ends: bool = False) -> None:
         self.turn = turn
         self.mode = mode
+        self.ends = _ENDS | {"response.incomplete"} if incomplete_ends else _ENDS
         self.items: list[dict[str, Any]] = []
         self.response: dict[str, Any] | None = None
         self.pending: list[str] | None = None
@@ -152,13 +162,13 @@ class _TurnReader:
         elif kind in ("response.created", "response.in_progress"):
             if turn.acknowledged is None:
                 turn.acknowledged = now
-        elif kind == "response.completed" or kind == "response.done":
+        elif kind in self.ends:
             turn.ended = now
             self.response = event.get("response")
             if kind == "response.done":
                 self.pending = list(event.get("pending_call_ids") or [])
             usage = (self.response or {}).get("usage")
-            if kind == "response.completed" and usage:
+            if kind != "response.done" and usage:
                 turn.output_tokens = usage.get("output_tokens")
                 turn.context_tokens = usage.get("input_tokens")
             return True
@@ -234,7 +244,8 @@ def _base_body(spec: RolloutSpec, turn: int, *, rollout: bool = False) -> dict[s
     body: dict[str, Any] = {
         "model": spec.model,
         "instructions": INSTRUCTIONS,
-        "tools": spec.scenario.tools(),
+        "tools": list(spec.tools) if spec.tools is not None else spec.scenario.tools(),
+        **dict(spec.body),
     }
     if spec.force_tool_choice and not rollout:
         body["tool_choice"] = (
@@ -287,7 +298,7 @@ class _HttpTransport(_Transport):
             body["input"] = self.history
             body["store"] = False
         payload = _dumps(body).encode()
-        reader = _TurnReader(record, self.mode)
+        reader = _TurnReader(record, self.mode, incomplete_ends=self.spec.incomplete_ends)
         if self.client is None:
             # http-stateless: a new connection per request (no keep-alive), as a stateless
             # client; http-chain keeps its connection. One client either way: creating an
@@ -364,7 +375,7 @@ class _WsTransport(_Transport):
                 message["previous_response_id"] = self.previous
         client = self.ws
         text = client.encode(message)
-        reader = _TurnReader(record, self.mode)
+        reader = _TurnReader(record, self.mode, incomplete_ends=self.spec.incomplete_ends)
         before = self.counts.snapshot()
         now = record.sent = time.perf_counter()
         appended = message["type"] == "response.append"

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["BenchError", "ServerError", "ServerStartError", "ServerUnreachable", "StreamError"]
+__all__ = [
+    "BenchError",
+    "PreflightError",
+    "ServerError",
+    "ServerStartError",
+    "ServerUnreachable",
+    "StreamError",
+]
 
 
 class BenchError(Exception):
@@ -25,3 +32,8 @@ class StreamError(ServerError):
 
 class ServerUnreachable(BenchError):
     """Nothing answers at a server's URL: the benchmark stops before running anything."""
+
+
+class PreflightError(BenchError):
+    """A server refused the benchmark's first request (its key, its model, the tool call the
+    loop needs): the benchmark stops before running anything, naming the fix."""

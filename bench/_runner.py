@@ -50,12 +50,13 @@ from ._client import (
     run_rollout,
 )
 from ._errors import BenchError, StreamError
-from ._scenario import Scenario, default_ttft_ms, sim_model
+from ._scenario import TOOL_NAME, Scenario, default_ttft_ms, sim_model
 from ._server import (
     Endpoint,
     check_reachable,
     open_local_server,
     parse_counters,
+    preflight,
     scrape_metrics,
 )
 from ._stats import median, stats
@@ -299,6 +300,9 @@ async def _run_phases(
             )
         else:
             endpoint = _endpoint(config, server)
+        await preflight(
+            http, endpoint, _preflight_body(config), limit=config.timeout, tool=TOOL_NAME
+        )
         benches.append(_ServerBench(config, endpoint, collected, report, http))
         benches[-1].info.serve_args = list(server.serve_args)
     try:
@@ -312,6 +316,20 @@ async def _run_phases(
         gc.unfreeze()  # what the phases froze goes back to the collector
         for bench in benches:
             bench.finish()
+
+
+def _preflight_body(config: BenchConfig) -> dict[str, Any]:
+    """The scenario's first create, cut short: its model and tools, a call forced (the `sim`
+    model calls first anyway; another model is told to)."""
+    scenario = config.scenarios()[0]
+    body: dict[str, Any] = {
+        "model": config.model or sim_model(steps=1, output_tokens=8, tps=None, ttft_ms=0),
+        "input": "Run `ls` in the project.",
+        "tools": scenario.tools(),
+    }
+    if config.model is not None:
+        body["tool_choice"] = {"type": "function", "name": TOOL_NAME}
+    return body
 
 
 def _rotated(items: Sequence[Any], shift: int) -> list[Any]:

@@ -19,12 +19,13 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import httpx
 import trio
 
-from ._errors import ServerStartError, ServerUnreachable
+from ._errors import PreflightError, ServerStartError, ServerUnreachable
 
 __all__ = [
     "Endpoint",
@@ -34,6 +35,7 @@ __all__ = [
     "open_local_server",
     "parse_counters",
     "parse_stage_sums",
+    "preflight",
     "scrape_metrics",
 ]
 
@@ -271,3 +273,72 @@ async def _stop(process: trio.Process) -> None:
         return
     process.kill()
     await process.wait()
+
+
+async def preflight(
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    *,
+    limit: float,
+    tool: str,
+) -> None:
+    """One create of the scenario's shape (`body`: its model and tools, the call forced where
+    the model is not `sim`) before anything runs: raise `PreflightError`, one line naming the
+    server and the fix, unless the server accepts the key and the model and calls `tool`."""
+    url = endpoint.responses_url
+    label = endpoint.label
+    try:
+        response = await client.post(
+            url, json={**body, "store": False}, headers=endpoint.headers(), timeout=limit
+        )
+    except httpx.HTTPError as exc:
+        raise PreflightError(
+            f"{label}: the benchmark's first request to {url} failed: "
+            f"{type(exc).__name__}{': ' + str(exc) if str(exc) else ''}"
+        ) from None
+    model = body.get("model")
+    if response.status_code != 200:
+        message, code, param = _error_of(response)
+        said = f"HTTP {response.status_code}{' ' + code if code else ''}: {message}"
+        if response.status_code in (401, 403):
+            fix = "pass the server's key with --api-key"
+        elif code == "model_not_found" or param == "model" or response.status_code == 404:
+            fix = (
+                f"the server does not serve the model {model!r}; name one it serves with "
+                f"--model (GET {endpoint.base_url.rstrip('/')}/models lists them)"
+            )
+            if endpoint.spawned:
+                fix += (
+                    "; a local `rollout serve` serves the `sim` models and those of a models "
+                    "file: --local LABEL='--models FILE'"
+                )
+        else:
+            fix = "the benchmark cannot run against it"
+        raise PreflightError(f"{label}: refused the benchmark's first request ({said}); {fix}")
+    try:
+        output = response.json().get("output") or []
+    except ValueError:
+        raise PreflightError(f"{label}: answered the first request with no JSON") from None
+    if not any(isinstance(i, dict) and i.get("type") == "function_call" for i in output):
+        raise PreflightError(
+            f"{label}: the model {model!r} did not call the `{tool}` tool when told to "
+            "(tool_choice names it); the benchmark's agent loop needs a model that calls tools"
+        )
+
+
+def _error_of(response: httpx.Response) -> tuple[str, str | None, str | None]:
+    """The error's message, code and param (OpenAI's shape), or the body's start."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict):
+        message = str(error.get("message") or "")[:200]
+        code, param = error.get("code"), error.get("param")
+        return (
+            message,
+            code if isinstance(code, str) else None,
+            param if isinstance(param, str) else None,
+        )
+    return response.text[:200].strip() or "(no body)", None, None
