@@ -19,6 +19,9 @@ for the body) and must preserve what the tests check for both implementations he
   never moves an id to another owner. Owner `None` means "auth off" and matches only rows
   stored with owner `None`: compare with `IS NOT DISTINCT FROM` in PostgreSQL (`IS` here),
   never with `=`, which is never true for NULLs.
+- **Items per owner**: the items table (`item_reference` lookups) is keyed by (owner, id):
+  item ids may be chosen by the client, and another owner storing an id first changes
+  nothing for this owner (in PostgreSQL, `UNIQUE NULLS NOT DISTINCT (owner, id)`).
 - **One round trip per chain**: `get_chain` is one recursive CTE (`WITH RECURSIVE` works
   unchanged), bounded by `max_depth`, so a deep history is not N queries across a network.
 
@@ -82,7 +85,7 @@ CREATE TABLE IF NOT EXISTS schema_versions (
     version   INTEGER NOT NULL
 )"""
 
-RESPONSES_SCHEMA_VERSION = 3
+RESPONSES_SCHEMA_VERSION = 4
 
 # The response store's schema (version `RESPONSES_SCHEMA_VERSION`), one statement per entry.
 #   id          the response id (`resp_...`), the only lookup key.
@@ -109,20 +112,49 @@ RESPONSES_SCHEMA: tuple[str, ...] = (
     )""",
     _ITEMS_TABLE := """
     CREATE TABLE items (
-        id          TEXT PRIMARY KEY,
-        response_id TEXT NOT NULL,
         owner       TEXT,
+        id          TEXT NOT NULL,
+        response_id TEXT NOT NULL,
         body        BLOB NOT NULL
     )""",
+    # One item per (owner, id): NULL owners (auth off) are distinct in a UNIQUE index, so they
+    # get their own one on the id.
+    _ITEMS_KEY := "CREATE UNIQUE INDEX items_key ON items (owner, id)",
+    _ITEMS_KEY_ANONYMOUS
+    := "CREATE UNIQUE INDEX items_key_anonymous ON items (id) WHERE owner IS NULL",
     _ITEMS_INDEX := "CREATE INDEX items_by_response ON items (response_id)",
 )
 # items: every item with an id that a stored response added (its input and output), for
-# `item_reference` (version 2). The first response to store an id keeps it.
+# `item_reference` (version 2), keyed by owner and id (version 4): item ids may be chosen by
+# the client, so an owner's first response to store an id keeps it, and another owner's item
+# with the same id is another row (keyed by the id alone, one key storing an id first made
+# another key's item silently unstored).
 
 # Upgrades from an older schema version: {from_version: statements to reach from_version + 1}.
 RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {
-    1: (_ITEMS_TABLE, _ITEMS_INDEX),
+    1: (
+        """
+        CREATE TABLE items (
+            id          TEXT PRIMARY KEY,
+            response_id TEXT NOT NULL,
+            owner       TEXT,
+            body        BLOB NOT NULL
+        )""",
+        "CREATE INDEX items_by_response ON items (response_id)",
+    ),
     2: ("ALTER TABLE responses ADD COLUMN rendered BLOB",),
+    # Items keyed by (owner, id): SQLite cannot change a primary key, so the table is copied.
+    # Rows keep their ids (unique before, so unique per owner now).
+    3: (
+        "ALTER TABLE items RENAME TO items_v3",
+        _ITEMS_TABLE,
+        "INSERT INTO items (owner, id, response_id, body) "
+        "SELECT owner, id, response_id, body FROM items_v3",
+        "DROP TABLE items_v3",
+        _ITEMS_KEY,
+        _ITEMS_KEY_ANONYMOUS,
+        _ITEMS_INDEX,
+    ),
 }
 
 _PUT = """
@@ -144,8 +176,8 @@ _GET = (
 
 _DELETE = "DELETE FROM responses WHERE id = ? AND owner IS ?"
 _PUT_ITEM = "INSERT OR IGNORE INTO items (id, response_id, owner, body) VALUES (?, ?, ?, ?)"
-_GET_ITEM = "SELECT body FROM items WHERE id = ? AND owner IS ?"
-_DELETE_ITEMS = "DELETE FROM items WHERE response_id = ?"
+_GET_ITEM = "SELECT body FROM items WHERE owner IS ? AND id = ?"
+_DELETE_ITEMS = "DELETE FROM items WHERE response_id = ? AND owner IS ?"
 
 # The response, then each parent, while the previous row is not a root, up to `max_depth` rows.
 # A parent owned by someone else is not joined, so it looks missing (owner isolation).
@@ -421,7 +453,7 @@ class SQLiteResponseStore(_SQLiteResource):
         def run(conn: sqlite3.Connection) -> bool:
             deleted = conn.execute(_DELETE, (response_id, owner)).rowcount > 0
             if deleted:
-                conn.execute(_DELETE_ITEMS, (response_id,))
+                conn.execute(_DELETE_ITEMS, (response_id, owner))
             return deleted
 
         return await self._run(run)
@@ -430,7 +462,7 @@ class SQLiteResponseStore(_SQLiteResource):
         """An item a stored response added, by its id (owner isolation as for responses)."""
 
         def run(conn: sqlite3.Connection) -> Item | None:
-            row = conn.execute(_GET_ITEM, (item_id, owner)).fetchone()
+            row = conn.execute(_GET_ITEM, (owner, item_id)).fetchone()
             return None if row is None else _decode_item(row[0])
 
         return await self._run(run)
