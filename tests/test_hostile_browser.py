@@ -12,8 +12,9 @@ sockets send the `Host` and `Origin` a browser would):
 4. the clients are unaffected: httpx and the openai SDK (no `Origin`), a loopback page's
    WebSocket by default; with API keys, no page unless listed (`--allow-origin`).
 
-The rule matrix itself runs in-process over ASGI. Item-id scoping (item 8) is tested with the
-stores, in `tests/test_store.py`.
+The rule matrix itself runs in-process over ASGI. Item ids are scoped to their owner (item
+8): through a server over SQLite and PostgreSQL here, each store and its migration in
+`tests/test_store.py`.
 """
 
 from __future__ import annotations
@@ -365,3 +366,48 @@ async def test_refusals_come_before_auth_and_work(tmp_path: Path) -> None:
             got, _, _ = await call(app, "POST", "/v1/responses", CREATE, headers=headers)
             assert got == status, headers
         assert await store.count() == 1
+
+
+# --- item-id squatting (issue 29, item 8), through the server and each store -----------------
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def durable(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """Where a test server keeps its store: a data dir, or a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        return {"data_dir": tmp_path / "data"}
+    return {"data_dir": None, "store_url": request.getfixturevalue("postgres_urls")()}
+
+
+async def test_an_item_id_taken_by_another_key_is_still_ours(durable: dict[str, Any]) -> None:
+    """Key B stores an item with a client-chosen id first; key A stores its own with that id,
+    and after a restart (so the lookup reaches the store, not the write queue) A's
+    `item_reference` finds A's item and B's finds B's."""
+    from tests.server_harness import open_test_server
+
+    keys = ("key-a", "key-b")
+
+    def message(text: str) -> dict[str, Any]:
+        return {"type": "message", "role": "user", "id": "msg_squat", "content": text}
+
+    with trio.fail_after(DEADLINE):
+        async with open_test_server(api_keys=keys, **durable) as url:
+            for key in reversed(keys):  # B first
+                async with httpx.AsyncClient(
+                    base_url=url, headers={"Authorization": f"Bearer {key}"}
+                ) as client:
+                    resp = await client.post(
+                        "/responses", json={"model": "sim", "input": [message(f"{key}'s")]}
+                    )
+                    assert resp.status_code == 200
+        async with open_test_server(api_keys=keys, **durable) as url:
+            for key in keys:
+                async with httpx.AsyncClient(
+                    base_url=url, headers={"Authorization": f"Bearer {key}"}
+                ) as client:
+                    ref = {"type": "item_reference", "id": "msg_squat"}
+                    resp = await client.post("/responses", json={"model": "sim", "input": [ref]})
+                    assert resp.status_code == 200, resp.text
+                    listed = await client.get(f"/responses/{resp.json()['id']}/input_items")
+                    (item,) = listed.json()["data"]
+                    assert item["content"] == [{"type": "input_text", "text": f"{key}'s"}]
