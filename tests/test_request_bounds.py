@@ -202,7 +202,9 @@ async def test_a_caller_cancelled_during_validation_leaves_at_once() -> None:
                 with trio.CancelScope() as scope:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(call, app, "POST", "/v1/responses", payload, JSON)
-                        await trio.to_thread.run_sync(validator.entered.wait)
+                        await trio.to_thread.run_sync(
+                            validator.entered.wait, abandon_on_cancel=True
+                        )
                         assert engine.counters.offloaded_validations == 1
                         scope.cancel()
                 assert scope.cancelled_caught
