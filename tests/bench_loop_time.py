@@ -130,6 +130,11 @@ CASES = [
         },
     ),
     Case(
+        "input: item_reference",
+        f"{MAX_INPUT_ITEMS:,} items",
+        lambda: {**BASE, "input": [{"type": "item_reference", "id": "msg_kept"}] * MAX_INPUT_ITEMS},
+    ),
+    Case(
         "input: one message's text",
         "64 MiB (--max-message-size)",
         lambda: text_to_the_limit(BASE, "input"),
@@ -269,6 +274,9 @@ async def main(pattern: str) -> None:
         app = RolloutApp(engine, AppConfig())
         warm = {**BASE, "tools": [{"type": "function", "name": "w", "parameters": wide(8)}]}
         await measure(app, json.dumps(warm).encode())
+        # An item for the item_reference case to name (stored: the store answers its lookups).
+        stored = {**BASE, "input": [{"role": "user", "content": "kept", "id": "msg_kept"}]}
+        await measure(app, json.dumps(stored).encode())
         for case in CASES:
             if pattern not in case.field:
                 continue
