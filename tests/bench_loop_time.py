@@ -103,7 +103,7 @@ def tools(n: int, parameters: dict[str, Any] | None = None) -> list[dict[str, An
 BASE: dict[str, Any] = {"model": "sim", "input": "hi", "tool_choice": "none"}
 PER_TOOL = MAX_REQUEST_SCHEMA_NODES // MAX_TOOLS  # values per tool at the budget
 IMAGE = (
-    "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(MAX_IMAGE_BYTES - 4)).decode()
+    "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(MAX_IMAGE_BYTES - 1024)).decode()
 )
 
 CASES = [
