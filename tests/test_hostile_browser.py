@@ -32,6 +32,8 @@ import httpx
 import openai
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from rollout.engine import MemoryResponseStore
 from rollout.engine._app import AppConfig, RolloutApp
 from rollout.engine._browser import BrowserRules, is_loopback
@@ -318,6 +320,30 @@ def test_rules(
     headers = {k: v for k, v in (("host", host), ("origin", origin)) if v is not None}
     refusal = rules(bound, keys, **lists).refuse(headers)
     assert (refusal[0] if refusal else None) == status
+
+
+_LABEL = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?", fullmatch=True)
+_NAMES = st.lists(_LABEL, min_size=1, max_size=4).map(".".join)
+_PORTS = st.none() | st.integers(1, 65535)
+
+
+@given(name=_NAMES, port=_PORTS, scheme=st.sampled_from(["http", "https"]))
+def test_generated_foreign_hosts_and_origins_are_refused(
+    name: str, port: int | None, scheme: str
+) -> None:
+    """Any name but the loopback ones, with or without a port, is a foreign Host (421) and a
+    foreign Origin (403) for a server bound to loopback; the loopback names with that port
+    are neither."""
+    suffix = "" if port is None else f":{port}"
+    loopback = name in ("localhost", "127.0.0.1")
+    for keys in (False, True):
+        refusal = rules(keys=keys).refuse({"host": name + suffix})
+        assert (refusal[0] if refusal else None) == (None if loopback else 421)
+        refusal = rules(keys=keys).refuse({"origin": f"{scheme}://{name}{suffix}"})
+        allowed = loopback and not keys
+        assert (refusal[0] if refusal else None) == (None if allowed else 403)
+    assert rules().refuse({"host": "localhost" + suffix}) is None
+    assert rules().refuse({"origin": f"{scheme}://[::1]{suffix}"}) is None
 
 
 @pytest.mark.parametrize("value", ["evil.example", "https://a.example/path", "ftp://a.example"])
