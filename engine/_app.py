@@ -217,7 +217,10 @@ class RolloutApp:
         headers = headers_of(scope)
         allowed, owner = self._keys.authenticate(headers)
         holder = _holder(scope, owner)
-        refusal = self._browser.refuse(headers) or self._refuse_upgrade(path, allowed, holder)
+        refusal = self._browser.refuse(headers)
+        if refusal is not None:
+            self.engine.counters.browser_refusals += 1
+        refusal = refusal or self._refuse_upgrade(path, allowed, holder)
         if refusal is not None:
             status, body = refusal
             await _deny_upgrade(send, status, body)
@@ -375,6 +378,7 @@ class RolloutApp:
         headers = headers_of(scope)
         refusal = self._browser.refuse(headers) or self._browser.refuse_body(method, headers)
         if refusal is not None:
+            self.engine.counters.browser_refusals += 1
             status, body = refusal
             return await send_json(send, status, body)
         query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode("latin-1")))

@@ -40,7 +40,7 @@ from rollout.engine._browser import BrowserRules, is_loopback
 from rollout.engine._engine import open_engine
 
 from tests.client_harness import RolloutProcess, open_rollout_process
-from tests.server_harness import open_ws, run_in_thread
+from tests.server_harness import fetch_counters, open_ws, run_in_thread
 from tests.test_server_routes import call
 
 DEADLINE = 60
@@ -136,6 +136,7 @@ async def test_a_cross_site_websocket_upgrade_is_refused_before_it_is_accepted(
         async with open_ws(server.url) as ws:  # trio-websocket: no Origin
             events = await ws.create(model="sim", input="Hello!")
             assert events[-1].type == "response.completed"
+        assert (await fetch_counters(server.url))["browser_refusals"] == 1
     assert any(r.get("event") == "ws_refused" and r["status"] == 403 for r in server.access())
 
 
@@ -392,6 +393,7 @@ async def test_refusals_come_before_auth_and_work(tmp_path: Path) -> None:
             got, _, _ = await call(app, "POST", "/v1/responses", CREATE, headers=headers)
             assert got == status, headers
         assert await store.count() == 1
+        assert engine.counters.browser_refusals == 4
 
 
 # --- item-id squatting (issue 29, item 8), through the server and each store -----------------
