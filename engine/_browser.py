@@ -23,7 +23,7 @@ for it. A request without `Host` (HTTP/1.0; ASGI callers in-process) is not refu
 
 Defaults (`BrowserRules.make`):
 - Hosts: bound to a loopback address (127.0.0.0/8, ::1, `localhost`), the loopback names
-  `localhost`, `127.0.0.1` and `[::1]`, with any port (a proxy or a second port may forward to
+  `localhost`, `127.0.0.1` and `[::1]` and the bound address itself, with any port (a proxy or a second port may forward to
   this one; a rebinding page can never make its `Host` one of these names); bound to any other
   address, every `Host` (this server cannot know the names it is reached by: list them with
   `--allow-host` to turn the check on there).
@@ -146,7 +146,9 @@ class BrowserRules:
                     raise ValueError(f"--allow-host {host!r}: give a host name, without a scheme")
             named = {_split_host(h) for h in listed_hosts}
             if is_loopback(bound_host):
-                hosts = frozenset(named | set(_LOOPBACK_NAMES))
+                bound = bound_host.lower()
+                bound = f"[{bound}]" if ":" in bound and not bound.startswith("[") else bound
+                hosts = frozenset(named | set(_LOOPBACK_NAMES) | {bound})
             else:
                 hosts = frozenset(named) if named else None
         origins: set[str] = set()

@@ -290,6 +290,8 @@ def rules(bound: str = "127.0.0.1", keys: bool = False, **lists: Any) -> Browser
         ("127.0.0.1", False, {}, "localhost", "null", 403),  # a sandboxed page, a file
         ("127.0.0.1", False, {}, "localhost", "http://localhost.evil.example", 403),
         ("::1", False, {}, "[::1]:8000", None, None),
+        ("127.0.0.2", False, {}, "127.0.0.2:8000", None, None),  # the bound address itself
+        ("127.0.0.2", False, {}, "127.0.0.3:8000", None, 421),
         ("localhost", False, {}, "rebind.evil.example", None, 421),
         # With keys: no page unless listed.
         ("127.0.0.1", True, {}, "localhost", "http://localhost:3000", 403),
