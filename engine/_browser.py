@@ -23,10 +23,10 @@ for it. A request without `Host` (HTTP/1.0; ASGI callers in-process) is not refu
 
 Defaults (`BrowserRules.make`):
 - Hosts: bound to a loopback address (127.0.0.0/8, ::1, `localhost`), the loopback names
-  `localhost`, `127.0.0.1` and `[::1]` and the bound address itself, with any port (a proxy or a second port may forward to
-  this one; a rebinding page can never make its `Host` one of these names); bound to any other
-  address, every `Host` (this server cannot know the names it is reached by: list them with
-  `--allow-host` to turn the check on there).
+  `localhost`, `127.0.0.1` and `[::1]` and the bound address itself, with any port (a proxy
+  or a second port may forward to this one; a rebinding page can never make its `Host` one of
+  these names); bound to any other address, every `Host` (this server cannot know the names
+  it is reached by: list them with `--allow-host` to turn the check on there).
 - Origins: without API keys, loopback pages (`http(s)://localhost|127.0.0.1|[::1]`, any port:
   the user's own local tools); with keys, none. `--allow-origin` adds to these; `*` allows any.
 
