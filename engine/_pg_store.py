@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from typing import TypeAlias
 
+import trio
 from rollout.protocol import Item
 
 from ._interfaces import StoredResponse
@@ -40,6 +41,7 @@ from ._store import (
     _encode,
     _encode_item,
     _not_stored,
+    backfilled_items,
 )
 
 __all__ = [
@@ -82,6 +84,10 @@ POSTGRES_RESPONSES_SCHEMA: tuple[str, ...] = (
     )""",
 )
 
+_BACKFILL_MARK = "items_backfill_pending"
+# Responses' bodies read per round trip while putting items back (a server-side cursor).
+_BACKFILL_BATCH = 500
+
 # Items are keyed by (owner, id) (version 2; see `_store.RESPONSES_SCHEMA`): NULL owners (auth
 # off) are one owner (`NULLS NOT DISTINCT`, PostgreSQL 15). Lookups compare owners with `IS NOT
 # DISTINCT FROM`, which no index serves: they find the id through `items_by_id` (one row per
@@ -93,6 +99,10 @@ POSTGRES_RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE items DROP CONSTRAINT items_pkey",
         "ALTER TABLE items ADD CONSTRAINT items_owner_id_key UNIQUE NULLS NOT DISTINCT (owner, id)",
         _ITEMS_BY_ID,
+        # The items an id-keyed table left out are put back from the bodies once the store is
+        # open (`_backfill_items`): this marks that the upgrade happened.
+        f"INSERT INTO secrets (name, value) VALUES ('{_BACKFILL_MARK}', '\\x01'::bytea) "
+        "ON CONFLICT (name) DO NOTHING",
     ),
 }
 
@@ -255,4 +265,25 @@ async def open_postgres_store(
         migrations=POSTGRES_RESPONSES_MIGRATIONS,
         pool_size=pool_size,
     )
-    return PostgresResponseStore(pool, conninfo)
+    store = PostgresResponseStore(pool, conninfo)
+    try:
+        await store._run(_backfill_items)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+        raise
+    return store
+
+
+def _backfill_items(conn: Conn) -> None:
+    """After the upgrade to items keyed by (owner, id), once (the first process to take the
+    mark does it, the others wait for its transaction and find none): the items the id-keyed
+    table left out, from the responses' bodies in the order they were created."""
+    if conn.execute(f"DELETE FROM secrets WHERE name = '{_BACKFILL_MARK}'").rowcount == 0:
+        return
+    with conn.cursor(name="rollout_items_backfill") as rows:
+        rows.execute("SELECT id, owner, body FROM responses ORDER BY created_at, id")
+        while batch := rows.fetchmany(_BACKFILL_BATCH):
+            items = list(backfilled_items(batch))
+            if items:
+                conn.cursor().executemany(_PUT_ITEM, items)

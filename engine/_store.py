@@ -41,7 +41,7 @@ at its boundary.)
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self, TypeAlias, TypeVar
@@ -402,6 +402,53 @@ def _is_end(stored: StoredResponse) -> bool:
     return stored.is_root or stored.parent_id is None
 
 
+# Before schema version 4 (SQLite; 2 in PostgreSQL) items were keyed by their id alone, so an
+# item whose id another owner had stored first was left out of the table. The upgrade puts such
+# items back from the responses' bodies, once, in the order the responses were created (the
+# first response of an owner to store an id keeps it, as `put` does).
+ITEMS_BY_OWNER_SINCE = 4
+
+
+def backfilled_items(
+    rows: Iterable[tuple[str, str | None, bytes]],
+) -> Iterator[tuple[str, str, str | None, bytes]]:
+    """The items rows (id, response_id, owner, body) of stored responses' (id, owner, body)
+    rows; a body that does not decode is skipped (`get` reports it when it is read)."""
+    for response_id, owner, blob in rows:
+        try:
+            body: Any = msgpack.unpackb(bytes(blob), raw=False)
+        except (ValueError, TypeError):  # msgpack's unpacking errors are ValueErrors
+            continue
+        items = body.get("items") if isinstance(body, dict) else None
+        for item in items if isinstance(items, list) else ():
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                packed: bytes = msgpack.packb(item, use_bin_type=True)
+                yield item["id"], response_id, owner, packed
+
+
+def _schema_version(conn: sqlite3.Connection, component: str) -> int | None:
+    """`component`'s schema version in this file, None before its tables exist."""
+    try:
+        row = conn.execute(
+            "SELECT version FROM schema_versions WHERE component = ?", (component,)
+        ).fetchone()
+    except sqlite3.OperationalError:  # no schema_versions table: a new file
+        return None
+    return None if row is None else int(row[0])
+
+
+def _backfill_items(conn: sqlite3.Connection) -> None:
+    """Put back the items an older schema left out (see `ITEMS_BY_OWNER_SINCE`)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        rows = conn.execute("SELECT id, owner, body FROM responses ORDER BY created_at, rowid")
+        conn.executemany(_PUT_ITEM, backfilled_items(rows))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
 # --- SQLite ----------------------------------------------------------------------------------
 
 
@@ -512,6 +559,7 @@ async def open_sqlite_store(
         file.parent.mkdir(parents=True, exist_ok=True)
         conn = connect(file, synchronous=synchronous, busy_timeout=busy_timeout)
         try:
+            found = _schema_version(conn, "responses")
             ensure_schema(
                 conn,
                 component="responses",
@@ -519,6 +567,8 @@ async def open_sqlite_store(
                 schema=RESPONSES_SCHEMA,
                 migrations=RESPONSES_MIGRATIONS,
             )
+            if found is not None and found < ITEMS_BY_OWNER_SINCE:
+                _backfill_items(conn)
         except BaseException:
             conn.close()
             raise

@@ -448,13 +448,16 @@ async def put_squatted(store: Store) -> None:
 
 
 async def check_migrated(store: Store) -> None:
-    """Every old row is kept; alice can now store her own `msg_shared`."""
+    """Every old row is kept, and the item bob's squatting left out is back (from alice's
+    response body); a later response of alice's does not replace it."""
     for owner in ("alice", "bob"):
         assert await store.get(f"resp_{owner[0]}", owner=owner) is not None
     bobs = await store.get_item("msg_shared", owner="bob")
     assert isinstance(bobs, Message) and bobs.content == [InputText(text="bob's")]
     assert await store.get_item("fc_resp_a", owner="alice") is not None
-    await store.put(with_item("resp_a2", "alice", "msg_shared", "alice's"))
+    alices = await store.get_item("msg_shared", owner="alice")
+    assert isinstance(alices, Message) and alices.content == [InputText(text="alice's")]
+    await store.put(with_item("resp_a2", "alice", "msg_shared", "alice's again"))
     alices = await store.get_item("msg_shared", owner="alice")
     assert isinstance(alices, Message) and alices.content == [InputText(text="alice's")]
 
@@ -513,6 +516,7 @@ async def test_postgres_migrates_items_to_owner_keys(
         assert conn.execute(
             "SELECT version FROM schema_versions WHERE component = 'responses'"
         ).fetchone() == (POSTGRES_RESPONSES_SCHEMA_VERSION,)
+        assert conn.execute("SELECT name FROM secrets").fetchall() == []  # backfilled once
 
 
 # --- PostgreSQL only -------------------------------------------------------------------------
