@@ -97,6 +97,24 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="require this API key (repeatable; also ROLLOUT_API_KEYS, comma-separated); "
         "without keys auth is off",
     )
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages of this origin (scheme://host[:port]) call the server (repeatable; "
+        "* for any); by default only loopback pages, and none with --api-key; requests "
+        "without an Origin header (SDKs, curl) are always served",
+    )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="answer requests whose Host header names this host (repeatable; * for any): bound "
+        "to a loopback address only localhost, 127.0.0.1 and [::1] are answered (against DNS "
+        "rebinding); bound elsewhere every Host unless names are listed",
+    )
     p.add_argument("--no-websocket", action="store_true", help="refuse WebSocket upgrades (426)")
     default = "on" if DEFAULT_WEBSOCKET_DEFLATE else "off"
     deflate = p.add_mutually_exclusive_group()
@@ -330,13 +348,28 @@ def _serve(args: argparse.Namespace) -> int:
     if args.store is not None and not is_postgres_url(args.store):
         _serve_failed(args, f"--store: expected a postgresql:// URL, got {args.store!r}")
         return 2
+    from .engine._browser import BrowserRules
+
+    api_keys = tuple(args.api_key) + api_keys_from_env()
+    try:
+        BrowserRules.make(
+            bound_host=args.host,
+            keys_configured=bool(api_keys),
+            allow_hosts=args.allow_host,
+            allow_origins=args.allow_origin,
+        )
+    except ValueError as exc:
+        _serve_failed(args, str(exc))
+        return 2
     config = ServerConfig(
         registry=registry,
         store_url=args.store,
         host=args.host,
         port=args.port,
         data_dir=args.data_dir,
-        api_keys=tuple(args.api_key) + api_keys_from_env(),
+        api_keys=api_keys,
+        allow_hosts=tuple(args.allow_host),
+        allow_origins=tuple(args.allow_origin),
         websocket=not args.no_websocket,
         websocket_deflate=args.websocket_deflate,
         max_message_size=args.max_message_size,

@@ -24,6 +24,10 @@ status. With API keys configured, a request without a valid `Authorization: Bear
 401 (a WebSocket upgrade is refused before 101) and stored responses are visible only to the
 key that created them.
 
+Browser rules (`_browser.py`) come first: a foreign `Host` (DNS rebinding) gets 421, an
+`Origin` not allowed 403 (an upgrade too, before it is accepted), and a POST with a type an
+HTML form can send (`text/plain`, form types) 415; requests without `Origin` pass.
+
 WebSocket connections are capped (`max_connections`, 503 `too_many_connections` past it), and
 one key may hold at most its share of them (`key_connection_share` of the cap, 429
 `too_many_connections_for_key` past it), so a single client cannot take every place. Without
@@ -61,6 +65,7 @@ from ._asgi import (
     send_raw,
 )
 from ._auth import ApiKeys, owner_of
+from ._browser import BrowserRules
 from ._chat_api import ChatApi
 from ._engine import Engine, server_error
 from ._metrics import MetricsExporter
@@ -116,6 +121,11 @@ class AppConfig:
     # One worker of several (`rollout serve --workers N`): /metrics merges the counts every
     # worker writes into this directory (see `_metrics.py`).
     metrics_dir: Path | None = None
+    # Browser rules (`_browser.py`): the address the server is bound to (loopback: only the
+    # loopback names in `Host`) and the `--allow-host` / `--allow-origin` values.
+    bound_host: str = "127.0.0.1"
+    allow_hosts: tuple[str, ...] = ()
+    allow_origins: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -144,6 +154,12 @@ class RolloutApp:
         self.http_requests = 0
         self._started = time.time()
         self._keys = ApiKeys(config.api_keys)
+        self._browser = BrowserRules.make(
+            bound_host=config.bound_host,
+            keys_configured=bool(config.api_keys),
+            allow_hosts=config.allow_hosts,
+            allow_origins=config.allow_origins,
+        )
         self._access_log = access_log if config.access_log else _NO_ACCESS_LOG
         self.metrics = MetricsExporter(engine, self, shared_dir=config.metrics_dir)
         self._routes = self._route_table()
@@ -201,7 +217,10 @@ class RolloutApp:
         headers = headers_of(scope)
         allowed, owner = self._keys.authenticate(headers)
         holder = _holder(scope, owner)
-        refusal = self._refuse_upgrade(path, allowed, holder)
+        refusal = self._browser.refuse(headers)
+        if refusal is not None:
+            self.engine.counters.browser_refusals += 1
+        refusal = refusal or self._refuse_upgrade(path, allowed, holder)
         if refusal is not None:
             status, body = refusal
             await _deny_upgrade(send, status, body)
@@ -357,6 +376,11 @@ class RolloutApp:
         self, scope: Scope, method: str, path: str, receive: Receive, send: Send
     ) -> int:
         headers = headers_of(scope)
+        refusal = self._browser.refuse(headers) or self._browser.refuse_body(method, headers)
+        if refusal is not None:
+            self.engine.counters.browser_refusals += 1
+            status, body = refusal
+            return await send_json(send, status, body)
         query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode("latin-1")))
         allowed, owner = self._keys.authenticate(headers)
         for route in self._routes:

@@ -59,6 +59,11 @@ class Counters:
     suspension_bytes_encoded: int = 0
     sse_bytes_encoded: int = 0  # bytes of the server-sent-event frames encoded
     offloaded_decodes: int = 0  # client messages large enough to decode in a worker thread
+    # requests whose JSON schemas were large enough to validate in a worker thread
+    offloaded_validations: int = 0
+    # requests and WebSocket upgrades refused by the browser rules (`_browser.py`): a foreign
+    # Host, an Origin not allowed, a form or text body
+    browser_refusals: int = 0
     slow_consumers: int = 0  # WebSocket clients torn down for not reading (responses cancelled)
     # WebSocket connections cut off at the TCP level (reset: a slow consumer, a ping unanswered)
     ws_aborts: int = 0

@@ -10,6 +10,7 @@ the built-in defaults and runs its post-inference writer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import typing
@@ -18,7 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, S
 from contextlib import asynccontextmanager
 
 import trio
-from rollout.protocol import Item, Response
+from rollout.protocol import Item, Response, ResponseCreate
 
 from ._cache import DEFAULT_CACHE_RESPONSES, DEFAULT_CACHE_TOKENS, ResponseCache
 from ._compact import SnapshotSeal
@@ -42,7 +43,7 @@ from ._render_cache import RenderCache
 from ._rollout import MAX_HOSTED_ROUNDS, Emit, Rollout
 from ._session import Session
 from ._state import Lineage, Prefix, ResponseState, Route, digest_tokens
-from ._validate import ConversationValidator, Validator
+from ._validate import ConversationValidator, Validator, schema_nodes
 
 __all__ = [
     "DEFAULT_CACHE_RESPONSES",
@@ -71,6 +72,11 @@ DEFAULT_ROLLOUT_SUSPEND_LIMIT = 600.0
 OFFLOAD_DECODE_BYTES = 256 * 1024
 # Large decodes at once: each holds its parsed JSON (several times its size) in memory.
 MAX_CONCURRENT_LARGE_DECODES = 2
+# A request whose JSON schemas (tools' parameters, `text.format`) have at least this many values
+# is validated in a worker thread (sharing the large decodes' limiter): checking a schema costs
+# up to ~110 us per value (`_schemas.py`), so this keeps validation on the event loop under
+# ~30 ms, and larger ones (up to `MAX_REQUEST_SCHEMA_NODES`, ~6 s) off it.
+OFFLOAD_SCHEMA_NODES = 256
 
 
 class _NoBackend:
@@ -174,6 +180,31 @@ class Engine:
             self.counters.offloaded_decodes += 1
             with self.timer.measure("decode", timings):  # wall time, the thread's included
                 return await trio.to_thread.run_sync(decode, data)
+
+    async def validate_off_loop(
+        self,
+        request: ResponseCreate,
+        *,
+        tools_known: bool,
+        timings: dict[str, float] | None = None,
+    ) -> bool:
+        """Validate a request whose schemas are large (`OFFLOAD_SCHEMA_NODES`) in a worker
+        thread, as `Pipeline.prepare` would (the same errors, in the same order); True when it
+        did. A caller cancelled meanwhile leaves at once; the thread finishes its bounded work
+        (`MAX_REQUEST_SCHEMA_NODES`) and only then gives its place in the limiter back."""
+        if schema_nodes(request, tools_known=tools_known, cap=OFFLOAD_SCHEMA_NODES) < (
+            OFFLOAD_SCHEMA_NODES
+        ):
+            return False
+        self.counters.offloaded_validations += 1
+        check = functools.partial(
+            self.pipeline.validator.validate_request, request, tools_known=tools_known
+        )
+        with self.timer.measure("validate", timings):  # wall time, the thread's included
+            await trio.to_thread.run_sync(
+                check, limiter=self.decode_limiter, abandon_on_cancel=True
+            )
+        return True
 
     def session(
         self,

@@ -9,7 +9,8 @@ the body and the rendered segments, `_segments.py`):
 - **All or nothing**: a put writes the response and its items in one transaction, and a
   delete removes both in one; once `put` returns the response is committed, so every process
   sees it (a follow-up landing on another process hydrates it).
-- **Owner isolation** for `get`, `get_chain`, `get_item` and `delete`.
+- **Owner isolation** for `get`, `get_chain`, `get_item` and `delete`; items keyed by
+  (owner, id), so another owner's item with the same (client-chosen) id is another row.
 - **One round trip per chain**: `get_chain` is one recursive query bounded by `max_depth`.
 
 It also keeps secrets that every process must share (`shared_secret`: the key sealing
@@ -26,6 +27,7 @@ from __future__ import annotations
 import os
 from typing import TypeAlias
 
+import trio
 from rollout.protocol import Item
 
 from ._interfaces import StoredResponse
@@ -39,6 +41,7 @@ from ._store import (
     _encode,
     _encode_item,
     _not_stored,
+    backfilled_items,
 )
 
 __all__ = [
@@ -48,7 +51,7 @@ __all__ = [
     "open_postgres_store",
 ]
 
-POSTGRES_RESPONSES_SCHEMA_VERSION = 1
+POSTGRES_RESPONSES_SCHEMA_VERSION = 2
 
 # The response store's schema (version `POSTGRES_RESPONSES_SCHEMA_VERSION`): the columns of
 # `_store.RESPONSES_SCHEMA` (see there), and `secrets`: values made once and shared by every
@@ -66,12 +69,14 @@ POSTGRES_RESPONSES_SCHEMA: tuple[str, ...] = (
     )""",
     """
     CREATE TABLE items (
-        id          TEXT PRIMARY KEY,
+        id          TEXT NOT NULL,
         response_id TEXT NOT NULL,
         owner       TEXT,
-        body        BYTEA NOT NULL
+        body        BYTEA NOT NULL,
+        CONSTRAINT items_owner_id_key UNIQUE NULLS NOT DISTINCT (owner, id)
     )""",
     "CREATE INDEX items_by_response ON items (response_id)",
+    _ITEMS_BY_ID := "CREATE INDEX items_by_id ON items (id)",
     """
     CREATE TABLE secrets (
         name  TEXT PRIMARY KEY,
@@ -79,8 +84,27 @@ POSTGRES_RESPONSES_SCHEMA: tuple[str, ...] = (
     )""",
 )
 
+_BACKFILL_MARK = "items_backfill_pending"
+# Responses' bodies read per round trip while putting items back (a server-side cursor).
+_BACKFILL_BATCH = 500
+
+# Items are keyed by (owner, id) (version 2; see `_store.RESPONSES_SCHEMA`): NULL owners (auth
+# off) are one owner (`NULLS NOT DISTINCT`, PostgreSQL 15). Lookups compare owners with `IS NOT
+# DISTINCT FROM`, which no index serves: they find the id through `items_by_id` (one row per
+# owner that stored it), then the owner.
+
 # Upgrades from an older schema version: {from_version: statements to reach from_version + 1}.
-POSTGRES_RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {}
+POSTGRES_RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        "ALTER TABLE items DROP CONSTRAINT items_pkey",
+        "ALTER TABLE items ADD CONSTRAINT items_owner_id_key UNIQUE NULLS NOT DISTINCT (owner, id)",
+        _ITEMS_BY_ID,
+        # The items an id-keyed table left out are put back from the bodies once the store is
+        # open (`_backfill_items`): this marks that the upgrade happened.
+        f"INSERT INTO secrets (name, value) VALUES ('{_BACKFILL_MARK}', '\\x01'::bytea) "
+        "ON CONFLICT (name) DO NOTHING",
+    ),
+}
 
 _PUT = """
 INSERT INTO responses (id, owner, parent_id, is_root, created_at, body, rendered)
@@ -95,14 +119,14 @@ WHERE responses.owner IS NOT DISTINCT FROM excluded.owner
 """
 _PUT_ITEM = (
     "INSERT INTO items (id, response_id, owner, body) VALUES (%s, %s, %s, %s) "
-    "ON CONFLICT (id) DO NOTHING"
+    "ON CONFLICT (owner, id) DO NOTHING"
 )
 _GET = (
     "SELECT id, owner, parent_id, is_root, body, rendered FROM responses "
     "WHERE id = %s AND owner IS NOT DISTINCT FROM %s"
 )
 _DELETE = "DELETE FROM responses WHERE id = %s AND owner IS NOT DISTINCT FROM %s"
-_DELETE_ITEMS = "DELETE FROM items WHERE response_id = %s"
+_DELETE_ITEMS = "DELETE FROM items WHERE response_id = %s AND owner IS NOT DISTINCT FROM %s"
 _GET_ITEM = "SELECT body FROM items WHERE id = %s AND owner IS NOT DISTINCT FROM %s"
 
 # As `_store._CHAIN`: the response, then each parent while the previous row is not a root.
@@ -173,7 +197,7 @@ class PostgresResponseStore(PostgresResource):
         def run(conn: Conn) -> bool:
             deleted = conn.execute(_DELETE, (response_id, owner)).rowcount > 0
             if deleted:
-                conn.execute(_DELETE_ITEMS, (response_id,))
+                conn.execute(_DELETE_ITEMS, (response_id, owner))
             return deleted
 
         return await self._run(run)
@@ -241,4 +265,25 @@ async def open_postgres_store(
         migrations=POSTGRES_RESPONSES_MIGRATIONS,
         pool_size=pool_size,
     )
-    return PostgresResponseStore(pool, conninfo)
+    store = PostgresResponseStore(pool, conninfo)
+    try:
+        await store._run(_backfill_items)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+        raise
+    return store
+
+
+def _backfill_items(conn: Conn) -> None:
+    """After the upgrade to items keyed by (owner, id), once (the first process to take the
+    mark does it, the others wait for its transaction and find none): the items the id-keyed
+    table left out, from the responses' bodies in the order they were created."""
+    if conn.execute(f"DELETE FROM secrets WHERE name = '{_BACKFILL_MARK}'").rowcount == 0:
+        return
+    with conn.cursor(name="rollout_items_backfill") as rows:
+        rows.execute("SELECT id, owner, body FROM responses ORDER BY created_at, id")
+        while batch := rows.fetchmany(_BACKFILL_BATCH):
+            items = list(backfilled_items(batch))
+            if items:
+                conn.cursor().executemany(_PUT_ITEM, items)

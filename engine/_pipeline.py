@@ -303,6 +303,7 @@ class Pipeline:
         known_prefix: Prefix | None = None,
         own_root: bool = False,
         route: Route | None = None,
+        validated: bool = False,
     ) -> Prepared:
         """`root` is `parent`, or for a new chain the state to build from: an empty state, a
         restored compaction window, or (`own_root`) the render cache's rendering of the first
@@ -312,7 +313,8 @@ class Pipeline:
         after the request's own validation (whose errors come first). With `require_outputs`,
         every function call must have its output by the end of the input (a model can't be
         sampled while tool results are missing). A `root` rendered by another renderer than the
-        route's (a parent of another model) is rendered again first (`rerender`)."""
+        route's (a parent of another model) is rendered again first (`rerender`). `validated`:
+        the caller validated the request already (off the event loop)."""
         with self.timer.measure("validate", timings):
             # Tools resent unchanged on a follow-up were validated with the parent; a prefix
             # the render cache holds, with the request that rendered it.
@@ -320,7 +322,8 @@ class Pipeline:
                 parent is not None
                 and parent.prefix.same_as(request.instructions, request.tools or ())
             )
-            self.validator.validate_request(request, tools_known=known)
+            if not validated:
+                self.validator.validate_request(request, tools_known=known)
         assert request.model is not None
         if route is None:
             route = self.route(request.model, parent, timings)

@@ -24,10 +24,12 @@ from rollout.protocol import RemoteProtocolError
 
 __all__ = [
     "MAX_ENUM_VALUES",
+    "MAX_REQUEST_SCHEMA_NODES",
     "MAX_SCHEMA_DEPTH",
     "MAX_SCHEMA_NODES",
     "MAX_SIZE_KEYWORD",
     "check_untrusted_schema",
+    "count_nodes",
 ]
 
 # JSON values in one schema. OpenAI's structured outputs allow up to 5,000 object properties
@@ -36,6 +38,14 @@ MAX_SCHEMA_NODES = 20_000
 # Nesting of JSON values (not of schemas): ~3 per schema level, so ~20 schema levels, twice
 # what OpenAI's structured outputs allow (10); it also keeps jsonschema's recursion shallow.
 MAX_SCHEMA_DEPTH = 64
+# JSON values in all the schemas of one request (its function tools' parameters and its
+# `text.format` schema). Checking a schema costs ~30 us per value (draft 7) to ~110 us (2020-12,
+# the default, whose `$dynamicRef`s jsonschema resolves at every level): one schema at the
+# limit above costs ~2 s. Without a budget a 64 MiB body holds ~4 million values (minutes of
+# CPU); 50,000 is 1,024 tools of ~50 values each (a function with five described parameters
+# has ~25), and at most ~6 s of a worker thread: a request whose schemas are large is checked
+# off the event loop (`Engine.validate_off_loop`).
+MAX_REQUEST_SCHEMA_NODES = 50_000
 # Values of one `enum` (OpenAI allows 1,000 across a structured-outputs schema).
 MAX_ENUM_VALUES = 1_000
 # The largest lower bound a size keyword may ask for: anything that must produce that many
@@ -109,6 +119,21 @@ def _count(value: Any, nodes: int, depth: int, param: str) -> int:
             stack.extend((v, level + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, level + 1) for v in node)
+    return nodes
+
+
+def count_nodes(value: Any, cap: int) -> int:
+    """The JSON values in `value`, counting up to `cap` at most (an iterative walk that stops
+    there: the cost is bounded by `cap`, whatever the client sent)."""
+    stack = [value]
+    nodes = 0
+    while stack and nodes < cap:
+        node = stack.pop()
+        nodes += 1
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
     return nodes
 
 

@@ -80,6 +80,9 @@ class ServerConfig:
     # in that database, shared by every instance pointed at it; `data_dir` is then unused.
     store_url: str | None = None
     api_keys: tuple[str, ...] = ()
+    # Browser rules (`_browser.py`): `--allow-host`, `--allow-origin`.
+    allow_hosts: tuple[str, ...] = ()
+    allow_origins: tuple[str, ...] = ()
     websocket: bool = True
     websocket_deflate: bool = DEFAULT_WEBSOCKET_DEFLATE  # permessage-deflate when offered
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
@@ -144,6 +147,9 @@ class ServerConfig:
             key_connection_share=self.key_connection_share,
             max_cached_responses=self.max_cached_responses,
             metrics_dir=self.metrics_dir,
+            bound_host=self.host,
+            allow_hosts=self.allow_hosts,
+            allow_origins=self.allow_origins,
         )
 
 

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol, TypeVar
 
 import trio
-from rollout.protocol import Item
+from rollout.protocol import Item, ResponseCreate
 
 from ._cache import ResponseCache
 from ._compact import SnapshotSeal
@@ -69,6 +69,14 @@ class EngineServices(Protocol):
         data: _Raw,
         timings: dict[str, float] | None = None,
     ) -> Awaitable[_Decoded]: ...
+
+    async def validate_off_loop(
+        self,
+        request: ResponseCreate,
+        *,
+        tools_known: bool,
+        timings: dict[str, float] | None = None,
+    ) -> bool: ...
 
     async def stored_chain(
         self, response_id: str, *, owner: str | None

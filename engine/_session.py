@@ -277,7 +277,8 @@ class Session:
             parent = await self.resolve(request.previous_response_id, timings)
         route = self._route(request, parent, timings)
         resolved = await self._resolve_inputs(request, parent, route)
-        return self._prepare_input(request, parent, resolved, timings, False, route).state
+        prepared = await self._prepare_input(request, parent, resolved, timings, False, route)
+        return prepared.state
 
     async def compact(
         self, request: ResponseCreate, *, budget_tokens: int = DEFAULT_COMPACT_BUDGET
@@ -439,7 +440,9 @@ class Session:
                     items=steered + resolved.items,
                     offset=resolved.offset - len(steered),  # errors name the request's input
                 )
-            prepared = self._prepare_input(request, parent, resolved, timings, generate, route)
+            prepared = await self._prepare_input(
+                request, parent, resolved, timings, generate, route
+            )
         except RemoteProtocolError:
             engine.counters.request_errors += 1
             if parent is not None:
@@ -465,7 +468,7 @@ class Session:
             compact_threshold=threshold,
         )
 
-    def _prepare_input(
+    async def _prepare_input(
         self,
         request: ResponseCreate,
         parent: ResponseState | None,
@@ -478,7 +481,8 @@ class Session:
         item) starts from the render cache's longest rendering of its first items by the
         route's renderer, if any: only the rest is validated, rendered and classified. With no
         `route` (the model did not resolve), nothing is looked up: the pipeline raises the
-        routing error after the request's own validation, as it always did."""
+        routing error after the request's own validation, as it always did. A request whose
+        schemas are large is validated in a worker thread first (`Engine.validate_off_loop`)."""
         engine = self.engine
         base, items, offset = resolved.base, resolved.items, resolved.offset
         own_root = False
@@ -497,6 +501,12 @@ class Session:
                 known_prefix = engine.render_cache.prefix(
                     self.owner, request.instructions, request.tools or (), version
                 )
+        tools_known = known_prefix is not None or (
+            parent is not None and parent.prefix.same_as(request.instructions, request.tools or ())
+        )
+        validated = await engine.validate_off_loop(
+            request, tools_known=tools_known, timings=timings
+        )
         return engine.pipeline.prepare(
             request,
             parent,
@@ -508,6 +518,7 @@ class Session:
             known_prefix=known_prefix,
             own_root=own_root,
             route=route,
+            validated=validated,
         )
 
     def _route(

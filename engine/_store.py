@@ -19,6 +19,9 @@ for the body) and must preserve what the tests check for both implementations he
   never moves an id to another owner. Owner `None` means "auth off" and matches only rows
   stored with owner `None`: compare with `IS NOT DISTINCT FROM` in PostgreSQL (`IS` here),
   never with `=`, which is never true for NULLs.
+- **Items per owner**: the items table (`item_reference` lookups) is keyed by (owner, id):
+  item ids may be chosen by the client, and another owner storing an id first changes
+  nothing for this owner (in PostgreSQL, `UNIQUE NULLS NOT DISTINCT (owner, id)`).
 - **One round trip per chain**: `get_chain` is one recursive CTE (`WITH RECURSIVE` works
   unchanged), bounded by `max_depth`, so a deep history is not N queries across a network.
 
@@ -38,7 +41,7 @@ at its boundary.)
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self, TypeAlias, TypeVar
@@ -82,7 +85,7 @@ CREATE TABLE IF NOT EXISTS schema_versions (
     version   INTEGER NOT NULL
 )"""
 
-RESPONSES_SCHEMA_VERSION = 3
+RESPONSES_SCHEMA_VERSION = 4
 
 # The response store's schema (version `RESPONSES_SCHEMA_VERSION`), one statement per entry.
 #   id          the response id (`resp_...`), the only lookup key.
@@ -109,20 +112,49 @@ RESPONSES_SCHEMA: tuple[str, ...] = (
     )""",
     _ITEMS_TABLE := """
     CREATE TABLE items (
-        id          TEXT PRIMARY KEY,
-        response_id TEXT NOT NULL,
         owner       TEXT,
+        id          TEXT NOT NULL,
+        response_id TEXT NOT NULL,
         body        BLOB NOT NULL
     )""",
+    # One item per (owner, id): NULL owners (auth off) are distinct in a UNIQUE index, so they
+    # get their own one on the id.
+    _ITEMS_KEY := "CREATE UNIQUE INDEX items_key ON items (owner, id)",
+    _ITEMS_KEY_ANONYMOUS
+    := "CREATE UNIQUE INDEX items_key_anonymous ON items (id) WHERE owner IS NULL",
     _ITEMS_INDEX := "CREATE INDEX items_by_response ON items (response_id)",
 )
 # items: every item with an id that a stored response added (its input and output), for
-# `item_reference` (version 2). The first response to store an id keeps it.
+# `item_reference` (version 2), keyed by owner and id (version 4): item ids may be chosen by
+# the client, so an owner's first response to store an id keeps it, and another owner's item
+# with the same id is another row (keyed by the id alone, one key storing an id first made
+# another key's item silently unstored).
 
 # Upgrades from an older schema version: {from_version: statements to reach from_version + 1}.
 RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {
-    1: (_ITEMS_TABLE, _ITEMS_INDEX),
+    1: (
+        """
+        CREATE TABLE items (
+            id          TEXT PRIMARY KEY,
+            response_id TEXT NOT NULL,
+            owner       TEXT,
+            body        BLOB NOT NULL
+        )""",
+        "CREATE INDEX items_by_response ON items (response_id)",
+    ),
     2: ("ALTER TABLE responses ADD COLUMN rendered BLOB",),
+    # Items keyed by (owner, id): SQLite cannot change a primary key, so the table is copied.
+    # Rows keep their ids (unique before, so unique per owner now).
+    3: (
+        "ALTER TABLE items RENAME TO items_v3",
+        _ITEMS_TABLE,
+        "INSERT INTO items (owner, id, response_id, body) "
+        "SELECT owner, id, response_id, body FROM items_v3",
+        "DROP TABLE items_v3",
+        _ITEMS_KEY,
+        _ITEMS_KEY_ANONYMOUS,
+        _ITEMS_INDEX,
+    ),
 }
 
 _PUT = """
@@ -144,8 +176,8 @@ _GET = (
 
 _DELETE = "DELETE FROM responses WHERE id = ? AND owner IS ?"
 _PUT_ITEM = "INSERT OR IGNORE INTO items (id, response_id, owner, body) VALUES (?, ?, ?, ?)"
-_GET_ITEM = "SELECT body FROM items WHERE id = ? AND owner IS ?"
-_DELETE_ITEMS = "DELETE FROM items WHERE response_id = ?"
+_GET_ITEM = "SELECT body FROM items WHERE owner IS ? AND id = ?"
+_DELETE_ITEMS = "DELETE FROM items WHERE response_id = ? AND owner IS ?"
 
 # The response, then each parent, while the previous row is not a root, up to `max_depth` rows.
 # A parent owned by someone else is not joined, so it looks missing (owner isolation).
@@ -370,6 +402,53 @@ def _is_end(stored: StoredResponse) -> bool:
     return stored.is_root or stored.parent_id is None
 
 
+# Before schema version 4 (SQLite; 2 in PostgreSQL) items were keyed by their id alone, so an
+# item whose id another owner had stored first was left out of the table. The upgrade puts such
+# items back from the responses' bodies, once, in the order the responses were created (the
+# first response of an owner to store an id keeps it, as `put` does).
+ITEMS_BY_OWNER_SINCE = 4
+
+
+def backfilled_items(
+    rows: Iterable[tuple[str, str | None, bytes]],
+) -> Iterator[tuple[str, str, str | None, bytes]]:
+    """The items rows (id, response_id, owner, body) of stored responses' (id, owner, body)
+    rows; a body that does not decode is skipped (`get` reports it when it is read)."""
+    for response_id, owner, blob in rows:
+        try:
+            body: Any = msgpack.unpackb(bytes(blob), raw=False)
+        except (ValueError, TypeError):  # msgpack's unpacking errors are ValueErrors
+            continue
+        items = body.get("items") if isinstance(body, dict) else None
+        for item in items if isinstance(items, list) else ():
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                packed: bytes = msgpack.packb(item, use_bin_type=True)
+                yield item["id"], response_id, owner, packed
+
+
+def _schema_version(conn: sqlite3.Connection, component: str) -> int | None:
+    """`component`'s schema version in this file, None before its tables exist."""
+    try:
+        row = conn.execute(
+            "SELECT version FROM schema_versions WHERE component = ?", (component,)
+        ).fetchone()
+    except sqlite3.OperationalError:  # no schema_versions table: a new file
+        return None
+    return None if row is None else int(row[0])
+
+
+def _backfill_items(conn: sqlite3.Connection) -> None:
+    """Put back the items an older schema left out (see `ITEMS_BY_OWNER_SINCE`)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        rows = conn.execute("SELECT id, owner, body FROM responses ORDER BY created_at, rowid")
+        conn.executemany(_PUT_ITEM, backfilled_items(rows))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
 # --- SQLite ----------------------------------------------------------------------------------
 
 
@@ -421,7 +500,7 @@ class SQLiteResponseStore(_SQLiteResource):
         def run(conn: sqlite3.Connection) -> bool:
             deleted = conn.execute(_DELETE, (response_id, owner)).rowcount > 0
             if deleted:
-                conn.execute(_DELETE_ITEMS, (response_id,))
+                conn.execute(_DELETE_ITEMS, (response_id, owner))
             return deleted
 
         return await self._run(run)
@@ -430,7 +509,7 @@ class SQLiteResponseStore(_SQLiteResource):
         """An item a stored response added, by its id (owner isolation as for responses)."""
 
         def run(conn: sqlite3.Connection) -> Item | None:
-            row = conn.execute(_GET_ITEM, (item_id, owner)).fetchone()
+            row = conn.execute(_GET_ITEM, (owner, item_id)).fetchone()
             return None if row is None else _decode_item(row[0])
 
         return await self._run(run)
@@ -480,6 +559,7 @@ async def open_sqlite_store(
         file.parent.mkdir(parents=True, exist_ok=True)
         conn = connect(file, synchronous=synchronous, busy_timeout=busy_timeout)
         try:
+            found = _schema_version(conn, "responses")
             ensure_schema(
                 conn,
                 component="responses",
@@ -487,6 +567,8 @@ async def open_sqlite_store(
                 schema=RESPONSES_SCHEMA,
                 migrations=RESPONSES_MIGRATIONS,
             )
+            if found is not None and found < ITEMS_BY_OWNER_SINCE:
+                _backfill_items(conn)
         except BaseException:
             conn.close()
             raise

@@ -11,15 +11,17 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from rollout.protocol import (
+    FunctionTool,
     InputFile,
     InputImage,
     Item,
     ItemReference,
     Message,
+    NamespaceTool,
     RemoteProtocolError,
     ResponseCreate,
     call_of,
@@ -27,6 +29,7 @@ from rollout.protocol import (
     output_of,
 )
 
+from ._schemas import MAX_REQUEST_SCHEMA_NODES, count_nodes
 from ._state import CallRecord
 from ._tools import check_text_format, check_tools
 
@@ -39,6 +42,7 @@ __all__ = [
     "check_part",
     "invalid",
     "normalize_input",
+    "schema_nodes",
 ]
 
 
@@ -46,6 +50,29 @@ def invalid(
     message: str, *, code: str = "invalid_value", param: str | None = None
 ) -> RemoteProtocolError:
     return RemoteProtocolError.invalid(message, code=code, param=param)
+
+
+def _schemas(request: ResponseCreate, *, tools_known: bool) -> Iterator[Any]:
+    """The JSON schemas validation checks: function tools' parameters (unless `tools_known`)
+    and a `text.format` schema."""
+    if not tools_known:
+        for tool in request.tools or ():
+            for member in tool.tools if isinstance(tool, NamespaceTool) else (tool,):
+                if isinstance(member, FunctionTool) and member.parameters is not None:
+                    yield member.parameters
+    if request.text is not None and request.text.format.get("type") == "json_schema":
+        yield request.text.format.get("schema")
+
+
+def schema_nodes(request: ResponseCreate, *, tools_known: bool, cap: int) -> int:
+    """The JSON values of the schemas validation checks, counted up to `cap` (cheap: at most
+    `cap` values are visited)."""
+    total = 0
+    for schema in _schemas(request, tools_known=tools_known):
+        total += count_nodes(schema, cap - total)
+        if total >= cap:
+            break
+    return total
 
 
 def normalize_input(value: str | list[Item] | None) -> list[Item]:
@@ -126,6 +153,13 @@ class ConversationValidator:
                 param="background",
             )
         check_multi_agent(request.multi_agent)
+        budget = MAX_REQUEST_SCHEMA_NODES
+        if schema_nodes(request, tools_known=tools_known, cap=budget + 1) > budget:
+            raise invalid(
+                f"The request's JSON schemas (tools' parameters and text.format.schema) have "
+                f"more than {budget} values in all.",
+                param="tools" if request.tools else "text.format.schema",
+            )
         check_tools(
             request.tools or (),
             request.tool_choice,

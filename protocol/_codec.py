@@ -41,6 +41,7 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, overrid
 from ._errors import ErrorBody, LocalProtocolError, RemoteProtocolError
 from ._events import (
     CLIENT_EVENT_TYPES,
+    MAX_INPUT_ITEMS,
     SERVER_EVENT_TYPES,
     ClientEvent,
     CustomToolCallInputDelta,
@@ -699,6 +700,11 @@ def _steer_problem(value: dict[str, Any], target: Any, raw: Any) -> str | None:
         return (
             "Invalid 'input': expected a string or a non-empty array of user messages, got "
             f"{describe(raw) if raw != [] else 'an empty array'}."
+        )
+    if len(raw) > MAX_INPUT_ITEMS:
+        return (
+            f"Invalid 'input': array too long. Expected an array with maximum length "
+            f"{MAX_INPUT_ITEMS}, but got an array with length {len(raw)} instead."
         )
     for i, item in enumerate(raw):
         problem = _steer_message_problem(item, f"input[{i}]")

@@ -35,9 +35,14 @@ __all__ = [
     "MAX_CLIENT_METADATA_KEY_CHARS",
     "MAX_CLIENT_METADATA_PAIRS",
     "MAX_CLIENT_METADATA_VALUE_CHARS",
+    "MAX_INPUT_ITEMS",
     "MAX_METADATA_KEY_CHARS",
     "MAX_METADATA_PAIRS",
     "MAX_METADATA_VALUE_CHARS",
+    "MAX_PROMPT_CACHE_KEY_CHARS",
+    "MAX_SAFETY_IDENTIFIER_CHARS",
+    "MAX_TOOLS",
+    "MAX_USER_CHARS",
     "SERVER_EVENT_TYPES",
     "TERMINAL_EVENT_TYPES",
     "ClientEvent",
@@ -81,6 +86,25 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_CLIENT_METADATA_PAIRS = 32
 MAX_CLIENT_METADATA_KEY_CHARS = 128
 MAX_CLIENT_METADATA_VALUE_CHARS = 4096
+# Identifiers a client sends and rollout stores with the response, bounded like `metadata`:
+# `prompt_cache_key` 64 characters (the OpenAI API's own limit: `string_above_max_length`);
+# `safety_identifier` 128 (the openai SDK's documented maximum); `user` has no published
+# limit: 512, a `metadata` value's.
+MAX_PROMPT_CACHE_KEY_CHARS = 64
+MAX_SAFETY_IDENTIFIER_CHARS = 128
+MAX_USER_CHARS = 512
+# Tools one request declares, namespace members included, and entries of
+# `tool_choice.allowed_tools`. The OpenAI API refuses more than 128 tools in a chat completion
+# (`array_above_max_length`) and publishes no limit for responses; 1,024 leaves room for
+# clients with many MCP servers and keeps each tool's per-request work (checking, rendering,
+# echoing it: ~35 us for a plain function tool) within ~40 ms of the event loop.
+MAX_TOOLS = 1024
+# Input items of one request (a create's `input`, an append's or inject's). OpenAI publishes no
+# limit. A long agent session resent whole by a stateless client is a few thousand items (a
+# 400-turn one with a call and an output per turn: ~1,000-2,000); each new item costs ~20 us
+# of validation, rendering and classification on the event loop, so 10,000 bound that to
+# ~0.2 s. Conversations continued with `previous_response_id` send only their new items.
+MAX_INPUT_ITEMS = 10_000
 
 
 # --- validators (run at construction; the codec turns their errors into `param` paths) ----------
@@ -139,11 +163,47 @@ _check_client_metadata = _pairs_check(
 )
 
 
+def _too_long(param: str, limit: int, got: int, what: str = "array") -> InvalidField:
+    """OpenAI's error for an array or string over its maximum length."""
+    return InvalidField(
+        f"{what}_above_max_length",
+        f"Invalid '{{param}}': {what} too long. Expected {'an' if what == 'array' else 'a'} "
+        f"{what} with maximum length {limit}, but got {'an' if what == 'array' else 'a'} "
+        f"{what} with length {got} instead.",
+        param,
+    )
+
+
+def _max_chars(limit: int) -> Any:
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and len(value) > limit:
+            raise _too_long(attribute.name, limit, len(value), "string")
+
+    return check
+
+
+def _max_items(limit: int) -> Any:
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if isinstance(value, list) and len(value) > limit:
+            raise _too_long(attribute.name, limit, len(value))
+
+    return check
+
+
 def _check_tools(_inst: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
+    declared = len(value) + sum(len(getattr(tool, "tools", None) or ()) for tool in value)
+    if declared > MAX_TOOLS:
+        raise _too_long("tools", MAX_TOOLS, declared)
     for i, tool in enumerate(value):
         check_tool(tool, f"tools[{i}].")
+
+
+def _check_tool_choice(_inst: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
+    entries = getattr(value, "tools", None)
+    if isinstance(entries, list) and len(entries) > MAX_TOOLS:
+        raise _too_long("tool_choice.tools", MAX_TOOLS, len(entries))
 
 
 # --- client events ---------------------------------------------------------------------------
@@ -164,10 +224,12 @@ class ResponseCreate:
 
     type: Literal["response.create"] = "response.create"
     model: str | None = None
-    input: str | list[Item] | None = None
+    input: str | list[Item] | None = attrs.field(
+        default=None, validator=_max_items(MAX_INPUT_ITEMS)
+    )
     instructions: str | None = None
     tools: list[Tool] | None = attrs.field(default=None, validator=_check_tools)
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoice | None = attrs.field(default=None, validator=_check_tool_choice)
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     store: bool | None = None
@@ -192,11 +254,15 @@ class ResponseCreate:
     stream_options: dict[str, Any] | None = None
     background: bool | None = None
     service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    safety_identifier: str | None = attrs.field(
+        default=None, validator=_max_chars(MAX_SAFETY_IDENTIFIER_CHARS)
+    )
+    prompt_cache_key: str | None = attrs.field(
+        default=None, validator=_max_chars(MAX_PROMPT_CACHE_KEY_CHARS)
+    )
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    user: str | None = None
+    user: str | None = attrs.field(default=None, validator=_max_chars(MAX_USER_CHARS))
     stream_id: str | None = None
     context_management: list[dict[str, Any]] | None = None
     conversation: str | dict[str, Any] | None = None
@@ -218,7 +284,7 @@ class ResponseAppend:
 
     type: Literal["response.append"] = "response.append"
     response_id: str
-    input: list[Item]
+    input: list[Item] = attrs.field(validator=_max_items(MAX_INPUT_ITEMS))
 
 
 @attrs.frozen(kw_only=True)
@@ -228,7 +294,7 @@ class ResponseInject:
 
     type: Literal["response.inject"] = "response.inject"
     response_id: str
-    input: list[Item]
+    input: list[Item] = attrs.field(validator=_max_items(MAX_INPUT_ITEMS))
 
 
 ClientEvent: TypeAlias = ResponseCreate | ResponseAppend | ResponseSteer | ResponseInject

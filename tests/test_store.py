@@ -275,6 +275,39 @@ async def test_items_by_id(store: Store) -> None:
         assert await store.get_item("fc_resp_1", owner="alice") is None
 
 
+def with_item(response_id: str, owner: str | None, item_id: str, text: str) -> StoredResponse:
+    """A stored response whose input holds a message with a client-chosen id."""
+    stored = make(response_id, owner=owner)
+    mine = Message(id=item_id, role="user", content=[InputText(text=text)])
+    return attrs.evolve(stored, items=[mine, *stored.items])
+
+
+async def test_item_ids_are_scoped_to_their_owner(store: Store) -> None:
+    """Item ids may be chosen by the client: another owner storing an id first neither hides
+    nor replaces this owner's item with that id (issue 29: keyed by the id alone, bob's item
+    made alice's silently unstored), and deleting bob's response leaves alice's item."""
+    with trio.fail_after(DEADLINE):
+        await store.put(with_item("resp_b", "bob", "msg_shared", "bob's"))
+        await store.put(with_item("resp_a", "alice", "msg_shared", "alice's"))
+        await store.put(with_item("resp_n", None, "msg_shared", "nobody's"))
+        for owner in ("alice", "bob", None):
+            item = await store.get_item("msg_shared", owner=owner)
+            assert isinstance(item, Message), owner
+            assert item.content == [InputText(text=f"{owner or 'nobody'}'s")]
+        assert await store.get_item("msg_shared", owner="carol") is None
+        assert await store.delete("resp_b", owner="bob")
+        assert await store.get_item("msg_shared", owner="bob") is None
+        alices = await store.get_item("msg_shared", owner="alice")
+        assert isinstance(alices, Message) and alices.content == [InputText(text="alice's")]
+        # Within one owner the first response to store an id keeps it (auth off too).
+        await store.put(with_item("resp_a2", "alice", "msg_shared", "alice's again"))
+        await store.put(with_item("resp_n2", None, "msg_shared", "nobody's again"))
+        for owner in ("alice", None):
+            item = await store.get_item("msg_shared", owner=owner)
+            assert isinstance(item, Message)
+            assert item.content == [InputText(text=f"{owner or 'nobody'}'s")]
+
+
 async def test_rendered_round_trip(store: Store) -> None:
     """The stored rendering (`_segments.py`) comes back byte for byte, in `get` and chains."""
     with trio.fail_after(DEADLINE):
@@ -382,6 +415,108 @@ async def test_sqlite_corrupt_body(tmp_path: Path) -> None:
         async with await open_sqlite_store(path) as store:
             with pytest.raises(ValueError, match="'resp_1' could not be decoded"):
                 await store.get("resp_1", owner=None)
+
+
+# The store's tables as the previous schema versions made them (SQLite version 3,
+# PostgreSQL version 1): items keyed by their id alone.
+SQLITE_V3 = (
+    """CREATE TABLE responses (id TEXT PRIMARY KEY, owner TEXT, parent_id TEXT,
+    is_root INTEGER NOT NULL CHECK (is_root IN (0, 1)), created_at INTEGER NOT NULL,
+    body BLOB NOT NULL, rendered BLOB)""",
+    """CREATE TABLE items (id TEXT PRIMARY KEY, response_id TEXT NOT NULL, owner TEXT,
+    body BLOB NOT NULL)""",
+    "CREATE INDEX items_by_response ON items (response_id)",
+)
+POSTGRES_V1 = (
+    """CREATE TABLE responses (id TEXT PRIMARY KEY, owner TEXT, parent_id TEXT,
+    is_root SMALLINT NOT NULL CHECK (is_root IN (0, 1)), created_at BIGINT NOT NULL,
+    body BYTEA NOT NULL, rendered BYTEA)""",
+    """CREATE TABLE items (id TEXT PRIMARY KEY, response_id TEXT NOT NULL, owner TEXT,
+    body BYTEA NOT NULL)""",
+    "CREATE INDEX items_by_response ON items (response_id)",
+    "CREATE TABLE secrets (name TEXT PRIMARY KEY, value BYTEA NOT NULL)",
+    "CREATE TABLE schema_versions (component TEXT PRIMARY KEY, version INTEGER NOT NULL)",
+    "INSERT INTO schema_versions VALUES ('responses', 1)",
+)
+
+
+async def put_squatted(store: Store) -> None:
+    """What an old store holds after bob squatted `msg_shared`: alice's item is unstored."""
+    await store.put(with_item("resp_b", "bob", "msg_shared", "bob's"))
+    await store.put(with_item("resp_a", "alice", "msg_shared", "alice's"))
+    assert await store.get_item("msg_shared", owner="alice") is None
+
+
+async def check_migrated(store: Store) -> None:
+    """Every old row is kept, and the item bob's squatting left out is back (from alice's
+    response body); a later response of alice's does not replace it."""
+    for owner in ("alice", "bob"):
+        assert await store.get(f"resp_{owner[0]}", owner=owner) is not None
+    bobs = await store.get_item("msg_shared", owner="bob")
+    assert isinstance(bobs, Message) and bobs.content == [InputText(text="bob's")]
+    assert await store.get_item("fc_resp_a", owner="alice") is not None
+    alices = await store.get_item("msg_shared", owner="alice")
+    assert isinstance(alices, Message) and alices.content == [InputText(text="alice's")]
+    await store.put(with_item("resp_a2", "alice", "msg_shared", "alice's again"))
+    alices = await store.get_item("msg_shared", owner="alice")
+    assert isinstance(alices, Message) and alices.content == [InputText(text="alice's")]
+
+
+async def test_sqlite_migrates_items_to_owner_keys(tmp_path: Path) -> None:
+    """A file of schema version 3 (items keyed by id) is upgraded in place on open."""
+    from rollout.engine._store import SQLiteResponseStore, connect, ensure_schema
+
+    path = tmp_path / "rollout.db"
+    conn = connect(path)
+    ensure_schema(conn, component="responses", version=3, schema=SQLITE_V3, migrations={})
+    with trio.fail_after(DEADLINE):
+        await put_squatted(SQLiteResponseStore(conn, path))
+        conn.close()
+        async with await open_sqlite_store(path) as store:
+            await check_migrated(store)
+    check = sqlite3.connect(path)
+    try:
+        assert check.execute(
+            "SELECT version FROM schema_versions WHERE component = 'responses'"
+        ).fetchone() == (RESPONSES_SCHEMA_VERSION,)
+        names = {row[0] for row in check.execute("SELECT name FROM sqlite_master")}
+        assert "items_v3" not in names and {"items_key", "items_by_response"} <= names
+    finally:
+        check.close()
+
+
+async def test_postgres_migrates_items_to_owner_keys(
+    postgres_urls: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tables of schema version 1 (items keyed by id) are upgraded in place on open."""
+    from rollout.engine import _pg_store
+    from rollout.engine._pg import open_pool
+    from rollout.engine._pg_store import POSTGRES_RESPONSES_SCHEMA_VERSION
+
+    url = postgres_urls()
+    with psycopg.connect(url) as conn:
+        for statement in POSTGRES_V1:
+            conn.execute(statement)
+    with trio.fail_after(DEADLINE):
+        pool, conninfo = await open_pool(
+            url, component="responses", version=1, schema=(), migrations={}, pool_size=1
+        )
+        with monkeypatch.context() as patch:  # the version 1 store's statement
+            patch.setattr(
+                _pg_store,
+                "_PUT_ITEM",
+                "INSERT INTO items (id, response_id, owner, body) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT (id) DO NOTHING",
+            )
+            async with PostgresResponseStore(pool, conninfo) as old:
+                await put_squatted(old)
+        async with await open_postgres_store(url) as store:
+            await check_migrated(store)
+    with psycopg.connect(url) as conn:
+        assert conn.execute(
+            "SELECT version FROM schema_versions WHERE component = 'responses'"
+        ).fetchone() == (POSTGRES_RESPONSES_SCHEMA_VERSION,)
+        assert conn.execute("SELECT name FROM secrets").fetchall() == []  # backfilled once
 
 
 # --- PostgreSQL only -------------------------------------------------------------------------
