@@ -38,6 +38,19 @@ from ._deflate import DEFAULT_WEBSOCKET_DEFLATE, HypercornConfig, decline_deflat
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
 from ._errors import EngineError
 from ._heap import freeze_startup_heap
+from ._http_limits import (
+    DEFAULT_BODY_MIN_RATE,
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_H2_MAX_STREAMS,
+    DEFAULT_HTTP2,
+    DEFAULT_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_TCP_CONNECTIONS,
+    TransportLimits,
+    bound_transport,
+    fit_connection_cap,
+    watch_accept_errors,
+)
 from ._interfaces import Classifier, HostedTool, ResponseStore, UsageLedger
 from ._ledger import open_sqlite_ledger
 from ._llama import DEFAULT_KV_INDEX_MB
@@ -96,6 +109,16 @@ class ServerConfig:
     ping_interval: float = DEFAULT_PING_INTERVAL
     ping_timeout: float = DEFAULT_PING_TIMEOUT
     key_connection_share: float = DEFAULT_KEY_CONNECTION_SHARE
+    # The transport (`_http_limits.py`): TCP connections at once (fitted under the descriptor
+    # limit), the idle time between requests (and for a request's headers), a body's time and
+    # rate, header bytes, HTTP/2 (off unless asked for) and its streams per connection.
+    max_tcp_connections: int = DEFAULT_MAX_TCP_CONNECTIONS
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    body_min_rate: float = DEFAULT_BODY_MIN_RATE
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    http2: bool = DEFAULT_HTTP2
+    h2_max_streams: int = DEFAULT_H2_MAX_STREAMS
     rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT
     graceful_timeout: float = 10.0
     max_cached_responses: int = 8
@@ -144,6 +167,8 @@ class ServerConfig:
             key_connection_share=self.key_connection_share,
             max_cached_responses=self.max_cached_responses,
             metrics_dir=self.metrics_dir,
+            body_timeout=self.body_timeout,
+            body_min_rate=self.body_min_rate,
         )
 
 
@@ -252,7 +277,19 @@ def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
     # hypercorn closes the socket (1009) above its own limit; ours answers with a
     # `message_too_large` error event below it, so hypercorn's is set above ours.
     hconfig.websocket_max_message_size = config.max_message_size * 2 + (1 << 20)
-    hconfig.h11_max_incomplete_size = 64 * 1024
+    hconfig.h11_max_incomplete_size = config.max_header_bytes
+    hconfig.keep_alive_timeout = config.keep_alive_timeout
+    hconfig.h2_max_concurrent_streams = config.h2_max_streams
+    hconfig.h2_max_header_list_size = config.max_header_bytes
+    if not config.http2:
+        hconfig.alpn_protocols = ["http/1.1"]
+    hconfig.transport = TransportLimits(
+        max_tcp_connections=fit_connection_cap(config.max_tcp_connections),
+        keep_alive_timeout=config.keep_alive_timeout,
+        max_header_bytes=config.max_header_bytes,
+        http2=config.http2,
+        h2_max_streams=config.h2_max_streams,
+    )
     # Past our grace period the engine interrupts what still runs (each response ends with a
     # terminal event, each socket with 1001); hypercorn's own deadline, which cancels
     # outright, comes after, leaving time for those to go out.
@@ -310,6 +347,7 @@ async def serve(
     decline_deflate_offers()
     write_directly()
     offer_websocket_transport()
+    bound_transport()
     hconfig = _hypercorn_config(config)
     sockets = bind_sockets(hconfig)
     try:
@@ -343,6 +381,8 @@ async def serve(
                 frozen = freeze_startup_heap()
                 log.debug("%d objects of the startup heap frozen", frozen)
             app = RolloutApp(engine, config.app_config())
+            hconfig.transport_stats = app.transport
+            watch_accept_errors(app.transport)
             interrupter = trio.CancelScope()
 
             async def first_signal() -> None:
