@@ -70,6 +70,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         DEFAULT_PING_TIMEOUT,
         DEFAULT_SEND_STALL_LIMIT,
     )
+    from .engine._ws_deflate import DEFAULT_INFLATE_BUDGET
 
     p = sub.add_parser(
         "serve",
@@ -123,6 +124,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_false",
         help="decline permessage-deflate: frames go uncompressed, the faster choice on "
         f"loopback, LAN and datacenter networks (default {default})",
+    )
+    p.add_argument(
+        "--websocket-inflate-budget-mb",
+        type=_POSITIVE,
+        default=DEFAULT_INFLATE_BUDGET / 2**20,
+        metavar="MB",
+        help="with --websocket-deflate, inflated bytes of unfinished messages the server holds "
+        "at once across connections; a message past it closes its WebSocket with 1013 "
+        f"(default {DEFAULT_INFLATE_BUDGET // 2**20})",
     )
     p.add_argument(
         "--models",
@@ -401,6 +411,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys=tuple(args.api_key) + api_keys_from_env(),
         websocket=not args.no_websocket,
         websocket_deflate=args.websocket_deflate,
+        websocket_inflate_budget=int(args.websocket_inflate_budget_mb * 2**20),
         max_message_size=args.max_message_size,
         connection_age_limit=args.connection_age_limit,
         max_queued_creates=args.max_queued_creates,

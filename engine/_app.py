@@ -143,7 +143,9 @@ def _route(pattern: str, public: bool = False, **methods: Handler) -> Route:
 
 
 class RolloutApp:
-    def __init__(self, engine: Engine, config: AppConfig) -> None:
+    def __init__(
+        self, engine: Engine, config: AppConfig, transport: TransportStats | None = None
+    ) -> None:
         self.engine = engine
         self.config = config
         self.shutting_down = trio.Event()
@@ -153,7 +155,7 @@ class RolloutApp:
         self._held: collections.Counter[str] = collections.Counter()
         self.http_requests = 0
         # The TCP connections under the app (`_http_limits.py`; `serve` hands it to them).
-        self.transport = TransportStats()
+        self.transport = transport if transport is not None else TransportStats()
         self._started = time.time()
         self._keys = ApiKeys(config.api_keys)
         self._access_log = access_log if config.access_log else _NO_ACCESS_LOG

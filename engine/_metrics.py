@@ -9,7 +9,7 @@ counts:
     rollout_open_connections{transport=}  gauge      open WebSocket connections
     rollout_refused_connections_total     counter    upgrades refused at the connection limit
     rollout_open_tcp_connections          gauge      open TCP connections (HTTP and WebSocket)
-    rollout_transport_refusals_total{reason=max_tcp_connections|descriptors}  counter
+    rollout_transport_refusals_total{reason=max_tcp_connections|descriptors|inflate_budget}
     rollout_transport_timeouts_total{phase=headers|body|keep_alive}            counter
     rollout_http_requests_total           counter    HTTP requests served
     rollout_responses_total{status=...}   counter    responses by final status
@@ -174,11 +174,11 @@ class _RolloutCollector:
         )
         refusals = CounterMetricFamily(
             "rollout_transport_refusals",
-            "TCP connections refused: past --max-tcp-connections, or descriptors exhausted "
-            "(accept tries that failed).",
+            "Connections refused: past --max-tcp-connections, descriptors exhausted (accept "
+            "tries that failed), WebSocket messages past the inflate budget (closed 1013).",
             labels=["reason"],
         )
-        for reason in ("max_tcp_connections", "descriptors"):
+        for reason in ("max_tcp_connections", "descriptors", "inflate_budget"):
             refusals.add_metric([reason], transport.refusals[reason])
         yield refusals
         timeouts = CounterMetricFamily(

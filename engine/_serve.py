@@ -47,6 +47,7 @@ from ._http_limits import (
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_TCP_CONNECTIONS,
     TransportLimits,
+    TransportStats,
     bound_transport,
     fit_connection_cap,
     watch_accept_errors,
@@ -70,6 +71,13 @@ from ._ws import (
     DEFAULT_PING_TIMEOUT,
     DEFAULT_SEND_STALL_LIMIT,
     WebSocketLimits,
+)
+from ._ws_deflate import (
+    DEFAULT_INFLATE_BUDGET,
+    INFLATE_MARGIN,
+    InflateBudget,
+    InflateLimits,
+    bound_inflation,
 )
 
 __all__ = ["API_KEYS_ENV", "ServerConfig", "StartupError", "open_server", "serve"]
@@ -95,6 +103,9 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     websocket: bool = True
     websocket_deflate: bool = DEFAULT_WEBSOCKET_DEFLATE  # permessage-deflate when offered
+    # With deflate: inflated bytes of unfinished messages the server holds at once, across
+    # connections (`_ws_deflate.py`); a message past it fails with 1013.
+    websocket_inflate_budget: int = DEFAULT_INFLATE_BUDGET
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
@@ -266,8 +277,9 @@ def bind_error(bind: str, exc: OverflowError | OSError) -> StartupError:
     return StartupError(f"cannot listen on {bind}: {exc.strerror or exc}.")
 
 
-def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
+def _hypercorn_config(config: ServerConfig, stats: TransportStats) -> HypercornConfig:
     hconfig = HypercornConfig()
+    hconfig.transport_stats = stats
     # A worker of `rollout serve --workers N` listens on the socket it bound.
     bind = (
         f"{config.host}:{config.port}" if config.listen_fd is None else f"fd://{config.listen_fd}"
@@ -277,6 +289,12 @@ def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
     # hypercorn closes the socket (1009) above its own limit; ours answers with a
     # `message_too_large` error event below it, so hypercorn's is set above ours.
     hconfig.websocket_max_message_size = config.max_message_size * 2 + (1 << 20)
+    # Compressed messages are inflated in steps, failing (1009) past the message limit plus a
+    # margin, and within the server's inflate budget (1013).
+    hconfig.websocket_inflate = InflateLimits(
+        config.max_message_size + INFLATE_MARGIN,
+        InflateBudget(config.websocket_inflate_budget, stats.refusals),
+    )
     hconfig.h11_max_incomplete_size = config.max_header_bytes
     hconfig.keep_alive_timeout = config.keep_alive_timeout
     hconfig.h2_max_concurrent_streams = config.h2_max_streams
@@ -348,7 +366,9 @@ async def serve(
     write_directly()
     offer_websocket_transport()
     bound_transport()
-    hconfig = _hypercorn_config(config)
+    bound_inflation()
+    stats = TransportStats()
+    hconfig = _hypercorn_config(config, stats)
     sockets = bind_sockets(hconfig)
     try:
         store, ledger, compaction_key = await _open_durable(config)
@@ -380,9 +400,8 @@ async def serve(
             if config.freeze_heap:
                 frozen = freeze_startup_heap()
                 log.debug("%d objects of the startup heap frozen", frozen)
-            app = RolloutApp(engine, config.app_config())
-            hconfig.transport_stats = app.transport
-            watch_accept_errors(app.transport)
+            app = RolloutApp(engine, config.app_config(), transport=stats)
+            watch_accept_errors(stats)
             interrupter = trio.CancelScope()
 
             async def first_signal() -> None:
