@@ -94,6 +94,21 @@ class InflateBudget:
         self.used -= size
         holder.held -= size
 
+    def fail(self, holder: BoundedPerMessageDeflate) -> None:
+        """`holder`'s connection failed: its message is dropped, but its last output stays
+        referenced by wsproto's and hypercorn's event generators until hypercorn has
+        handled the close, which awaits (other connections inflate meanwhile): those bytes
+        stay reserved until the extension itself is freed with its connection."""
+        keep = min(holder.last_output, holder.held)
+        self.used -= holder.held - keep
+        holder.held = 0
+        self._holders.pop(id(holder), None)
+        if keep:
+            weakref.finalize(holder, self._free, keep)
+
+    def _free(self, size: int) -> None:
+        self.used -= size
+
     def release(self, holder: BoundedPerMessageDeflate) -> None:
         self.used -= holder.held
         holder.held = 0
@@ -141,7 +156,7 @@ class BoundedPerMessageDeflate(PerMessageDeflate):
         buffer = getattr(stream, "buffer", None)
         if buffer is not None:
             buffer.clear()
-        self._limits.budget.release(self)
+        self._limits.budget.fail(self)
         self.inflated = self.last_output = 0
         self._decompressor = None
         return reason
