@@ -402,6 +402,24 @@ def _bounded_h11_protocol(base: type[Any]) -> type[Any]:
     return BoundedH11Protocol
 
 
+def _bounded_h2_protocol(base: type[Any]) -> type[Any]:
+    """hypercorn's `H2Protocol`, releasing every stream's send buffer when its connection
+    closes. hypercorn's sender task stops at the close, and a stream's app still writing (an
+    answer to the `http.disconnect` it was just told, say) waited forever on a buffer no task
+    drained: every request whose connection dropped mid-body stayed, with what it had read,
+    until the server stopped (measured: 50 of 50)."""
+    from hypercorn.events import Closed
+
+    class BoundedH2Protocol(base):  # type: ignore[misc]
+        async def handle(self, event: Any) -> None:
+            if isinstance(event, Closed) and getattr(self.config, "transport", None) is not None:
+                for buffer in list(self.stream_buffers.values()):
+                    await buffer.close()  # (wakes a writer waiting on it; refuses more)
+            await super().handle(event)
+
+    return BoundedH2Protocol
+
+
 def _goaway_http_1_1_required() -> bytes:
     import h2.config
     import h2.connection
@@ -429,6 +447,7 @@ def bound_transport() -> None:
     logging.getLogger("trio.serve_listeners").addFilter(_accept_filter)
 
     bounded_h11 = _bounded_h11_protocol(getattr(protocol_module, "H11Protocol"))  # noqa: B009
+    bounded_h2 = _bounded_h2_protocol(getattr(protocol_module, "H2Protocol"))  # noqa: B009
     original_handle = protocol_module.ProtocolWrapper.handle
 
     async def wrapper_handle(self: Any, event: Any) -> None:
@@ -445,6 +464,7 @@ def bound_transport() -> None:
             pass
 
     setattr(protocol_module, "H11Protocol", bounded_h11)  # noqa: B010
+    setattr(protocol_module, "H2Protocol", bounded_h2)  # noqa: B010
     protocol_module.ProtocolWrapper.handle = wrapper_handle  # type: ignore[method-assign]
 
     class BoundedTCPServer(TCPServer):
