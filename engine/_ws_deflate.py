@@ -99,7 +99,7 @@ class InflateBudget:
         referenced by wsproto's and hypercorn's event generators until hypercorn has
         handled the close, which awaits (other connections inflate meanwhile): those bytes
         stay reserved until the extension itself is freed with its connection."""
-        keep = min(holder.last_output, holder.held)
+        keep = min(holder.last_output, holder.held)  # (the previous call's output)
         self.used -= holder.held - keep
         holder.held = 0
         self._holders.pop(id(holder), None)
@@ -164,12 +164,13 @@ class BoundedPerMessageDeflate(PerMessageDeflate):
     def _inflate(self, data: bytes) -> bytes | CloseReason:
         """Inflate `data` in steps; each step's bytes are reserved twice: once for the
         message (hypercorn's buffer holds them until it is complete) and once for this call's
-        output, which wsproto's frame generator keeps referenced (its last frame) until the
-        next frame is parsed; that copy is released at the next call."""
+        output, which wsproto's and hypercorn's event generators keep referenced (the last
+        frame, the last event) until the next frame has been parsed: the previous call's
+        output is released when this one returns, not before."""
         assert self._decompressor is not None
         budget = self._limits.budget
-        budget.give_back(self, self.last_output)
-        self.last_output = 0
+        previous = self.last_output
+        produced = 0
         pieces: list[bytes] = []
         limit = self._limits.max_message_bytes
         pending = data
@@ -184,9 +185,11 @@ class BoundedPerMessageDeflate(PerMessageDeflate):
                     if not budget.take(self, 2 * len(piece)):
                         return self._fail(CloseReason.TRY_AGAIN_LATER)
                     self.inflated += len(piece)
-                    self.last_output += len(piece)
+                    produced += len(piece)
                     pieces.append(piece)
                 if not pending:
+                    budget.give_back(self, previous)
+                    self.last_output = produced
                     return b"".join(pieces)
         except zlib.error:
             return self._fail(CloseReason.INVALID_FRAME_PAYLOAD_DATA)
