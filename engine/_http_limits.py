@@ -117,6 +117,10 @@ ACCEPT_ERROR_LOG_INTERVAL = 10.0
 REFUSAL_LINGER = 1.0
 MAX_REFUSING = 256
 REFUSAL_READ = 65536  # bytes read per try while lingering
+# Bytes read at a time from a WebSocket that negotiated permessage-deflate (hypercorn reads
+# 64 KiB): what one turn of the event loop may inflate is ~1,000 times this (see
+# `BoundedTCPServer._read_data`).
+INFLATE_READ = 4096
 
 _LINGER_RESET = struct.pack("ii", 1, 0)
 
@@ -439,8 +443,9 @@ def bound_transport() -> None:
     servers whose config has no `transport`. Idempotent."""
     import hypercorn.protocol as protocol_module
     import hypercorn.trio.run as run_module
+    from hypercorn.events import Closed, RawData
     from hypercorn.protocol.h11 import H2ProtocolAssumedError
-    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
     if getattr(getattr(run_module, "TCPServer"), "_rollout_bounded", False):  # noqa: B009
         return
@@ -508,6 +513,28 @@ def bound_transport() -> None:
                     ):
                         pass  # gone already, or a TLS stream
             await self.stream.aclose()
+
+        async def _read_data(self) -> None:
+            """hypercorn's reader, reading `INFLATE_READ` bytes at a time on a WebSocket that
+            negotiated permessage-deflate (`_ws_deflate.py` marks it): a 64 KiB read of a
+            compression bomb inflates to 64 MiB in one turn of the event loop (~0.2 s of
+            it), 4 KiB to 4 MiB (~12 ms), so other clients are served between reads."""
+            if getattr(self.config, "transport", None) is None:
+                await super()._read_data()
+                return
+            while True:
+                inflater = getattr(self, "rollout_inflater", None)
+                size = INFLATE_READ if inflater is not None and inflater.enabled() else MAX_RECV
+                try:
+                    with trio.fail_after(self.config.read_timeout or math.inf):
+                        data = await self.stream.receive_some(size)
+                except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                    break
+                else:
+                    await self.protocol.handle(RawData(bytes(data)))
+                    if data == b"":
+                        break
+            await self.protocol.handle(Closed())
 
         async def _idle_timeout(self) -> None:
             stats: TransportStats | None = getattr(self.config, "transport_stats", None)
