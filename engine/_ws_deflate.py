@@ -59,10 +59,10 @@ DEFAULT_INFLATE_BUDGET = 256 * 2**20
 # 1009: enough for the app to see that it is too large and answer with its error event.
 INFLATE_MARGIN = 1 << 20
 # Bytes inflated per step: the most memory committed past the budget before it is seen (the
-# message limit is never passed: a step stops one byte past it). As much as one 4 KiB read
+# message limit is never passed: a step stops one byte past it). As much as one 1 KiB read
 # of a bomb inflates to (`_http_limits.INFLATE_READ`), so a read is one step, not joined
 # from several (joining the pieces cost ~20% of the CPU a bomb takes).
-INFLATE_STEP = 4 << 20
+INFLATE_STEP = 1 << 20
 
 _accepting: contextvars.ContextVar[Any] = contextvars.ContextVar("rollout_ws_accepting")
 
