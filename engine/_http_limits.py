@@ -40,7 +40,12 @@ bound), and trio's accept loop logs every `EMFILE` with a traceback ten times a 
   with `HTTP_1_1_REQUIRED` (RFC 9113 7), then the connection closes. On, each connection
   has at most `h2_max_streams` concurrent streams and `max_header_bytes` of headers, each
   stream's body is bounded like an HTTP/1.1 one (size, `BodyClock`), and the streams of a
-  connection that drops mid-body are told `http.disconnect` and end (`read_body` returns).
+  connection that drops mid-body end at once (`BoundedH2Protocol` releases their send
+  buffers, on which hypercorn left them waiting until shutdown).
+- **the TCP server** (`BoundedTCPServer`): its EOF is sent under the connection's send lock
+  (pipelined requests met `trio.BusyResourceError` in the app otherwise), and a WebSocket
+  that negotiated permessage-deflate is read `INFLATE_READ` bytes at a time, so one turn of
+  the event loop inflates at most ~1 MiB of a compression bomb (`_ws_deflate.py`).
 
 `bound_transport()` installs it (idempotent patches of hypercorn's `ProtocolWrapper` and trio
 `worker_serve`'s `TCPServer` and of trio's accept logger), inert unless the server's hypercorn
