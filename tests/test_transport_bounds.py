@@ -9,6 +9,8 @@ import gc
 import inspect
 import logging
 import os
+import subprocess
+import sys
 import zlib
 from typing import Any
 
@@ -263,3 +265,23 @@ def test_the_hypercorn_internals_the_patches_rely_on() -> None:
     assert "stream_buffers" in inspect.getsource(h2.H2Protocol.__init__)
     assert "self.handshake.accept(" in inspect.getsource(ws_stream.WSStream._accept)
     assert "PerMessageDeflate()" in inspect.getsource(ws_stream.Handshake.accept)
+
+
+def test_the_connection_cap_is_fitted_under_the_descriptor_limit() -> None:
+    """In a process whose hard descriptor limit is 200, a cap of 2,048 becomes 200 - 64
+    (the reserve), with a warning; under a roomy limit it stays, the soft limit raised."""
+    code = (
+        "import logging, resource, sys\n"
+        "logging.basicConfig(stream=sys.stdout, format='%(message)s')\n"
+        "from rollout.engine._http_limits import fit_connection_cap\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 200))\n"
+        "print(fit_connection_cap(2048))\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+        "print(fit_connection_cap(50))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    lines = result.stdout.splitlines()
+    assert "does not fit the descriptor limit" in lines[0], lines
+    assert lines[1:] == ["136", "200", "50"], lines  # soft raised to the hard limit first
