@@ -51,6 +51,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from .engine._app import DEFAULT_KEY_CONNECTION_SHARE, DEFAULT_MAX_CONNECTIONS
     from .engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
     from .engine._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT
+    from .engine._http_limits import (
+        DEFAULT_BODY_MIN_RATE,
+        DEFAULT_BODY_TIMEOUT,
+        DEFAULT_H2_MAX_STREAMS,
+        DEFAULT_KEEP_ALIVE_TIMEOUT,
+        DEFAULT_MAX_HEADER_BYTES,
+        DEFAULT_MAX_TCP_CONNECTIONS,
+    )
     from .engine._llama import DEFAULT_KV_INDEX_MB
     from .engine._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL
     from .engine._ws import (
@@ -62,6 +70,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         DEFAULT_PING_TIMEOUT,
         DEFAULT_SEND_STALL_LIMIT,
     )
+    from .engine._ws_deflate import DEFAULT_INFLATE_BUDGET
 
     p = sub.add_parser(
         "serve",
@@ -133,6 +142,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_false",
         help="decline permessage-deflate: frames go uncompressed, the faster choice on "
         f"loopback, LAN and datacenter networks (default {default})",
+    )
+    p.add_argument(
+        "--websocket-inflate-budget-mb",
+        type=_POSITIVE,
+        default=DEFAULT_INFLATE_BUDGET / 2**20,
+        metavar="MB",
+        help="with --websocket-deflate, inflated bytes of unfinished messages the server holds "
+        "at once across connections; a message past it closes its WebSocket with 1013 "
+        f"(default {DEFAULT_INFLATE_BUDGET // 2**20})",
     )
     p.add_argument(
         "--models",
@@ -233,6 +251,60 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the fraction of --max-connections one API key (without auth: one client "
         "address) may hold; more are refused with 429 too_many_connections_for_key; 1: no "
         f"share (default {DEFAULT_KEY_CONNECTION_SHARE:g})",
+    )
+    p.add_argument(
+        "--max-tcp-connections",
+        type=_POSITIVE_INT,
+        default=DEFAULT_MAX_TCP_CONNECTIONS,
+        metavar="N",
+        help="open TCP connections at most, HTTP and WebSocket (fitted under the descriptor "
+        "limit, ulimit -n); more are answered 503 and closed "
+        f"(default {DEFAULT_MAX_TCP_CONNECTIONS})",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=_POSITIVE,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+        metavar="SECONDS",
+        help="an HTTP connection with no request in progress (idle between requests, or "
+        f"still sending a request's headers) is closed after this (default "
+        f"{DEFAULT_KEEP_ALIVE_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_POSITIVE,
+        default=DEFAULT_BODY_TIMEOUT,
+        metavar="SECONDS",
+        help="a request body must arrive within this after the headers, plus a second per "
+        f"--body-min-rate bytes; else 408 and close (default {DEFAULT_BODY_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--body-min-rate",
+        type=_POSITIVE,
+        default=DEFAULT_BODY_MIN_RATE,
+        metavar="BYTES_PER_SECOND",
+        help=f"see --body-timeout (default {DEFAULT_BODY_MIN_RATE})",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=_POSITIVE_INT,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        metavar="BYTES",
+        help="a request's header bytes at most; more: 431 and close "
+        f"(default {DEFAULT_MAX_HEADER_BYTES})",
+    )
+    p.add_argument(
+        "--http2",
+        action="store_true",
+        help="serve HTTP/2 (h2c upgrade and prior knowledge); off, an h2c upgrade is served as "
+        "HTTP/1.1 and the HTTP/2 preface gets GOAWAY HTTP_1_1_REQUIRED (default off)",
+    )
+    p.add_argument(
+        "--h2-max-streams",
+        type=_POSITIVE_INT,
+        default=DEFAULT_H2_MAX_STREAMS,
+        metavar="N",
+        help=f"with --http2, concurrent streams per connection (default {DEFAULT_H2_MAX_STREAMS})",
     )
     p.add_argument(
         "--rollout-suspend-limit",
@@ -372,6 +444,7 @@ def _serve(args: argparse.Namespace) -> int:
         allow_origins=tuple(args.allow_origin),
         websocket=not args.no_websocket,
         websocket_deflate=args.websocket_deflate,
+        websocket_inflate_budget=int(args.websocket_inflate_budget_mb * 2**20),
         max_message_size=args.max_message_size,
         connection_age_limit=args.connection_age_limit,
         max_queued_creates=args.max_queued_creates,
@@ -382,6 +455,13 @@ def _serve(args: argparse.Namespace) -> int:
         ping_interval=args.websocket_ping_interval,
         ping_timeout=args.websocket_ping_timeout,
         key_connection_share=args.key_connection_share,
+        max_tcp_connections=args.max_tcp_connections,
+        keep_alive_timeout=args.keep_alive_timeout,
+        body_timeout=args.body_timeout,
+        body_min_rate=args.body_min_rate,
+        max_header_bytes=args.max_header_bytes,
+        http2=args.http2,
+        h2_max_streams=args.h2_max_streams,
         rollout_suspend_limit=args.rollout_suspend_limit,
         graceful_timeout=args.graceful_timeout,
         render_cache_bytes=0 if args.no_render_cache else int(args.render_cache_mb * 2**20),

@@ -68,6 +68,12 @@ from ._auth import ApiKeys, owner_of
 from ._browser import BrowserRules
 from ._chat_api import ChatApi
 from ._engine import Engine, server_error
+from ._http_limits import (
+    DEFAULT_BODY_MIN_RATE,
+    DEFAULT_BODY_TIMEOUT,
+    BodyClock,
+    TransportStats,
+)
 from ._metrics import MetricsExporter
 from ._responses_api import ResponsesApi
 from ._transport import TRANSPORT_EXTENSION
@@ -118,6 +124,10 @@ class AppConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     key_connection_share: float = DEFAULT_KEY_CONNECTION_SHARE
     access_log: bool = True  # a `rollout.access` line per request (off for the warm-up's)
+    # An HTTP request's body must arrive within `body_timeout` seconds of its headers, plus a
+    # second per `body_min_rate` bytes (`_http_limits.BodyClock`), else 408 and close.
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    body_min_rate: float = DEFAULT_BODY_MIN_RATE
     # One worker of several (`rollout serve --workers N`): /metrics merges the counts every
     # worker writes into this directory (see `_metrics.py`).
     metrics_dir: Path | None = None
@@ -143,7 +153,9 @@ def _route(pattern: str, public: bool = False, **methods: Handler) -> Route:
 
 
 class RolloutApp:
-    def __init__(self, engine: Engine, config: AppConfig) -> None:
+    def __init__(
+        self, engine: Engine, config: AppConfig, transport: TransportStats | None = None
+    ) -> None:
         self.engine = engine
         self.config = config
         self.shutting_down = trio.Event()
@@ -152,6 +164,8 @@ class RolloutApp:
         # Open WebSocket connections by holder: the API key's owner, or the client address.
         self._held: collections.Counter[str] = collections.Counter()
         self.http_requests = 0
+        # The TCP connections under the app (`_http_limits.py`; `serve` hands it to them).
+        self.transport = transport if transport is not None else TransportStats()
         self._started = time.time()
         self._keys = ApiKeys(config.api_keys)
         self._browser = BrowserRules.make(
@@ -220,7 +234,11 @@ class RolloutApp:
         refusal = self._browser.refuse(headers)
         if refusal is not None:
             self.engine.counters.browser_refusals += 1
-        refusal = refusal or self._refuse_upgrade(path, allowed, holder)
+        refusal = (
+            refusal
+            or _duplicate_authorization(scope)
+            or self._refuse_upgrade(path, allowed, holder)
+        )
         if refusal is not None:
             status, body = refusal
             await _deny_upgrade(send, status, body)
@@ -336,7 +354,18 @@ class RolloutApp:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
+        config = self.config
+        receive = BodyClock(
+            receive,
+            timeout=config.body_timeout,
+            min_rate=config.body_min_rate,
+            on_timeout=self._body_timed_out,
+        )
         try:
+            duplicate = _duplicate_authorization(scope)
+            if duplicate is not None:
+                status = await send_json(tracked, *duplicate)
+                return
             status = await self._dispatch(scope, method, path, receive, tracked)
         except Exception as exc:
             if isinstance(exc, RemoteProtocolError | HttpError) and not started:
@@ -364,6 +393,20 @@ class RolloutApp:
                     "seconds": seconds,
                 },
             )
+
+    def _body_timed_out(self) -> HttpError:
+        """The body did not arrive in time: counted; 408 (the connection then closes, its
+        request unread)."""
+        self.transport.timeouts["body"] += 1
+        return HttpError(
+            408,
+            error_body(
+                f"The request body did not arrive in time (within "
+                f"{self.config.body_timeout:g} s of the headers, at "
+                f"{self.config.body_min_rate:g} bytes/s or more).",
+                code="request_timeout",
+            ),
+        )
 
     async def _answer(self, send: Send, exc: RemoteProtocolError | HttpError) -> int:
         """A refused request: a request error of the protocol (counted), or of HTTP."""
@@ -490,6 +533,18 @@ def _holder(scope: Scope, owner: str | None) -> str:
         return f"key:{owner}"
     client = scope.get("client")
     return f"peer:{client[0]}" if client else "peer:"
+
+
+def _duplicate_authorization(scope: Scope) -> tuple[int, dict[str, Any]] | None:
+    """400 for a request with more than one `Authorization` header (which one would count is
+    a guess a proxy and this server could make differently); None for one or none."""
+    count = sum(1 for name, _ in scope.get("headers", []) if name.lower() == b"authorization")
+    if count <= 1:
+        return None
+    return 400, error_body(
+        f"The request has {count} Authorization headers; send one.",
+        code="duplicate_authorization_header",
+    )
 
 
 def _invalid_api_key() -> dict[str, Any]:

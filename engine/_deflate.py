@@ -54,6 +54,10 @@ class HypercornConfig(Config):
     websocket_deflate: bool = True
     # Write each chunk with one system call when the socket takes it (`rollout.engine._write`).
     direct_writes: bool = True
+    # rollout's transport bounds (`rollout.engine._http_limits`); None: hypercorn's behaviour.
+    transport: Any = None  # a TransportLimits
+    transport_stats: Any = None  # a TransportStats, which the app's /metrics reads
+    websocket_inflate: Any = None  # an InflateLimits (`rollout.engine._ws_deflate`)
 
 
 def without_deflate_offers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

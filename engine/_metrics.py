@@ -8,6 +8,9 @@ counts:
     rollout_work_total{counter=...}       counter    the engine's deterministic work counters
     rollout_open_connections{transport=}  gauge      open WebSocket connections
     rollout_refused_connections_total     counter    upgrades refused at the connection limit
+    rollout_open_tcp_connections          gauge      open TCP connections (HTTP and WebSocket)
+    rollout_transport_refusals_total{reason=max_tcp_connections|descriptors|inflate_budget}
+    rollout_transport_timeouts_total{phase=headers|body|keep_alive}            counter
     rollout_http_requests_total           counter    HTTP requests served
     rollout_responses_total{status=...}   counter    responses by final status
     rollout_post_inference_backlog        gauge      post-inference jobs not yet written
@@ -76,6 +79,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from ._counters import LATENCY_BUCKETS
 from ._engine import Engine
+from ._http_limits import TransportStats
 
 __all__ = [
     "METRICS_POLL_INTERVAL",
@@ -111,6 +115,9 @@ class ServerStats(Protocol):
     @property
     def http_requests(self) -> int: ...
 
+    @property
+    def transport(self) -> TransportStats: ...
+
 
 class _RolloutCollector:
     """Reads the engine's and the server's counts at each scrape."""
@@ -140,6 +147,7 @@ class _RolloutCollector:
         yield CounterMetricFamily(
             "rollout_http_requests_total", "HTTP requests served.", value=server.http_requests
         )
+        yield from self._transport()
         responses = CounterMetricFamily(
             "rollout_responses_total", "Responses by final status.", labels=["status"]
         )
@@ -154,6 +162,33 @@ class _RolloutCollector:
         yield self._stages()
         yield from self._render_cache()
         yield from self._kv_caches()
+
+    def _transport(self) -> Iterator[Metric]:
+        """The TCP connections (`_http_limits.py`): open, refused by reason, timed out by
+        phase (every reason and phase listed, 0 until it happens)."""
+        transport = self._server.transport
+        yield GaugeMetricFamily(
+            "rollout_open_tcp_connections",
+            "Open TCP connections, HTTP and WebSocket.",
+            value=transport.open_tcp,
+        )
+        refusals = CounterMetricFamily(
+            "rollout_transport_refusals",
+            "Connections refused: past --max-tcp-connections, descriptors exhausted (accept "
+            "tries that failed), WebSocket messages past the inflate budget (closed 1013).",
+            labels=["reason"],
+        )
+        for reason in ("max_tcp_connections", "descriptors", "inflate_budget"):
+            refusals.add_metric([reason], transport.refusals[reason])
+        yield refusals
+        timeouts = CounterMetricFamily(
+            "rollout_transport_timeouts",
+            "Connections closed by a timeout of a phase the peer controls.",
+            labels=["phase"],
+        )
+        for phase in ("headers", "body", "keep_alive"):
+            timeouts.add_metric([phase], transport.timeouts[phase])
+        yield timeouts
 
     def _kv_caches(self) -> Iterator[Metric]:
         """The KV index of every real model that has run (`_kv.py`)."""

@@ -38,6 +38,20 @@ from ._deflate import DEFAULT_WEBSOCKET_DEFLATE, HypercornConfig, decline_deflat
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
 from ._errors import EngineError
 from ._heap import freeze_startup_heap
+from ._http_limits import (
+    DEFAULT_BODY_MIN_RATE,
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_H2_MAX_STREAMS,
+    DEFAULT_HTTP2,
+    DEFAULT_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_TCP_CONNECTIONS,
+    TransportLimits,
+    TransportStats,
+    bound_transport,
+    fit_connection_cap,
+    watch_accept_errors,
+)
 from ._interfaces import Classifier, HostedTool, ResponseStore, UsageLedger
 from ._ledger import open_sqlite_ledger
 from ._llama import DEFAULT_KV_INDEX_MB
@@ -57,6 +71,13 @@ from ._ws import (
     DEFAULT_PING_TIMEOUT,
     DEFAULT_SEND_STALL_LIMIT,
     WebSocketLimits,
+)
+from ._ws_deflate import (
+    DEFAULT_INFLATE_BUDGET,
+    INFLATE_MARGIN,
+    InflateBudget,
+    InflateLimits,
+    bound_inflation,
 )
 
 __all__ = ["API_KEYS_ENV", "ServerConfig", "StartupError", "open_server", "serve"]
@@ -85,6 +106,9 @@ class ServerConfig:
     allow_origins: tuple[str, ...] = ()
     websocket: bool = True
     websocket_deflate: bool = DEFAULT_WEBSOCKET_DEFLATE  # permessage-deflate when offered
+    # With deflate: inflated bytes of unfinished messages the server holds at once, across
+    # connections (`_ws_deflate.py`); a message past it fails with 1013.
+    websocket_inflate_budget: int = DEFAULT_INFLATE_BUDGET
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
@@ -99,6 +123,16 @@ class ServerConfig:
     ping_interval: float = DEFAULT_PING_INTERVAL
     ping_timeout: float = DEFAULT_PING_TIMEOUT
     key_connection_share: float = DEFAULT_KEY_CONNECTION_SHARE
+    # The transport (`_http_limits.py`): TCP connections at once (fitted under the descriptor
+    # limit), the idle time between requests (and for a request's headers), a body's time and
+    # rate, header bytes, HTTP/2 (off unless asked for) and its streams per connection.
+    max_tcp_connections: int = DEFAULT_MAX_TCP_CONNECTIONS
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    body_min_rate: float = DEFAULT_BODY_MIN_RATE
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    http2: bool = DEFAULT_HTTP2
+    h2_max_streams: int = DEFAULT_H2_MAX_STREAMS
     rollout_suspend_limit: float = DEFAULT_ROLLOUT_SUSPEND_LIMIT
     graceful_timeout: float = 10.0
     max_cached_responses: int = 8
@@ -150,6 +184,8 @@ class ServerConfig:
             bound_host=self.host,
             allow_hosts=self.allow_hosts,
             allow_origins=self.allow_origins,
+            body_timeout=self.body_timeout,
+            body_min_rate=self.body_min_rate,
         )
 
 
@@ -247,8 +283,9 @@ def bind_error(bind: str, exc: OverflowError | OSError) -> StartupError:
     return StartupError(f"cannot listen on {bind}: {exc.strerror or exc}.")
 
 
-def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
+def _hypercorn_config(config: ServerConfig, stats: TransportStats) -> HypercornConfig:
     hconfig = HypercornConfig()
+    hconfig.transport_stats = stats
     # A worker of `rollout serve --workers N` listens on the socket it bound.
     bind = (
         f"{config.host}:{config.port}" if config.listen_fd is None else f"fd://{config.listen_fd}"
@@ -258,7 +295,25 @@ def _hypercorn_config(config: ServerConfig) -> HypercornConfig:
     # hypercorn closes the socket (1009) above its own limit; ours answers with a
     # `message_too_large` error event below it, so hypercorn's is set above ours.
     hconfig.websocket_max_message_size = config.max_message_size * 2 + (1 << 20)
-    hconfig.h11_max_incomplete_size = 64 * 1024
+    # Compressed messages are inflated in steps, failing (1009) past the message limit plus a
+    # margin, and within the server's inflate budget (1013).
+    hconfig.websocket_inflate = InflateLimits(
+        config.max_message_size + INFLATE_MARGIN,
+        InflateBudget(config.websocket_inflate_budget, stats.refusals),
+    )
+    hconfig.h11_max_incomplete_size = config.max_header_bytes
+    hconfig.keep_alive_timeout = config.keep_alive_timeout
+    hconfig.h2_max_concurrent_streams = config.h2_max_streams
+    hconfig.h2_max_header_list_size = config.max_header_bytes
+    if not config.http2:
+        hconfig.alpn_protocols = ["http/1.1"]
+    hconfig.transport = TransportLimits(
+        max_tcp_connections=fit_connection_cap(config.max_tcp_connections),
+        keep_alive_timeout=config.keep_alive_timeout,
+        max_header_bytes=config.max_header_bytes,
+        http2=config.http2,
+        h2_max_streams=config.h2_max_streams,
+    )
     # Past our grace period the engine interrupts what still runs (each response ends with a
     # terminal event, each socket with 1001); hypercorn's own deadline, which cancels
     # outright, comes after, leaving time for those to go out.
@@ -316,7 +371,10 @@ async def serve(
     decline_deflate_offers()
     write_directly()
     offer_websocket_transport()
-    hconfig = _hypercorn_config(config)
+    bound_transport()
+    bound_inflation()
+    stats = TransportStats()
+    hconfig = _hypercorn_config(config, stats)
     sockets = bind_sockets(hconfig)
     try:
         store, ledger, compaction_key = await _open_durable(config)
@@ -348,7 +406,8 @@ async def serve(
             if config.freeze_heap:
                 frozen = freeze_startup_heap()
                 log.debug("%d objects of the startup heap frozen", frozen)
-            app = RolloutApp(engine, config.app_config())
+            app = RolloutApp(engine, config.app_config(), transport=stats)
+            watch_accept_errors(stats)
             interrupter = trio.CancelScope()
 
             async def first_signal() -> None:

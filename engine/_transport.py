@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import socket
 import struct
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,12 +55,21 @@ class HypercornTransport:
     """One hypercorn WebSocket stream (`WSStream`), seen from the app."""
 
     def __init__(self, stream: Any) -> None:
-        self._stream = stream
+        # Weakly: the stream holds this transport (through its app wrapper and its scope), and
+        # a strong reference back made every ended WebSocket a reference cycle, its buffers
+        # (a partial message of up to the message limit) kept until the cyclic garbage
+        # collector's next full pass instead of freed when the connection ended.
+        self._stream_ref = weakref.ref(stream)
         self.aborted = False
+
+    @property
+    def _stream(self) -> Any:
+        """The stream, or None once it is gone."""
+        return self._stream_ref()
 
     def _socket(self) -> trio.socket.SocketType | None:
         """The trio socket under the stream (through its protocol and its TCP server)."""
-        protocol = getattr(self._stream.send, "__self__", None)
+        protocol = getattr(getattr(self._stream, "send", None), "__self__", None)
         server = getattr(getattr(protocol, "send", None), "__self__", None)
         tcp: Any = getattr(server, "stream", None)
         tcp = getattr(tcp, "transport_stream", tcp)  # under TLS, the socket stream
@@ -95,7 +105,10 @@ class HypercornTransport:
             data = connection.send(Ping(payload=payload))
         except LocalProtocolError:  # closing: wsproto sends no more frames
             return False
-        await self._stream.send(Data(stream_id=self._stream.stream_id, data=data))
+        stream = self._stream
+        if stream is None:
+            return False
+        await stream.send(Data(stream_id=stream.stream_id, data=data))
         return True
 
     def watch_pongs(self, on_pong: Callable[[bytes], None]) -> bool:

@@ -94,7 +94,7 @@ def test_serve_options_table_lists_every_option() -> None:
     documented = {
         option
         for row in table.splitlines()[2:]
-        for option in re.findall(r"`(--[a-z-]+)", row.split(" | ")[0])
+        for option in re.findall(r"`(--[a-z0-9-]+)", row.split(" | ")[0])
     }
     serve = _serve_parser()
     options = {o for a in serve._actions for o in a.option_strings if o.startswith("--")}

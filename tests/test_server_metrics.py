@@ -9,6 +9,7 @@ import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 from rollout.engine._counters import LATENCY_BUCKETS, STAGES
 from rollout.engine._engine import open_engine
+from rollout.engine._http_limits import TransportStats
 from rollout.engine._metrics import MetricsExporter
 
 from tests.server_harness import counters, parse_metrics
@@ -19,6 +20,7 @@ class Stats:
     open_connections: int = 0
     refused_connections: int = 0
     http_requests: int = 0
+    transport: TransportStats = attrs.field(factory=TransportStats)
 
 
 async def test_two_apps_in_one_process_keep_their_own_counts() -> None:
@@ -50,6 +52,9 @@ async def test_exposition_is_text_format_0_0_4_with_every_family() -> None:
         "rollout_open_connections": "gauge",
         "rollout_refused_connections": "counter",
         "rollout_http_requests": "counter",
+        "rollout_open_tcp_connections": "gauge",
+        "rollout_transport_refusals": "counter",
+        "rollout_transport_timeouts": "counter",
         "rollout_responses": "counter",
         "rollout_post_inference_backlog": "gauge",
         "rollout_stage_seconds": "histogram",

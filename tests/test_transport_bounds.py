@@ -1,0 +1,287 @@
+"""The transport's bounds in-process: bounded inflation (`_ws_deflate.py`) driven through
+wsproto's own connections (sans-IO), the body clock (`_http_limits.BodyClock`) on trio's
+mock clock, the accept-error log filter, and the hypercorn names the patches rely on.
+`tests/test_hostile_transport.py` meets the same bounds through a real server process."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import zlib
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from rollout.engine import _http_limits
+from rollout.engine._http_limits import BodyClock
+from rollout.engine._ws_deflate import (
+    INFLATE_STEP,
+    BoundedPerMessageDeflate,
+    InflateBudget,
+    InflateLimits,
+)
+from wsproto import Connection, ConnectionType
+from wsproto.events import CloseConnection, Message, TextMessage
+from wsproto.extensions import PerMessageDeflate
+
+LIMIT = 4 * 2**20  # a message's inflated bytes at most, in these tests
+
+
+def server(limits: InflateLimits) -> tuple[Connection, BoundedPerMessageDeflate]:
+    extension = BoundedPerMessageDeflate(limits)
+    assert extension.accept("permessage-deflate") is not None
+    return Connection(ConnectionType.SERVER, [extension]), extension
+
+
+def client() -> Connection:
+    extension = PerMessageDeflate()
+    extension.finalize("permessage-deflate")
+    return Connection(ConnectionType.CLIENT, [extension])
+
+
+def feed(conn: Connection, data: bytes) -> list[Any]:
+    conn.receive_data(data)
+    return list(conn.events())
+
+
+def bomb_frames(inflated: int, frame: int) -> list[bytes]:
+    """An unfinished text message of `inflated` spaces, compressed, `frame` bytes of text per
+    frame (each flushed, as a bomb sends them: wsproto's own client would hold them back in
+    its compressor until the message ends)."""
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+    frames = []
+    for i in range(inflated // frame):
+        data = deflate.compress(b" " * frame) + deflate.flush(zlib.Z_SYNC_FLUSH)
+        first = 0x40 | 0x1 if i == 0 else 0x0  # RSV1 and text, then continuations
+        mask = os.urandom(4)
+        size = len(data)
+        head = bytes([first, 0x80 | 126]) + size.to_bytes(2, "big")
+        if size < 126:
+            head = bytes([first, 0x80 | size])
+        elif size >= 65536:
+            head = bytes([first, 0x80 | 127]) + size.to_bytes(8, "big")
+        frames.append(head + mask + bytes(b ^ mask[j % 4] for j, b in enumerate(data)))
+    return frames
+
+
+def test_a_compressed_message_within_the_limit_is_delivered_and_leaves_the_budget() -> None:
+    limits = InflateLimits(LIMIT, InflateBudget(2 * LIMIT))
+    conn, _ = server(limits)
+    sender = client()
+    text = "x" * (LIMIT - 10) + "é"
+    events = feed(conn, sender.send(TextMessage(data=text)))
+    received = "".join(e.data for e in events if isinstance(e, Message))
+    assert received == text and events[-1].message_finished
+    assert limits.budget.used == 0
+    # A second message on the same connection (context takeover) as well.
+    events = feed(conn, sender.send(TextMessage(data="hello")))
+    assert [e.data for e in events] == ["hello"] and limits.budget.used == 0
+
+
+def test_a_message_inflating_past_the_limit_fails_1009_at_the_limit() -> None:
+    limits = InflateLimits(LIMIT, InflateBudget(100 * LIMIT))
+    conn, extension = server(limits)
+    delivered = 0
+    closes: list[int] = []
+    for data in bomb_frames(4 * LIMIT, frame=LIMIT // 2):
+        for event in feed(conn, data):
+            if isinstance(event, Message):
+                delivered += len(event.data)
+            elif isinstance(event, CloseConnection):
+                closes.append(event.code)
+        if closes:
+            break
+    assert closes == [1009]
+    assert delivered <= LIMIT  # never more than the limit handed on
+    assert extension.held == 0 and limits.budget.used <= LIMIT // 2  # (the last frame's)
+
+
+def test_one_huge_frame_is_stopped_within_a_step_of_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole bomb in one frame: inflation stops at the limit, not after the frame."""
+    inflated: list[int] = []
+    original = zlib.decompressobj
+
+    class Counting:
+        def __init__(self, *args: Any) -> None:
+            self._inner = original(*args)
+
+        def decompress(self, data: bytes, max_length: int = 0) -> bytes:
+            out = self._inner.decompress(data, max_length)
+            inflated.append(len(out))
+            return out
+
+        @property
+        def unconsumed_tail(self) -> bytes:
+            return self._inner.unconsumed_tail
+
+    limits = InflateLimits(LIMIT, InflateBudget(100 * LIMIT))
+    conn, _ = server(limits)
+    payload = client().send(TextMessage(data=" " * (64 * LIMIT), message_finished=False))
+    monkeypatch.setattr(zlib, "decompressobj", Counting)
+    events = feed(conn, payload)
+    assert [e.code for e in events if isinstance(e, CloseConnection)] == [1009]
+    assert sum(inflated) <= LIMIT + INFLATE_STEP, sum(inflated)
+
+
+def test_the_budget_refuses_new_inflation_with_1013_and_is_returned() -> None:
+    budget = InflateBudget(3 * LIMIT)
+    limits = InflateLimits(LIMIT, budget)
+    pairs = [server(limits) for _ in range(6)]
+    codes: list[int | None] = []
+    for conn, _ in pairs:
+        code = None
+        for data in bomb_frames(LIMIT // 2, frame=LIMIT // 2):
+            for event in feed(conn, data):
+                if isinstance(event, CloseConnection):
+                    code = event.code
+        codes.append(code)
+        assert budget.used <= budget.max_bytes
+    # Each holds its half-limit message twice (the message, and wsproto's last frame): three
+    # fit in a budget of three limits, the rest are refused.
+    assert codes == [None, None, None, 1013, 1013, 1013], codes
+    assert budget.refusals["inflate_budget"] == 3
+    # The refused ones hold nothing once freed; the three others hold their messages.
+    del pairs, conn
+    gc.collect()
+    assert budget.used == 3 * LIMIT
+
+
+def test_a_closed_socket_returns_its_reservation_when_the_budget_runs_short() -> None:
+    class Socket:
+        def __init__(self) -> None:
+            self.fd = 3
+
+        def fileno(self) -> int:
+            return self.fd
+
+    budget = InflateBudget(LIMIT)
+    limits = InflateLimits(LIMIT, budget)
+    sock = Socket()
+    extension = BoundedPerMessageDeflate(limits, socket=sock)
+    assert budget.take(extension, LIMIT)
+    other = BoundedPerMessageDeflate(limits)
+    assert not budget.take(other, 1)
+    sock.fd = -1  # closed
+    assert budget.take(other, 1) and budget.used == 1
+
+
+async def test_the_body_clock_times_out_a_silent_body(autojump_clock: trio.abc.Clock) -> None:
+    send, receive = trio.open_memory_channel[dict[str, Any]](10)
+    timeouts: list[float] = []
+
+    def timed_out() -> Exception:
+        timeouts.append(trio.current_time())
+        return TimeoutError("body")
+
+    clock = BodyClock(receive.receive, timeout=30.0, min_rate=1000.0, on_timeout=timed_out)
+    start = trio.current_time()
+    with trio.fail_after(100):
+        await send.send({"type": "http.request", "body": b"x" * 5000, "more_body": True})
+        assert (await clock())["body"] == b"x" * 5000
+        with pytest.raises(TimeoutError):
+            await clock()
+    # 30 s after the headers, plus 5 s for the 5,000 bytes received at 1,000 B/s.
+    assert timeouts == [pytest.approx(start + 35.0)]
+
+
+async def test_the_body_clock_lets_a_body_at_the_minimum_rate_through(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    send, receive = trio.open_memory_channel[dict[str, Any]](0)
+    clock = BodyClock(
+        receive.receive, timeout=2.0, min_rate=1000.0, on_timeout=lambda: TimeoutError()
+    )
+
+    async def trickle() -> None:
+        for _ in range(100):  # 1,000 bytes a second for 100 s
+            await trio.sleep(1.0)
+            await send.send({"type": "http.request", "body": b"x" * 1000, "more_body": True})
+        await send.send({"type": "http.request", "body": b"", "more_body": False})
+        await trio.sleep(3600)  # a streamed response waits on http.disconnect this long
+        await send.send({"type": "http.disconnect"})
+
+    with trio.fail_after(5000):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            received = 0
+            while (message := await clock())["type"] == "http.request":
+                received += len(message["body"])
+                if not message["more_body"]:
+                    break
+            assert (await clock())["type"] == "http.disconnect"  # (no deadline past the body)
+    assert received == 100_000
+
+
+def test_accept_errors_are_logged_once_per_interval_without_tracebacks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(_http_limits.time, "monotonic", lambda: now[0])
+    stats = _http_limits.TransportStats()
+    log_filter = _http_limits._AcceptErrorFilter()
+    log_filter.stats = stats
+    logger = logging.getLogger("test.serve_listeners")
+    logger.addFilter(log_filter)
+    try:
+        with caplog.at_level(logging.ERROR, logger="test.serve_listeners"):
+            for _ in range(600):  # a minute of trio's 0.1 s retries
+                try:
+                    raise OSError(24, "Too many open files")
+                except OSError:
+                    logger.error("accept returned %s", "EMFILE", exc_info=True)
+                now[0] += 0.1
+    finally:
+        logger.removeFilter(log_filter)
+    lines = [r for r in caplog.records if r.name == "test.serve_listeners"]
+    assert len(lines) == 6  # one per 10 s
+    assert all(r.exc_info is None for r in lines)
+    assert "EMFILE" in lines[0].getMessage() and "99 failed tries" in lines[1].getMessage()
+    assert stats.refusals["descriptors"] == 600
+
+
+def test_the_hypercorn_internals_the_patches_rely_on() -> None:
+    """What `_http_limits` and `_ws_deflate` patch or call, by name and by what the code
+    does there: an upgrade of hypercorn that moves it fails here, not silently."""
+    import hypercorn.protocol as protocol_module
+    import hypercorn.trio.run as run_module
+    from hypercorn.protocol import h2, h11, ws_stream
+    from hypercorn.trio import tcp_server
+
+    assert "TCPServer" in inspect.getsource(run_module.worker_serve)
+    assert "H11Protocol(" in inspect.getsource(protocol_module.ProtocolWrapper.__init__)
+    assert "H2Protocol(" in inspect.getsource(protocol_module.ProtocolWrapper.__init__)
+    assert "_check_protocol" in inspect.getsource(h11.H11Protocol._handle_events)
+    assert "_send_error_response" in inspect.getsource(h11.H11Protocol._handle_events)
+    assert "max_incomplete_event_size" in inspect.getsource(h11.H11Protocol.__init__)
+    assert "send_eof" in inspect.getsource(tcp_server.TCPServer._close)
+    assert "keep_alive_timeout" in inspect.getsource(tcp_server.TCPServer._idle_timeout)
+    assert "stream_buffers" in inspect.getsource(h2.H2Protocol.__init__)
+    assert "self.handshake.accept(" in inspect.getsource(ws_stream.WSStream._accept)
+    assert "PerMessageDeflate()" in inspect.getsource(ws_stream.Handshake.accept)
+
+
+def test_the_connection_cap_is_fitted_under_the_descriptor_limit() -> None:
+    """In a process whose hard descriptor limit is 200, a cap of 2,048 becomes 200 - 64
+    (the reserve), with a warning; under a roomy limit it stays, the soft limit raised."""
+    code = (
+        "import logging, resource, sys\n"
+        "logging.basicConfig(stream=sys.stdout, format='%(message)s')\n"
+        "from rollout.engine._http_limits import fit_connection_cap\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 200))\n"
+        "print(fit_connection_cap(2048))\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+        "print(fit_connection_cap(50))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    lines = result.stdout.splitlines()
+    assert "does not fit the descriptor limit" in lines[0], lines
+    assert lines[1:] == ["136", "200", "50"], lines  # soft raised to the hard limit first
