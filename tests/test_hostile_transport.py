@@ -160,21 +160,30 @@ async def test_hostile_transport_peers_are_bounded(tmp_path: Path) -> None:
 
                 # 1. Content-Length and Transfer-Encoding.
                 smuggled = (
-                    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 5\r\n"
+                    b"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\n"
+                    + auth
+                    + b"Content-Length: 5\r\n"
                     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /v1/models HTTP/1.1\r\n"
-                    b"Host: x\r\n\r\n"
+                    b"Host: localhost\r\n\r\n"
                 )
                 cl_te, cl_te_closed, cl_te_took = await exchange(port, smuggled, ANSWER_BOUND)
 
                 # 2. Two Authorization headers.
                 twice = (
-                    b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth + auth + b"Connection: "
+                    b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                    + auth
+                    + auth
+                    + b"Connection: "
                     b"close\r\n\r\n"
                 )
                 dup, _, dup_took = await exchange(port, twice, ANSWER_BOUND)
 
                 # 3. 70 KB of headers in one write.
-                big = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"
+                big = (
+                    b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: "
+                    + b"a" * 70_000
+                    + b"\r\n\r\n"
+                )
                 too_big, too_big_closed, too_big_took = await exchange(port, big, ANSWER_BOUND)
 
                 # 4. HTTP/2 without --http2: the preface, and an h2c upgrade.
@@ -185,14 +194,16 @@ async def test_hostile_transport_peers_are_bounded(tmp_path: Path) -> None:
                 )
                 h2_events = client.receive_data(preface)
                 upgrade = (
-                    b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth + b"Connection: Upgrade, "
+                    b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                    + auth
+                    + b"Connection: Upgrade, "
                     b"HTTP2-Settings, close\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__"
                     b"\r\n\r\n"
                 )
                 h2c, _, _ = await exchange(port, upgrade, ANSWER_BOUND)
 
                 # 5. Pipelined GETs, on `PIPELINES` connections at once.
-                pipelined_request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * PIPELINED
+                pipelined_request = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n" * PIPELINED
                 pipelines: list[tuple[bytes, bool, float]] = []
 
                 async def pipeline() -> None:
@@ -204,13 +215,13 @@ async def test_hostile_transport_peers_are_bounded(tmp_path: Path) -> None:
 
                 # 6. A body that never comes; headers that never end.
                 silent = (
-                    b"POST /v1/responses HTTP/1.1\r\nHost: x\r\n"
+                    b"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\n"
                     + auth
                     + (b"Content-Length: 100\r\n\r\n")
                 )
                 late, late_closed, late_took = await exchange(port, silent, BODY_TIMEOUT + MARGIN)
                 loris, loris_closed, loris_took = await exchange(
-                    port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n", KEEP_ALIVE + MARGIN
+                    port, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n", KEEP_ALIVE + MARGIN
                 )
 
                 # 7. Every connection taken (the well-behaved client's WebSocket is one).
@@ -220,7 +231,7 @@ async def test_hostile_transport_peers_are_bounded(tmp_path: Path) -> None:
                 with trio.fail_after(KEEP_ALIVE):
                     while True:  # (until the server has counted them all)
                         refused, refused_closed, refused_took = await exchange(
-                            port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", ANSWER_BOUND
+                            port, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n", ANSWER_BOUND
                         )
                         if refused.startswith(b"HTTP/1.1 503"):
                             break
@@ -324,7 +335,7 @@ async def test_http2_streams_are_capped_and_end_with_their_connection(tmp_path: 
                         (":method", "POST"),
                         (":path", "/v1/responses"),
                         (":scheme", "http"),
-                        (":authority", "x"),
+                        (":authority", "localhost"),
                         ("content-type", "application/json"),
                         ("content-length", "60000000"),
                     ],
