@@ -58,6 +58,7 @@ __all__ = [
     "LlamaBackend",
     "LlamaConfig",
     "llama_available",
+    "model_params",
 ]
 
 log = logging.getLogger("rollout.engine.llama")
@@ -410,6 +411,21 @@ class LlamaBackend:
         self._changed = trio.Event()
 
 
+def model_params() -> Any:
+    """llama.cpp's model parameters for a model that runs (not a vocabulary-only load).
+
+    No extra buffer types (weights repacked for AMX and the like): a build for a CPU that
+    advertises AMX runs its tile instructions, which fault (SIGSEGV in
+    ggml_backend_amx_mul_mat) where the kernel or hypervisor has not enabled the tile state,
+    as on the virtual machines this project is tested on; the portable kernels run everywhere.
+    """
+    import llama_cpp
+
+    params = llama_cpp.llama_model_default_params()
+    params.use_extra_bufts = False
+    return params
+
+
 def _load_model(path: Path) -> Any:
     import llama_cpp
 
@@ -417,13 +433,7 @@ def _load_model(path: Path) -> Any:
 
     silence_llama_logs()
     llama_cpp.llama_backend_init()
-    params = llama_cpp.llama_model_default_params()
-    # No extra buffer types (weights repacked for AMX and the like): a build for a CPU that
-    # advertises AMX runs its tile instructions, which fault (SIGSEGV in
-    # ggml_backend_amx_mul_mat) where the kernel or hypervisor has not enabled the tile state,
-    # as on the virtual machines this project is tested on; the portable kernels run everywhere.
-    params.use_extra_bufts = False
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params())
     if not model:
         raise BackendError(f"llama.cpp could not load the model file {path}")
     return model

@@ -72,6 +72,7 @@ class _Model:
     def __init__(self) -> None:
         import llama_cpp as llama
         import numpy as np
+        from rollout.engine._llama import model_params
         from rollout.engine._llama_vocab import LlamaVocab, packaged_smollm2, silence_llama_logs
 
         silence_llama_logs()
@@ -79,7 +80,8 @@ class _Model:
         self.llama = llama
         self.np = np
         self.model = llama.llama_model_load_from_file(
-            str(packaged_smollm2()).encode(), llama.llama_model_default_params()
+            str(packaged_smollm2()).encode(),
+            model_params(),  # as the engine loads it
         )
         assert self.model
         self.vocab = LlamaVocab(self.model)  # borrows the model
