@@ -125,7 +125,9 @@ async def test_warm_up_leaves_nothing_in_the_servers_store_ledger_or_counters(
         metrics = parse_metrics(text)
         assert counters(metrics), "no work counters"
         nonzero = {name for (name, _), value in metrics.items() if value}
-        assert nonzero == {"rollout_http_requests_total"}  # this one request, nothing else
+        # This one request, nothing else: counted, and its connection open while it is answered.
+        assert nonzero == {"rollout_http_requests_total", "rollout_open_tcp_connections"}
+        assert metrics["rollout_open_tcp_connections", frozenset()] == 1
     assert ran == [1]
     for name, table in (("responses", "responses"), ("usage", "usage")):
         with sqlite3.connect(tmp_path / "data" / f"{name}.sqlite3") as db:
