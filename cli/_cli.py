@@ -70,7 +70,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         DEFAULT_PING_TIMEOUT,
         DEFAULT_SEND_STALL_LIMIT,
     )
-    from .engine._ws_deflate import DEFAULT_INFLATE_BUDGET
+    from .engine._ws_deflate import DEFAULT_INFLATE_BUDGET, DEFAULT_INFLATE_RATE
 
     p = sub.add_parser(
         "serve",
@@ -151,6 +151,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="with --websocket-deflate, inflated bytes of unfinished messages the server holds "
         "at once across connections; a message past it closes its WebSocket with 1013 "
         f"(default {DEFAULT_INFLATE_BUDGET // 2**20})",
+    )
+    p.add_argument(
+        "--websocket-inflate-rate-mb",
+        type=_POSITIVE,
+        default=DEFAULT_INFLATE_RATE / 2**20,
+        metavar="MB",
+        help="with --websocket-deflate, MiB the server inflates a second across connections; "
+        "a connection past it waits before its next read, so compressed messages cannot take "
+        f"the event loop (default {DEFAULT_INFLATE_RATE // 2**20})",
     )
     p.add_argument(
         "--models",
@@ -445,6 +454,7 @@ def _serve(args: argparse.Namespace) -> int:
         websocket=not args.no_websocket,
         websocket_deflate=args.websocket_deflate,
         websocket_inflate_budget=int(args.websocket_inflate_budget_mb * 2**20),
+        websocket_inflate_rate=args.websocket_inflate_rate_mb * 2**20,
         max_message_size=args.max_message_size,
         connection_age_limit=args.connection_age_limit,
         max_queued_creates=args.max_queued_creates,

@@ -44,8 +44,9 @@ bound), and trio's accept loop logs every `EMFILE` with a traceback ten times a 
   buffers, on which hypercorn left them waiting until shutdown).
 - **the TCP server** (`BoundedTCPServer`): its EOF is sent under the connection's send lock
   (pipelined requests met `trio.BusyResourceError` in the app otherwise), and a WebSocket
-  that negotiated permessage-deflate is read `INFLATE_READ` bytes at a time, so one turn of
-  the event loop inflates at most ~1 MiB of a compression bomb (`_ws_deflate.py`).
+  that negotiated permessage-deflate is handed its bytes `INFLATE_READ` at a time, each
+  after the server's inflation pace, so one turn of the event loop inflates at most ~1 MiB
+  of a compression bomb and the server at most its pace (`_ws_deflate.py`).
 
 `bound_transport()` installs it (idempotent patches of hypercorn's `ProtocolWrapper` and trio
 `worker_serve`'s `TCPServer` and of trio's accept logger), inert unless the server's hypercorn
@@ -122,7 +123,7 @@ ACCEPT_ERROR_LOG_INTERVAL = 10.0
 REFUSAL_LINGER = 1.0
 MAX_REFUSING = 256
 REFUSAL_READ = 65536  # bytes read per try while lingering
-# Bytes read at a time from a WebSocket that negotiated permessage-deflate (hypercorn reads
+# Bytes handed at a time to a WebSocket that negotiated permessage-deflate (hypercorn reads
 # 64 KiB): what one turn of the event loop may inflate is ~1,000 times this, ~3 ms of CPU
 # (see `BoundedTCPServer._read_data`). Measured with a 40-socket bomb beside a client polling
 # every 0.5 s: 64 KiB reads, worst latency 0.8-1.7 s; 4 KiB, 0.7-1.7 s; 1 KiB, under 1 s.
@@ -521,26 +522,39 @@ def bound_transport() -> None:
             await self.stream.aclose()
 
         async def _read_data(self) -> None:
-            """hypercorn's reader, reading `INFLATE_READ` bytes at a time on a WebSocket that
-            negotiated permessage-deflate (`_ws_deflate.py` marks it): a 64 KiB read of a
-            compression bomb inflates to 64 MiB in one turn of the event loop (~0.2 s of
-            it), 1 KiB to 1 MiB (~3 ms), so other clients are served between reads."""
+            """hypercorn's reader, handing a WebSocket that negotiated permessage-deflate
+            (`_ws_deflate.py` marks it) its bytes `INFLATE_READ` at a time, each after the
+            server's inflation pace (`InflatePace`): a 64 KiB read of a compression bomb
+            inflates to 64 MiB in one turn of the event loop (~0.2 s of it), 1 KiB to 1 MiB
+            (~3 ms), so other clients are served between pieces. The pieces are cut from
+            what was read, not read one by one: the read in progress as the handshake is
+            accepted (which happens in the app's task) is a whole one."""
             if getattr(self.config, "transport", None) is None:
                 await super()._read_data()
                 return
             while True:
-                inflater = getattr(self, "rollout_inflater", None)
-                size = INFLATE_READ if inflater is not None and inflater.enabled() else MAX_RECV
                 try:
                     with trio.fail_after(self.config.read_timeout or math.inf):
-                        data = await self.stream.receive_some(size)
+                        data = await self.stream.receive_some(MAX_RECV)
                 except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                     break
-                else:
-                    await self.protocol.handle(RawData(bytes(data)))
-                    if data == b"":
-                        break
+                if data == b"":
+                    await self.protocol.handle(RawData(b""))
+                    break
+                await self._hand_over(bytes(data))
             await self.protocol.handle(Closed())
+
+        async def _hand_over(self, data: bytes) -> None:
+            """`data` to the protocol: whole, or in paced pieces once deflate is on."""
+            start = 0
+            while start < len(data):
+                inflater = getattr(self, "rollout_inflater", None)
+                if inflater is None or not inflater.enabled():
+                    await self.protocol.handle(RawData(data[start:] if start else data))
+                    return
+                await inflater.pace()  # at most the server's pace (`InflatePace`)
+                await self.protocol.handle(RawData(data[start : start + INFLATE_READ]))
+                start += INFLATE_READ
 
         async def _idle_timeout(self) -> None:
             stats: TransportStats | None = getattr(self.config, "transport_stats", None)

@@ -74,9 +74,11 @@ from ._ws import (
 )
 from ._ws_deflate import (
     DEFAULT_INFLATE_BUDGET,
+    DEFAULT_INFLATE_RATE,
     INFLATE_MARGIN,
     InflateBudget,
     InflateLimits,
+    InflatePace,
     bound_inflation,
 )
 
@@ -109,6 +111,8 @@ class ServerConfig:
     # With deflate: inflated bytes of unfinished messages the server holds at once, across
     # connections (`_ws_deflate.py`); a message past it fails with 1013.
     websocket_inflate_budget: int = DEFAULT_INFLATE_BUDGET
+    # With deflate: inflated bytes a second across connections (`_ws_deflate.InflatePace`).
+    websocket_inflate_rate: float = DEFAULT_INFLATE_RATE
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
@@ -300,6 +304,7 @@ def _hypercorn_config(config: ServerConfig, stats: TransportStats) -> HypercornC
     hconfig.websocket_inflate = InflateLimits(
         config.max_message_size + INFLATE_MARGIN,
         InflateBudget(config.websocket_inflate_budget, stats.refusals),
+        InflatePace(config.websocket_inflate_rate),
     )
     hconfig.h11_max_incomplete_size = config.max_header_bytes
     hconfig.keep_alive_timeout = config.keep_alive_timeout

@@ -24,6 +24,7 @@ from rollout.engine._ws_deflate import (
     BoundedPerMessageDeflate,
     InflateBudget,
     InflateLimits,
+    InflatePace,
 )
 from wsproto import Connection, ConnectionType
 from wsproto.events import CloseConnection, Message, TextMessage
@@ -170,6 +171,45 @@ def test_a_closed_socket_returns_its_reservation_when_the_budget_runs_short() ->
     assert not budget.take(other, 1)
     sock.fd = -1  # closed
     assert budget.take(other, 1) and budget.used == 1
+
+
+async def test_inflation_is_paced_server_wide_and_readers_take_turns(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Two connections each inflating a 4 MiB message 1 MiB per read at a 2 MiB/s pace:
+    together they take 4 s of the (mock) clock, not 0, and alternate; a message within the
+    burst allowance is not held back at all."""
+    rate = 2 * 2**20
+    pace = InflatePace(rate)
+    limits = InflateLimits(LIMIT, InflateBudget(100 * LIMIT), pace)
+    order: list[int] = []
+
+    async def connection(number: int) -> None:
+        conn, extension = server(limits)
+        peer = client()
+        frames = bomb_frames(LIMIT, 2**20)
+        for frame in frames:
+            await extension.pace()
+            events = feed(conn, frame)
+            assert not any(isinstance(e, CloseConnection) for e in events)
+            order.append(number)
+        del peer
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(connection, 0)
+        nursery.start_soon(connection, 1)
+    took = trio.current_time() - start
+    # 8 MiB at 2 MiB/s, less the burst allowance and the last read (spent, not waited for).
+    assert 2.5 <= took <= 4.0, took
+    assert order[2:] in ([0, 1] * 3, [1, 0] * 3), order  # in turn, once the burst is spent
+    assert pace.waited > 0
+
+    small = InflatePace(rate)
+    small.spent(rate // 16)  # within INFLATE_BURST (0.125 s) of the pace
+    before = trio.current_time()
+    await small.wait()
+    assert trio.current_time() == before
 
 
 async def test_the_body_clock_times_out_a_silent_body(autojump_clock: trio.abc.Clock) -> None:
