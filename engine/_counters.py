@@ -61,6 +61,8 @@ class Counters:
     offloaded_decodes: int = 0  # client messages large enough to decode in a worker thread
     # requests whose JSON schemas were large enough to validate in a worker thread
     offloaded_validations: int = 0
+    # requests whose new text was large enough to render and classify in a worker thread
+    offloaded_renders: int = 0
     # requests and WebSocket upgrades refused by the browser rules (`_browser.py`): a foreign
     # Host, an Origin not allowed, a form or text body
     browser_refusals: int = 0

@@ -37,7 +37,7 @@ from ._interfaces import (
     UsageLedger,
 )
 from ._models import ModelRegistry
-from ._pipeline import Pipeline
+from ._pipeline import Pipeline, Prerendered, text_chars
 from ._postinfer import PostInference
 from ._render_cache import RenderCache
 from ._rollout import MAX_HOSTED_ROUNDS, Emit, Rollout
@@ -77,6 +77,11 @@ MAX_CONCURRENT_LARGE_DECODES = 2
 # up to ~110 us per value (`_schemas.py`), so this keeps validation on the event loop under
 # ~30 ms, and larger ones (up to `MAX_REQUEST_SCHEMA_NODES`, ~6 s) off it.
 OFFLOAD_SCHEMA_NODES = 256
+# A request bringing at least this many characters of new text (its new items, and its
+# instructions and tools when their prefix is not rendered already) is rendered and classified
+# in a worker thread (`Pipeline.prerender`, sharing the large decodes' limiter): both run
+# ~40-60 ms per MiB, so a 64 MiB message held the event loop 2.5-3.5 s; under this, ~15 ms.
+OFFLOAD_RENDER_CHARS = 256 * 1024
 
 
 class _NoBackend:
@@ -205,6 +210,57 @@ class Engine:
                 check, limiter=self.decode_limiter, abandon_on_cancel=True
             )
         return True
+
+    async def prerender_off_loop(
+        self,
+        request: ResponseCreate,
+        route: Route,
+        *,
+        parent: ResponseState | None,
+        known_prefix: Prefix | None,
+        root: ResponseState,
+        items: Sequence[Item],
+        timings: dict[str, float] | None = None,
+    ) -> Prerendered | None:
+        """Render and classify a request's new text in a worker thread when it is large
+        (`OFFLOAD_RENDER_CHARS`), for `Pipeline.prepare` to take (`Prerendered`); None when it
+        is small, when `root` must be rendered again first (another model's renderer), or when
+        rendering the not yet validated input failed (`prepare` validates it first and
+        reports). A caller cancelled meanwhile leaves at once; the thread finishes its bounded
+        work and only then gives its place in the limiter back."""
+        pipeline = self.pipeline
+        version = pipeline.render_version_for(route)
+        if root.n_items and root.lineage.render_version != version:
+            return None
+        tools = request.tools or ()
+        with_prefix = not (
+            parent is not None
+            and parent.prefix.render_version == version
+            and parent.prefix.same_as(request.instructions, tools)
+        ) and not (known_prefix is not None and known_prefix.render_version == version)
+        size = text_chars(items, OFFLOAD_RENDER_CHARS)
+        if with_prefix and size < OFFLOAD_RENDER_CHARS:
+            size += text_chars((request.instructions, tools), OFFLOAD_RENDER_CHARS - size)
+        if size < OFFLOAD_RENDER_CHARS:
+            return None
+        self.counters.offloaded_renders += 1
+        work = functools.partial(
+            pipeline.prerender,
+            route,
+            instructions=request.instructions,
+            tools=tools,
+            with_prefix=with_prefix,
+            items=items,
+            classifier_state=root.classifier_state,
+        )
+        # Wall time, the thread's (rendering and classifying both).
+        with self.timer.measure("render", timings):
+            try:
+                return await trio.to_thread.run_sync(
+                    work, limiter=self.decode_limiter, abandon_on_cancel=True
+                )
+            except Exception:  # input not validated yet: `prepare` finds and reports it
+                return None
 
     def session(
         self,

@@ -77,6 +77,10 @@ class Renderer(Protocol):
 
     `template_id` names the chat template: compaction snapshots hold rendered tokens and are
     refused by a renderer with another template.
+
+    A request bringing much new text is rendered in a worker thread while the event loop
+    renders others (`Engine.prerender_off_loop`): rendering must not change shared state
+    other than caches that stay correct under concurrent use.
     """
 
     @property
@@ -123,7 +127,8 @@ class Classifier(Protocol):
     `feed` is a pure function: folding `feed` over N texts one at a time gives the same state
     (and the same flags, in order) as folding it over the same texts in any grouping, so the
     state after N items equals the state from classifying them at once. States are immutable
-    and comparable with `==`.
+    and comparable with `==`. A request bringing much new text is classified in a worker
+    thread (`Engine.prerender_off_loop`): `feed` must not touch shared state.
     """
 
     name: str

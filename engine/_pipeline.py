@@ -18,6 +18,7 @@ reused only when its instructions, tools and renderer are all the same.
 
 from __future__ import annotations
 
+import contextlib
 import typing
 from array import array
 from collections.abc import Sequence
@@ -46,7 +47,7 @@ from ._state import (
 from ._tools import offered_tools
 from ._validate import Validator, invalid
 
-__all__ = ["Pipeline", "Prepared", "Staged"]
+__all__ = ["Pipeline", "Prepared", "Prerendered", "Staged", "text_chars"]
 
 
 @attrs.frozen
@@ -56,6 +57,35 @@ class _LineageView:
 
     def call(self, call_id: str) -> CallRecord | None:
         return self.lineage.call(call_id, self.n_items)
+
+
+def text_chars(value: Any, cap: int) -> int:
+    """Characters of the strings in `value` (attrs instances, sequences and mappings, walked),
+    counted until `cap` is reached: how much text a request brings, without rendering it."""
+    total = 0
+    stack = [value]
+    while stack and total < cap:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node)
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif attrs.has(type(node)):
+            stack.extend(getattr(node, name) for name in _field_names(type(node)))
+    return total
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # per attrs class (the protocol's: bounded)
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(field.name for field in attrs.fields(cls))
+    return names
 
 
 # Id prefixes of the input items that get an id when they come without one.
@@ -97,6 +127,43 @@ class Staged:
     @property
     def n_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Prerendered:
+    """Rendering and classification done ahead of `prepare`, in a worker thread
+    (`Pipeline.prerender`), for one request's prefix and new items. `prefix` and `stage` take
+    them when they are for the same objects (the same instructions and tools, the same items
+    classified from the same state, by the same renderer), else render as usual; what they
+    take is counted then, as if done there."""
+
+    render_version: str
+    instructions: str | None
+    tools: Sequence[Tool]
+    prefix: Prefix | None  # None: the prefix was not rendered ahead
+    prefix_scanned: int
+    items: Sequence[Item] | None  # None: the items were not rendered ahead
+    start_state: Any  # the classifier state the items were classified from
+    tokens: list[array[int]]
+    classifier_state: Any
+    flags: tuple[Flag, ...]
+    scanned: int
+
+    def prefix_for(
+        self, instructions: str | None, tools: Sequence[Tool], version: str
+    ) -> Prefix | None:
+        if version != self.render_version or self.prefix is None:
+            return None
+        same = instructions is self.instructions and tools is self.tools
+        return self.prefix if same else None
+
+    def items_for(self, items: Sequence[Item], state: Any, version: str) -> bool:
+        return (
+            version == self.render_version
+            and self.items is not None
+            and items is self.items
+            and state is self.start_state
+        )
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -160,10 +227,12 @@ class Pipeline:
         known: Prefix | None = None,
         *,
         route: Route,
+        prerendered: Prerendered | None = None,
     ) -> Prefix:
         """The parent's prefix when unchanged (its instructions, tools and renderer), else
         `known` (the render cache's, rendered from the same instructions and tools by the same
-        renderer), else rendered with `route`'s renderer and classified now."""
+        renderer), else `prerendered`'s (rendered ahead in a worker thread), else rendered with
+        `route`'s renderer and classified now."""
         version = self.render_version_for(route)
         if (
             parent is not None
@@ -173,19 +242,39 @@ class Pipeline:
             return parent.prefix
         if known is not None and known.render_version == version:
             return known
-        renderer = self.renderer_for(route)
+        if prerendered is not None:
+            ahead = prerendered.prefix_for(instructions, tools, version)
+            if ahead is not None:  # rendered in a worker thread: counted now
+                self.counters.tokens_rendered += len(ahead.tokens)
+                self.counters.chars_classified += prerendered.prefix_scanned
+                return ahead
+        prefix, scanned = self._render_prefix(
+            self.renderer_for(route), instructions, tools, version, timings
+        )
+        self.counters.tokens_rendered += len(prefix.tokens)
+        self.counters.chars_classified += scanned
+        return prefix
+
+    def _render_prefix(
+        self,
+        renderer: Renderer,
+        instructions: str | None,
+        tools: Sequence[Tool],
+        version: str,
+        timings: dict[str, float] | None,
+    ) -> tuple[Prefix, int]:
+        """The prefix rendered and classified, and the characters classified; timed into
+        `timings` (None: not timed, as in a worker thread)."""
         offered = offered_tools(tools, self.hosted)
-        with self.timer.measure("render", timings):
+        with self._measure("render", timings):
             tokens = renderer.render_prefix(instructions, offered)
-            self.counters.tokens_rendered += len(tokens)
-        with self.timer.measure("classify", timings):
+        with self._measure("classify", timings):
             verdict = self.classifier.feed(
                 self.classifier.initial(),
                 renderer.prefix_text(instructions, offered),
                 len(tokens),
             )
-            self.counters.chars_classified += verdict.scanned
-        return Prefix(
+        prefix = Prefix(
             instructions=instructions,
             tools=tuple(tools),
             offered=offered,
@@ -194,6 +283,73 @@ class Pipeline:
             classifier_state=verdict.state,
             flags=verdict.flags,
             render_version=version,
+        )
+        return prefix, verdict.scanned
+
+    def _render_items(
+        self,
+        renderer: Renderer,
+        items: Sequence[Item],
+        classifier_state: Any,
+        timings: dict[str, float] | None,
+    ) -> tuple[list[array[int]], Any, tuple[Flag, ...], int]:
+        """`items` rendered and classified from `classifier_state`: their tokens, the state
+        after them, the flags raised and the characters classified (`timings` as above)."""
+        with self._measure("render", timings):
+            rendered = [renderer.render_item(item) for item in items]
+        flags: list[Flag] = []
+        scanned = 0
+        with self._measure("classify", timings):
+            for item, toks in zip(items, rendered, strict=True):
+                verdict = self.classifier.feed(
+                    classifier_state, renderer.item_text(item), len(toks)
+                )
+                classifier_state = verdict.state
+                flags.extend(verdict.flags)
+                scanned += verdict.scanned
+        return rendered, classifier_state, tuple(flags), scanned
+
+    def _measure(
+        self, stage: str, timings: dict[str, float] | None
+    ) -> contextlib.AbstractContextManager[None]:
+        if timings is None:
+            return contextlib.nullcontext()
+        return self.timer.measure(stage, timings)
+
+    def prerender(
+        self,
+        route: Route,
+        *,
+        instructions: str | None,
+        tools: Sequence[Tool],
+        with_prefix: bool,
+        items: Sequence[Item],
+        classifier_state: Any,
+    ) -> Prerendered:
+        """Render and classify ahead (`Prerendered`): the prefix when `with_prefix`, and
+        `items` from `classifier_state`. Touches nothing shared (no counters, no timers, no
+        cache): what a worker thread runs. The items are not validated yet; a caller that
+        gets an exception here leaves the work to `prepare`, whose validation comes first."""
+        renderer = self.renderer_for(route)
+        version = self.render_version_for(route)
+        prefix, prefix_scanned = (
+            self._render_prefix(renderer, instructions, tools, version, None)
+            if with_prefix
+            else (None, 0)
+        )
+        tokens, state, flags, scanned = self._render_items(renderer, items, classifier_state, None)
+        return Prerendered(
+            render_version=version,
+            instructions=instructions,
+            tools=tools,
+            prefix=prefix,
+            prefix_scanned=prefix_scanned,
+            items=items if items else None,
+            start_state=classifier_state,
+            tokens=tokens,
+            classifier_state=state,
+            flags=flags,
+            scanned=scanned,
         )
 
     def stage(
@@ -209,11 +365,15 @@ class Pipeline:
         timings: dict[str, float],
         validate: bool = True,
         offset: int = 0,
+        prerendered: Prerendered | None = None,
     ) -> Staged:
         """Validate, render (with `route`'s renderer) and classify `items` after the first
-        `n_items` of `lineage`."""
+        `n_items` of `lineage` (rendered and classified ahead when `prerendered` is for them:
+        only validated here)."""
         renderer = self.renderer_for(route)
+        version = self.render_version_for(route)
         open_calls = dict(open_calls)
+        given = items
         if validate:
             with self.timer.measure("validate", timings):
                 self.validator.validate_items(
@@ -222,25 +382,22 @@ class Pipeline:
                 self.counters.items_validated += len(items)
                 # Input items get ids (for item_reference and input_items); ids never render.
                 items = [_with_id(item) for item in items]
-        with self.timer.measure("render", timings):
-            rendered = [renderer.render_item(item) for item in items]
-            self.counters.tokens_rendered += sum(len(t) for t in rendered)
-        flags: list[Flag] = []
-        with self.timer.measure("classify", timings):
-            for item, toks in zip(items, rendered, strict=True):
-                verdict = self.classifier.feed(
-                    classifier_state, renderer.item_text(item), len(toks)
-                )
-                classifier_state = verdict.state
-                flags.extend(verdict.flags)
-                self.counters.chars_classified += verdict.scanned
+        if prerendered is not None and prerendered.items_for(given, classifier_state, version):
+            rendered, classifier_state = prerendered.tokens, prerendered.classifier_state
+            flags, scanned = prerendered.flags, prerendered.scanned
+        else:
+            rendered, classifier_state, flags, scanned = self._render_items(
+                renderer, items, classifier_state, timings
+            )
+        self.counters.tokens_rendered += sum(len(t) for t in rendered)
+        self.counters.chars_classified += scanned
         return Staged(
             items=list(items),
             tokens=rendered,
-            render_version=self.render_version_for(route),
+            render_version=version,
             classifier_state=classifier_state,
             open_calls=open_calls,
-            flags=tuple(flags),
+            flags=flags,
         )
 
     def rerender(
@@ -304,6 +461,7 @@ class Pipeline:
         own_root: bool = False,
         route: Route | None = None,
         validated: bool = False,
+        prerendered: Prerendered | None = None,
     ) -> Prepared:
         """`root` is `parent`, or for a new chain the state to build from: an empty state, a
         restored compaction window, or (`own_root`) the render cache's rendering of the first
@@ -314,7 +472,8 @@ class Pipeline:
         every function call must have its output by the end of the input (a model can't be
         sampled while tool results are missing). A `root` rendered by another renderer than the
         route's (a parent of another model) is rendered again first (`rerender`). `validated`:
-        the caller validated the request already (off the event loop)."""
+        the caller validated the request already (off the event loop); `prerendered`: the
+        caller rendered and classified ahead, off the event loop (`prerender`)."""
         with self.timer.measure("validate", timings):
             # Tools resent unchanged on a follow-up were validated with the parent; a prefix
             # the render cache holds, with the request that rendered it.
@@ -328,7 +487,13 @@ class Pipeline:
         if route is None:
             route = self.route(request.model, parent, timings)
         prefix = self.prefix(
-            request.instructions, request.tools or (), parent, timings, known_prefix, route=route
+            request.instructions,
+            request.tools or (),
+            parent,
+            timings,
+            known_prefix,
+            route=route,
+            prerendered=prerendered,
         )
         switched: tuple[Flag, ...] = ()
         reused_items = 0 if own_root else root.item_tokens
@@ -345,6 +510,7 @@ class Pipeline:
             param="input",
             timings=timings,
             offset=offset,
+            prerendered=prerendered,
         )
         if require_outputs and staged.open_calls:
             call_id = next(iter(staged.open_calls))

@@ -45,7 +45,7 @@ import attrs
 from rollout.protocol import Item, Tool
 
 from ._itemkey import KEY_BYTES, ROOT_KEY, chain_key, item_key
-from ._render import canonical_json, canonical_tools_json
+from ._render import canonical_tools_json
 from ._state import Lineage, Prefix, ResponseState
 
 __all__ = [
@@ -283,7 +283,20 @@ class RenderCache:
 
 
 def _prefix_key(instructions: str | None, tools: Sequence[Tool]) -> tuple[bytes, int]:
-    """The key of instructions and tools (their canonical JSON's digest), and its size."""
-    text = canonical_json([instructions, canonical_tools_json(tools) if tools else None])
-    data = text.encode("utf-8", "surrogatepass")
-    return hashlib.sha256(b"prefix\0" + data).digest()[:KEY_BYTES], len(data)
+    """The key of instructions and tools (a digest of the instructions' UTF-8, length-framed,
+    and of the tools' canonical JSON), and its size. The instructions are hashed as they are:
+    JSON-escaping them first cost ~4 ms per MiB of the event loop (64 MiB: ~250 ms)."""
+    digest = hashlib.sha256(b"prefix\0")
+    size = 0
+    if instructions is None:
+        digest.update(b"\0")
+    else:
+        data = instructions.encode("utf-8", "surrogatepass")
+        digest.update(b"\1" + len(data).to_bytes(8, "big"))
+        digest.update(data)
+        size += len(data)
+    if tools:
+        data = canonical_tools_json(tools).encode("utf-8", "surrogatepass")
+        digest.update(data)
+        size += len(data)
+    return digest.digest()[:KEY_BYTES], size

@@ -8,7 +8,7 @@ importing them back.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol, TypeVar
 
@@ -19,10 +19,10 @@ from ._cache import ResponseCache
 from ._compact import SnapshotSeal
 from ._counters import Counters, StageTimer
 from ._interfaces import Holder, HostedTool, StoredResponse
-from ._pipeline import Pipeline
+from ._pipeline import Pipeline, Prerendered
 from ._postinfer import PostInference
 from ._render_cache import RenderCache
-from ._state import ResponseState
+from ._state import Prefix, ResponseState, Route
 
 _Raw = TypeVar("_Raw", str, bytes)
 _Decoded = TypeVar("_Decoded")
@@ -77,6 +77,18 @@ class EngineServices(Protocol):
         tools_known: bool,
         timings: dict[str, float] | None = None,
     ) -> bool: ...
+
+    async def prerender_off_loop(
+        self,
+        request: ResponseCreate,
+        route: Route,
+        *,
+        parent: ResponseState | None,
+        known_prefix: Prefix | None,
+        root: ResponseState,
+        items: Sequence[Item],
+        timings: dict[str, float] | None = None,
+    ) -> Prerendered | None: ...
 
     async def stored_chain(
         self, response_id: str, *, owner: str | None

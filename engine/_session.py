@@ -482,7 +482,9 @@ class Session:
         route's renderer, if any: only the rest is validated, rendered and classified. With no
         `route` (the model did not resolve), nothing is looked up: the pipeline raises the
         routing error after the request's own validation, as it always did. A request whose
-        schemas are large is validated in a worker thread first (`Engine.validate_off_loop`)."""
+        schemas are large is validated in a worker thread first (`Engine.validate_off_loop`);
+        one whose new text is large is rendered and classified in one
+        (`Engine.prerender_off_loop`)."""
         engine = self.engine
         base, items, offset = resolved.base, resolved.items, resolved.offset
         own_root = False
@@ -507,6 +509,17 @@ class Session:
         validated = await engine.validate_off_loop(
             request, tools_known=tools_known, timings=timings
         )
+        prerendered = None
+        if route is not None:
+            prerendered = await engine.prerender_off_loop(
+                request,
+                route,
+                parent=parent,
+                known_prefix=known_prefix,
+                root=base,
+                items=items,
+                timings=timings,
+            )
         return engine.pipeline.prepare(
             request,
             parent,
@@ -519,6 +532,7 @@ class Session:
             own_root=own_root,
             route=route,
             validated=validated,
+            prerendered=prerendered,
         )
 
     def _route(

@@ -1,7 +1,8 @@
 """Request bounds (issue 29): identifiers a client stores, how many tools, `allowed_tools`
 entries and input items one request declares, and the JSON schemas' budget, each refused with
 OpenAI's error (code, param) before any work proportional to it; a request whose schemas are
-large is validated off the event loop, with the same errors in the same order.
+large is validated off the event loop, with the same errors in the same order; one bringing
+much new text is rendered and classified off it, with the same outcome.
 
 In-process over ASGI (the bounds are the app's, not the transport's). The event-loop time
 each field costs at its limit is measured by `bench/loop_time.py`, not asserted here.
@@ -11,23 +12,27 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncIterator
+from array import array
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from rollout.engine import MemoryResponseStore
+from rollout.engine import MemoryResponseStore, _engine
 from rollout.engine._app import AppConfig, RolloutApp
 from rollout.engine._engine import (
     OFFLOAD_DECODE_BYTES,
+    OFFLOAD_RENDER_CHARS,
     OFFLOAD_SCHEMA_NODES,
     Engine,
     open_engine,
 )
+from rollout.engine._render import ChatTemplateRenderer
 from rollout.engine._schemas import MAX_REQUEST_SCHEMA_NODES
+from rollout.engine._tokenizer import O200kTokenizer
 from rollout.engine._validate import ConversationValidator
-from rollout.protocol import ResponseCreate
+from rollout.protocol import Item, ResponseCreate, Tool
 from rollout.protocol._events import (
     MAX_INPUT_ITEMS,
     MAX_PROMPT_CACHE_KEY_CHARS,
@@ -211,3 +216,86 @@ async def test_a_caller_cancelled_during_validation_leaves_at_once() -> None:
                 assert not validator.release.is_set()  # the thread is still held
         finally:
             validator.release.set()
+
+
+LARGE = 100_000  # characters: what the recording renderer records
+
+
+class ThreadRecordingRenderer(ChatTemplateRenderer):
+    """The default renderer, recording which threads rendered large items and prefixes."""
+
+    def __init__(self) -> None:
+        super().__init__(O200kTokenizer())
+        self.threads: list[str] = []
+
+    def _record(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.threads.append("loop" if main else "worker")
+
+    def render_item(self, item: Item) -> array[int]:
+        if len(self.item_text(item)) > LARGE:
+            self._record()
+        return super().render_item(item)
+
+    def render_prefix(self, instructions: str | None, tools: Sequence[Tool]) -> array[int]:
+        if len(instructions or "") > LARGE:
+            self._record()
+        return super().render_prefix(instructions, tools)
+
+
+async def large_text_run(offload: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The same requests with large text, rendered off the loop or (`offload` False) on it:
+    what each answered, the work counters, and where each rendering ran."""
+    if not offload:
+        monkeypatch.setattr(_engine, "OFFLOAD_RENDER_CHARS", 2**62)
+    big = "All work and no play makes Jack a dull boy. " * 8_000  # 352 KB
+    assert len(big) >= OFFLOAD_RENDER_CHARS
+    renderer = ThreadRecordingRenderer()
+    seen: dict[str, Any] = {}
+    async with open_engine(store=MemoryResponseStore(), renderer=renderer) as engine:
+        app = RolloutApp(engine, AppConfig())
+        with trio.fail_after(30):
+            status, first = await create(app, input=[{"role": "user", "content": big}])
+            seen["first"] = (status, first["usage"]["input_tokens"], renderer.threads)
+            renderer.threads = []
+            status, second = await create(app, instructions=big, input="Hi.")
+            seen["instructions"] = (status, second["usage"]["input_tokens"], renderer.threads)
+            renderer.threads = []
+            # A follow-up with the same instructions: its prefix is the parent's (not again).
+            status, third = await create(
+                app, instructions=big, input="More.", previous_response_id=second["id"]
+            )
+            seen["follow-up"] = (status, third["usage"]["input_tokens"], renderer.threads)
+            renderer.threads = []
+            # Large and invalid: the output of a call that does not exist.
+            bad = [{"type": "function_call_output", "call_id": "call_nope", "output": big}]
+            status, answer = await create(app, input=bad)
+            seen["invalid"] = (status, answer["error"])
+        counters = engine.counters
+        seen["counters"] = (
+            counters.tokens_rendered,
+            counters.chars_classified,
+            counters.items_validated,
+        )
+        seen["offloaded"] = counters.offloaded_renders
+    return seen
+
+
+async def test_large_text_is_rendered_and_classified_off_the_loop_with_the_same_outcome(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request bringing `OFFLOAD_RENDER_CHARS` of new text (an input message, instructions)
+    is rendered and classified in a worker thread, and everything a client or the counters
+    see is what rendering it on the loop gives: usage, errors, tokens rendered, characters
+    classified. A prefix reused from the parent is not rendered again, in a thread or not."""
+    off = await large_text_run(True, monkeypatch)
+    on = await large_text_run(False, monkeypatch)
+    assert off["first"][2] == ["worker"] and on["first"][2] == ["loop"]
+    assert off["instructions"][2] == ["worker"] and on["instructions"][2] == ["loop"]
+    assert off["follow-up"][2] == on["follow-up"][2] == []  # the parent's prefix, taken
+    assert off["offloaded"] == 3 and on["offloaded"] == 0  # first, instructions, invalid
+    for key in ("first", "instructions", "follow-up"):
+        assert off[key][:2] == on[key][:2], key
+        assert off[key][0] == 200
+    assert off["invalid"] == on["invalid"] and off["invalid"][0] == 400, off["invalid"]
+    assert off["counters"] == on["counters"]
