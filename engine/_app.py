@@ -38,8 +38,10 @@ share to 1 there.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
+import math
 import re
 import time
 import urllib.parse
@@ -71,12 +73,13 @@ from ._engine import Engine, server_error
 from ._http_limits import (
     DEFAULT_BODY_MIN_RATE,
     DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_TCP_CONNECTIONS,
     BodyClock,
     TransportStats,
 )
 from ._metrics import MetricsExporter
 from ._responses_api import ResponsesApi
-from ._transport import TRANSPORT_EXTENSION
+from ._transport import TRANSPORT_EXTENSION, WriteWatch
 from ._trim import release_freed_memory
 from ._ws import WebSocketConnection, WebSocketLimits
 
@@ -123,6 +126,9 @@ class AppConfig:
     max_cached_tokens: int = 8_000_000
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     key_connection_share: float = DEFAULT_KEY_CONNECTION_SHARE
+    # The server's TCP connections at most (`_http_limits.py`): one key's HTTP requests in
+    # progress (each holding one) are at most its `key_connection_share` of it.
+    max_tcp_connections: int = DEFAULT_MAX_TCP_CONNECTIONS
     access_log: bool = True  # a `rollout.access` line per request (off for the warm-up's)
     # An HTTP request's body must arrive within `body_timeout` seconds of its headers, plus a
     # second per `body_min_rate` bytes (`_http_limits.BodyClock`), else 408 and close.
@@ -163,6 +169,8 @@ class RolloutApp:
         self.refused_connections = 0  # upgrades refused at the connection limit
         # Open WebSocket connections by holder: the API key's owner, or the client address.
         self._held: collections.Counter[str] = collections.Counter()
+        # HTTP requests in progress by holder (the same holders).
+        self._requests_held: collections.Counter[str] = collections.Counter()
         self.http_requests = 0
         # The TCP connections under the app (`_http_limits.py`; `serve` hands it to them).
         self.transport = transport if transport is not None else TransportStats()
@@ -342,6 +350,31 @@ class RolloutApp:
 
     # --- HTTP ---
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One HTTP request, its writes watched: one held past `send_stall_limit` (a client
+        that stopped reading) resets the connection, which cancels the request's work."""
+        limit = self.config.ws_limits.send_stall_limit
+        transport = scope.get("extensions", {}).get(TRANSPORT_EXTENSION)
+        if transport is None or limit == math.inf:
+            await self._http_request(scope, receive, send)
+            return
+        watch = WriteWatch(send, transport, limit, functools.partial(self._http_stalled, scope))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.watch)
+            try:
+                await self._http_request(scope, receive, watch.send)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    def _http_stalled(self, scope: Scope) -> None:
+        self.engine.counters.slow_consumers += 1
+        log.warning(
+            "an HTTP client stopped reading (%s %s: a write waited %g s): resetting its connection",
+            scope["method"],
+            scope["path"],
+            self.config.ws_limits.send_stall_limit,
+        )
+
+    async def _http_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.http_requests += 1
         began = time.perf_counter()
         method = scope["method"]
@@ -426,6 +459,49 @@ class RolloutApp:
             return await send_json(send, status, body)
         query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode("latin-1")))
         allowed, owner = self._keys.authenticate(headers)
+        if not allowed:
+            return await self._route(method, path, query, headers, receive, send, False, None)
+        holder = _holder(scope, owner)
+        held = self._requests_held
+        if held[holder] >= self.key_request_limit():
+            self.engine.counters.http_key_share_refusals += 1
+            who = "API key" if self.config.api_keys else "client address"
+            return await send_json(
+                send,
+                429,
+                error_body(
+                    f"This {who} has {held[holder]} HTTP requests in progress, its share of "
+                    f"this server's {self.config.max_tcp_connections} connections; wait for "
+                    "one to end.",
+                    code="too_many_requests_for_key",
+                ),
+            )
+        held[holder] += 1
+        try:
+            return await self._route(method, path, query, headers, receive, send, True, owner)
+        finally:
+            held[holder] -= 1
+            if not held[holder]:
+                del held[holder]
+
+    def key_request_limit(self) -> int:
+        """The HTTP requests in progress one key (or client address) may have."""
+        share = int(self.config.max_tcp_connections * self.config.key_connection_share)
+        return max(1, min(self.config.max_tcp_connections, share))
+
+    async def _route(
+        self,
+        method: str,
+        path: str,
+        query: dict[str, str],
+        headers: dict[str, str],
+        receive: Receive,
+        send: Send,
+        allowed: bool,
+        owner: str | None,
+    ) -> int:
+        """The request to its route's handler (not `allowed`: no valid key, only the public
+        routes answer; `owner`: the key's owner, None without auth)."""
         for route in self._routes:
             match = route.pattern.match(path)
             if match is None:

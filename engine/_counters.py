@@ -66,7 +66,9 @@ class Counters:
     # requests and WebSocket upgrades refused by the browser rules (`_browser.py`): a foreign
     # Host, an Origin not allowed, a form or text body
     browser_refusals: int = 0
-    slow_consumers: int = 0  # WebSocket clients torn down for not reading (responses cancelled)
+    # clients torn down for not reading (WebSocket, or an HTTP response's write held past the
+    # stall limit): responses cancelled, connections reset
+    slow_consumers: int = 0
     # WebSocket connections cut off at the TCP level (reset: a slow consumer, a ping unanswered)
     ws_aborts: int = 0
     ws_ping_timeouts: int = 0  # WebSocket peers that did not answer a ping in time (aborted)
@@ -75,6 +77,9 @@ class Counters:
     # WebSocket upgrades refused because the key (or, without auth, the client address)
     # already held its share of the connections
     ws_key_share_refusals: int = 0
+    # HTTP requests refused (429) because their key (or client address) had its share of the
+    # TCP connections in requests already
+    http_key_share_refusals: int = 0
     responses_completed: int = 0
     responses_incomplete: int = 0
     responses_failed: int = 0

@@ -59,7 +59,7 @@ from ._logging import HTTP_LOGGER
 from ._models import ModelRegistry
 from ._render_cache import DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_CACHE_TTL, RenderCache
 from ._store import open_sqlite_store
-from ._transport import offer_websocket_transport
+from ._transport import offer_transport
 from ._warmup import warm_up, warm_up_needed
 from ._write import write_directly
 from ._ws import (
@@ -183,6 +183,7 @@ class ServerConfig:
             ),
             max_connections=self.max_connections,
             key_connection_share=self.key_connection_share,
+            max_tcp_connections=self.max_tcp_connections,
             max_cached_responses=self.max_cached_responses,
             metrics_dir=self.metrics_dir,
             bound_host=self.host,
@@ -375,7 +376,7 @@ async def serve(
     answer_peer_protocol_errors()
     decline_deflate_offers()
     write_directly()
-    offer_websocket_transport()
+    offer_transport()
     bound_transport()
     bound_inflation()
     stats = TransportStats()
@@ -411,7 +412,11 @@ async def serve(
             if config.freeze_heap:
                 frozen = freeze_startup_heap()
                 log.debug("%d objects of the startup heap frozen", frozen)
-            app = RolloutApp(engine, config.app_config(), transport=stats)
+            # One key's share of the TCP connections is of the cap as fitted (`hconfig`).
+            app_config = attrs.evolve(
+                config.app_config(), max_tcp_connections=hconfig.transport.max_tcp_connections
+            )
+            app = RolloutApp(engine, app_config, transport=stats)
             watch_accept_errors(stats)
             interrupter = trio.CancelScope()
 

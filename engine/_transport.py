@@ -1,5 +1,7 @@
-"""What hypercorn's WebSocket offers the app beyond ASGI messages: aborting the TCP connection,
-sending a ping, and hearing the pongs (the ASGI scope extension `rollout.transport`).
+"""What hypercorn's streams offer the app beyond ASGI messages: aborting the TCP connection
+(WebSocket and HTTP), sending a ping and hearing the pongs (WebSocket), as the ASGI scope
+extension `rollout.transport`; and `WriteWatch`, which aborts an HTTP response's connection
+when one of its writes is held past a limit.
 
 ASGI gives a WebSocket app `websocket.send` and `websocket.close` and nothing else, and
 hypercorn (0.17, 0.18) writes every chunk shielded from cancellation
@@ -16,15 +18,22 @@ the peer (an orphaned socket's data).
 ASGI has no ping either, and hypercorn's own (`websocket_ping_interval`) never looks at the
 pongs, so it cannot tell a peer that stopped answering.
 
-`offer_websocket_transport()` patches hypercorn's `WSStream.handle` (idempotent) so that each
-WebSocket's ASGI scope carries `scope["extensions"]["rollout.transport"]`, a
-`HypercornTransport` over that stream:
+An HTTP response's writes are shielded the same way: a client that stops reading a
+server-sent-event stream (or a large JSON body) holds the write, the response and the
+connection's buffers for as long as it likes. `WriteWatch` times each write of one request
+and, beside it, resets the connection once a write has waited `limit`: hypercorn then tells the
+app `http.disconnect`, which cancels the response (its usage recorded as for any client that
+leaves).
+
+`offer_transport()` patches hypercorn's `WSStream.handle` and `HTTPStream.handle`
+(idempotent) so that each WebSocket's and HTTP request's ASGI scope carries
+`scope["extensions"]["rollout.transport"]`, a `HypercornTransport` over that stream:
 
 - `abort()`: reset the TCP connection now (the one under the stream: on HTTP/2, every stream
   of that connection, all of them the same peer's);
-- `ping(payload)`: one ping frame, written like any frame (returns once written; False when the
-  WebSocket is closing and no ping can go out);
-- `watch_pongs(on_pong)`: `on_pong(payload)` at each pong the peer sends.
+- `ping(payload)` (WebSocket): one ping frame, written like any frame (returns once written;
+  False when the WebSocket is closing and no ping can go out);
+- `watch_pongs(on_pong)` (WebSocket): `on_pong(payload)` at each pong the peer sends.
 
 An app that does not look at the extension sees hypercorn's behaviour unchanged. The path to
 the TCP stream (`WSStream.send` is its protocol's bound `stream_send`, whose `send` is the
@@ -38,12 +47,12 @@ import functools
 import socket
 import struct
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import trio
 
-__all__ = ["TRANSPORT_EXTENSION", "HypercornTransport", "offer_websocket_transport"]
+__all__ = ["TRANSPORT_EXTENSION", "HypercornTransport", "WriteWatch", "offer_transport"]
 
 # The ASGI scope extension holding a WebSocket's `HypercornTransport`.
 TRANSPORT_EXTENSION = "rollout.transport"
@@ -144,21 +153,64 @@ class _WithTransport:
         await self._app(scope, *args)
 
 
-def offer_websocket_transport() -> None:
-    """Give every hypercorn WebSocket's ASGI scope its `HypercornTransport` (see the module
-    docstring). Idempotent."""
+class WriteWatch:
+    """One HTTP request's writes, timed (`send` wraps the ASGI send); `watch()`, run beside
+    the request, resets its TCP connection through `transport` once a write has waited
+    `limit` seconds, and calls `on_stall` (no later than 1.5 x `limit` after the write
+    began: an idle watch looks every `limit / 2`)."""
+
+    def __init__(
+        self,
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+        transport: HypercornTransport | None,
+        limit: float,
+        on_stall: Callable[[], None],
+    ) -> None:
+        self._send = send
+        self._transport = transport
+        self.limit = limit
+        self._on_stall = on_stall
+        self._started: float | None = None  # when the write in progress began
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self._started = trio.current_time()
+        try:
+            await self._send(message)
+        finally:
+            self._started = None
+
+    async def watch(self) -> None:
+        while True:
+            started, now = self._started, trio.current_time()
+            if started is not None and now >= started + self.limit:
+                if self._transport is not None and self._transport.abort():
+                    self._on_stall()
+                return
+            await trio.sleep_until(
+                started + self.limit if started is not None else now + self.limit / 2
+            )
+
+
+def offer_transport() -> None:
+    """Give every hypercorn WebSocket's and HTTP request's ASGI scope its
+    `HypercornTransport` (see the module docstring). Idempotent."""
     from hypercorn.protocol.events import Request
+    from hypercorn.protocol.http_stream import HTTPStream
     from hypercorn.protocol.ws_stream import WSStream
 
-    original = WSStream.handle
-    if getattr(original, "_rollout_transport", False):
-        return
+    for cls in (WSStream, HTTPStream):
+        original = cls.handle
+        if getattr(original, "_rollout_transport", False):
+            continue
+        cls.handle = _with_transport(original, Request)  # type: ignore[method-assign]
 
+
+def _with_transport(original: Any, request: type) -> Any:
     @functools.wraps(original)  # (keeps other patches' markers: they are not applied twice)
-    async def handle(self: Any, event: Any) -> None:  # (self: a WSStream)
-        if isinstance(event, Request) and not isinstance(self.app, _WithTransport):
+    async def handle(self: Any, event: Any) -> None:  # (self: a WSStream or an HTTPStream)
+        if isinstance(event, request) and not isinstance(self.app, _WithTransport):
             self.app = _WithTransport(self.app, HypercornTransport(self))
         await original(self, event)
 
     handle._rollout_transport = True  # type: ignore[attr-defined]
-    WSStream.handle = handle  # type: ignore[method-assign]
+    return handle

@@ -33,6 +33,8 @@ import base64
 import json
 import os
 import re
+import socket
+import sqlite3
 import zlib
 from pathlib import Path
 
@@ -40,9 +42,12 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import pytest
 import trio
+from rollout.engine._auth import owner_of
 
 from tests.client_harness import RolloutProcess, open_rollout_process
+from tests.server_harness import fetch_counters
 from tests.test_hostile_ws import KEYS, WORST_LATENCY, metrics, well_behaved
 
 KEEP_ALIVE = 2.0  # --keep-alive-timeout
@@ -358,3 +363,83 @@ async def test_http2_streams_are_capped_and_end_with_their_connection(tmp_path: 
     statuses = {r["status"] for r in server.access() if r.get("event") == "http"}
     assert statuses == {400}, statuses  # the partial body read, then refused as invalid JSON
     assert "Traceback" not in server.tail(200)
+
+
+SSE_STALLED = 4  # HTTP clients that stop reading a server-sent-event stream
+SSE_STALL = 1.0  # --send-stall-limit
+
+
+def stalled_requests(server: RolloutProcess) -> int:
+    """Streaming creates the server has ended so far (its access log's lines)."""
+    return sum(
+        1
+        for record in server.access()
+        if record.get("event") == "http" and record.get("path") == "/v1/responses"
+    )
+
+
+async def test_an_http_client_that_stops_reading_is_cut_off(tmp_path: Path) -> None:
+    """Clients that start a streaming create and never read it: each write the server makes is
+    shielded in hypercorn, so before the write watch the response, its connection and the
+    kernel's buffers were held until the response ended (never, for a long one). Now each is
+    reset within 1.5 x `--send-stall-limit` (+ `MARGIN`): `slow_consumers` counts them, their
+    responses end, each one's usage is in the ledger exactly once (interrupted), and the other
+    key's client is served under `WORST_LATENCY` throughout."""
+    args = [
+        *("--api-key", KEYS[0], "--api-key", KEYS[1]),
+        *("--send-stall-limit", str(SSE_STALL)),
+    ]
+    body = json.dumps(
+        {
+            "model": "sim:tokens=1000000,tps=50000",
+            "input": "Write forever.",
+            "stream": True,
+            "store": False,
+        }
+    ).encode()
+    request = (
+        b"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEYS[0]}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    async with open_rollout_process(data_dir=tmp_path / "data", extra_args=args) as server:
+        port = port_of(server)
+        with trio.fail_after(DEADLINE):
+            async with well_behaved(server.url) as latencies:
+                await latencies.more(2)
+                streams = []
+                for _ in range(SSE_STALLED):
+                    sock = trio.socket.socket()
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                    await sock.connect(("127.0.0.1", port))
+                    stream = trio.SocketStream(sock)
+                    await stream.send_all(request)
+                    streams.append(stream)
+                start = trio.current_time()
+                with trio.fail_after(1.5 * SSE_STALL + MARGIN + 2):
+                    await server.wait_for(lambda s: stalled_requests(s) >= SSE_STALLED)
+                took = trio.current_time() - start
+                for stream in streams:  # reset by the server
+                    with pytest.raises(trio.BrokenResourceError):
+                        while await stream.receive_some(65536):
+                            pass
+                await latencies.more(2)
+                counters = await fetch_counters(server.url, KEYS[1])
+    log = server.tail(400)
+    assert took <= 1.5 * SSE_STALL + MARGIN, took
+    assert counters["slow_consumers"] == SSE_STALLED, counters
+    conn = sqlite3.connect(tmp_path / "data" / "usage.sqlite3")
+    try:
+        rows = list(
+            conn.execute(
+                "SELECT response_id, step, complete FROM usage WHERE owner = ?",
+                (owner_of(KEYS[0]),),
+            )
+        )
+    finally:
+        conn.close()
+    assert len(rows) == SSE_STALLED, rows  # one step each, interrupted
+    assert len({r[0] for r in rows}) == len(rows) and not any(r[2] for r in rows), rows
+    worst = max(latencies.latencies)
+    assert worst < WORST_LATENCY, worst
+    assert "Traceback" not in log and "unexpected" not in log, log

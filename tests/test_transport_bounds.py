@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import logging
 import os
 import subprocess
@@ -17,7 +18,9 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from rollout.engine import _http_limits
+from rollout.engine import MemoryResponseStore, _http_limits
+from rollout.engine._app import AppConfig, RolloutApp
+from rollout.engine._engine import open_engine
 from rollout.engine._http_limits import BodyClock
 from rollout.engine._ws_deflate import (
     INFLATE_STEP,
@@ -325,3 +328,71 @@ def test_the_connection_cap_is_fitted_under_the_descriptor_limit() -> None:
     lines = result.stdout.splitlines()
     assert "does not fit the descriptor limit" in lines[0], lines
     assert lines[1:] == ["136", "200", "50"], lines  # soft raised to the hard limit first
+
+
+async def test_one_key_holds_its_share_of_http_requests_in_progress() -> None:
+    """Of `max_tcp_connections` (8 here), one key's HTTP requests in progress (each holding a
+    connection: a body that has not arrived, a response streaming) are at most its
+    `key_connection_share` (half): the next gets 429 `too_many_requests_for_key` at once, while
+    another key is still served; a request that ends gives its place back."""
+    keys = ("key-one", "key-two")
+    async with open_engine(store=MemoryResponseStore()) as engine:
+        app = RolloutApp(
+            engine,
+            AppConfig(api_keys=keys, max_tcp_connections=8, key_connection_share=0.5),
+        )
+        release = trio.Event()
+        body = {"type": "http.request", "body": b'{"model":"sim","input":"hi"}'}
+
+        async def request(key: str, held: bool = False) -> tuple[int, Any]:
+            sent: list[dict[str, Any]] = []
+            done = trio.Event()
+            inbox = [body]
+
+            async def receive() -> dict[str, Any]:
+                if inbox:
+                    if held:
+                        await release.wait()  # the body arrives when the test says
+                    return inbox.pop()
+                await done.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": "/v1/responses",
+                "query_string": b"",
+                "client": ("127.0.0.1", 5000),
+                "headers": [
+                    (b"host", b"localhost"),
+                    (b"content-type", b"application/json"),
+                    (b"authorization", f"Bearer {key}".encode()),
+                ],
+            }
+            await app(scope, receive, send)
+            done.set()
+            answer = b"".join(m.get("body", b"") for m in sent[1:])
+            return sent[0]["status"], json.loads(answer)
+
+        results: list[int] = []
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+
+                async def hold() -> None:
+                    results.append((await request(keys[0], held=True))[0])
+
+                for _ in range(4):
+                    nursery.start_soon(hold)
+                await trio.testing.wait_all_tasks_blocked()
+                status, answer = await request(keys[0])
+                assert status == 429, answer
+                assert answer["error"]["code"] == "too_many_requests_for_key"
+                assert "4 HTTP requests in progress" in answer["error"]["message"]
+                assert (await request(keys[1]))[0] == 200  # another key
+                release.set()
+            assert results == [200] * 4
+            assert (await request(keys[0]))[0] == 200  # its places are back
+        assert engine.counters.http_key_share_refusals == 1
