@@ -8,8 +8,6 @@ error bodies and exited 0, over the last run's results.json and summary.md."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,8 +19,9 @@ from rollout import bench
 from rollout.bench._errors import PreflightError
 from rollout.engine._serve import ServerConfig, open_server
 
+from tests.test_bench import _bench_cli
+
 DEADLINE = 60.0
-CLI_TIMEOUT = 120.0
 TINY = [
     "--scenario", "alpha-demo", "--steps", "1", "--tool-tokens", "20", "--prompt-tokens", "20",
     "--output-tokens", "8", "--concurrency", "0", "--repetitions", "1", "--no-progress",
@@ -75,18 +74,8 @@ async def test_a_model_the_server_lacks_is_named_with_the_fix(tmp_path: Path) ->
     assert f"GET {url.rstrip('/')}/models lists them" in message
 
 
-def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rollout", "bench", *argv],
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT,
-        cwd=cwd,
-    )
-
-
 def test_with_local_and_an_unknown_model_says_how_to_serve_it(tmp_path: Path) -> None:
-    done = _cli(*TINY, "--with-local", "--model", "llama-3", "--out", "out", cwd=tmp_path)
+    done = _bench_cli(*TINY, "--with-local", "--model", "llama-3", "--out", "out", cwd=tmp_path)
     assert done.returncode == 1, done
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr
@@ -100,14 +89,14 @@ def test_an_earlier_run_is_kept_unless_forced(tmp_path: Path) -> None:
     out.mkdir()
     (out / "results.json").write_text(json.dumps({"schema": "rollout-bench/6", "old": True}))
     (out / "overhead.png").write_bytes(b"old plot")
-    done = _cli(*TINY, "--out", "out", cwd=tmp_path)
+    done = _bench_cli(*TINY, "--out", "out", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (1, "")
     assert done.stderr == (
         "rollout bench: out holds an earlier run (overhead.png, results.json); choose another "
         "--out, or pass --force to replace it\n"
     )
     assert json.loads((out / "results.json").read_text())["old"] is True
-    done = _cli(*TINY, "--force", "--out", "out", cwd=tmp_path)
+    done = _bench_cli(*TINY, "--force", "--out", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "old" not in json.loads((out / "results.json").read_text())
     assert not (out / "overhead.png").exists()  # (--no-plots: the old plot is not left behind)

@@ -34,7 +34,6 @@ import json
 import os
 import re
 import socket
-import sqlite3
 import zlib
 from pathlib import Path
 
@@ -44,11 +43,10 @@ import h2.errors
 import h2.events
 import pytest
 import trio
-from rollout.engine._auth import owner_of
 
 from tests.client_harness import RolloutProcess, open_rollout_process
 from tests.server_harness import fetch_counters
-from tests.test_hostile_ws import KEYS, WORST_LATENCY, metrics, well_behaved
+from tests.test_hostile_ws import KEYS, WORST_LATENCY, metrics, usage_rows, well_behaved
 
 KEEP_ALIVE = 2.0  # --keep-alive-timeout
 BODY_TIMEOUT = 1.0  # --body-timeout
@@ -428,16 +426,7 @@ async def test_an_http_client_that_stops_reading_is_cut_off(tmp_path: Path) -> N
     log = server.tail(400)
     assert took <= 1.5 * SSE_STALL + MARGIN, took
     assert counters["slow_consumers"] == SSE_STALLED, counters
-    conn = sqlite3.connect(tmp_path / "data" / "usage.sqlite3")
-    try:
-        rows = list(
-            conn.execute(
-                "SELECT response_id, step, complete FROM usage WHERE owner = ?",
-                (owner_of(KEYS[0]),),
-            )
-        )
-    finally:
-        conn.close()
+    rows = usage_rows(tmp_path / "data", KEYS[0])
     assert len(rows) == SSE_STALLED, rows  # one step each, interrupted
     assert len({r[0] for r in rows}) == len(rows) and not any(r[2] for r in rows), rows
     worst = max(latencies.latencies)

@@ -64,6 +64,20 @@ def rss(pid: int) -> int:
     raise AssertionError("no VmRSS in /proc status")
 
 
+def usage_rows(data_dir: Path, key: str) -> list[tuple[str, int, int]]:
+    """(response id, step, complete) of each row of `key`'s usage in the server's ledger."""
+    conn = sqlite3.connect(data_dir / "usage.sqlite3")
+    try:
+        return list(
+            conn.execute(
+                "SELECT response_id, step, complete FROM usage WHERE owner = ?",
+                (owner_of(key),),
+            )
+        )
+    finally:
+        conn.close()
+
+
 def frame(opcode: int, payload: bytes) -> bytes:
     """One client frame (FIN set, masked)."""
     mask = os.urandom(4)
@@ -269,16 +283,7 @@ async def test_hostile_peers_are_cut_off_and_one_key_holds_its_share(tmp_path: P
     # 1: cut off in time, the memory back, the usage of every cut-off response once.
     assert took <= STALL + MARGIN, took
     assert after - before < RSS_RETURN_BOUND, (before / 2**20, peak / 2**20, after / 2**20)
-    conn = sqlite3.connect(tmp_path / "data" / "usage.sqlite3")
-    try:
-        rows = list(
-            conn.execute(
-                "SELECT response_id, step, complete FROM usage WHERE owner = ?",
-                (owner_of(KEYS[0]),),
-            )
-        )
-    finally:
-        conn.close()
+    rows = usage_rows(tmp_path / "data", KEYS[0])
     assert len(rows) == STALLED * LANES, rows  # one step each, interrupted
     assert len({r[0] for r in rows}) == len(rows) and not any(r[2] for r in rows), rows
     # 2, 3.
