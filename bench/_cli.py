@@ -141,6 +141,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="model id for servers that do not run the `sim` model "
         "(tool calls are then forced with tool_choice; no physical limit)",
     )
+    p.add_argument(
+        "--tokenizer",
+        metavar="o200k|cl100k|none|FILE",
+        help="the server model's tokenizer, to count the output tokens that arrive and make the "
+        "scenario's prompt and tool outputs in its tokens: o200k, cl100k, or a Hugging Face "
+        "tokenizer.json (FILE needs rollout-engine[bench]); counts are set beside the server's "
+        "usage, never failed on. Default: the sim's exact count for the sim models; none (the "
+        "server's usage) with --model",
+    )
     p.add_argument("--api-key", help="API key sent to --url servers (Authorization: Bearer)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per rollout")
     p.add_argument(
@@ -395,8 +404,18 @@ def build_config(args: argparse.Namespace) -> Any:
     concurrency_scenario = (
         points[0].scenario if custom and points else CONCURRENCY_SCENARIO.with_(**overrides)
     )
+    tokenizer = None
+    if args.tokenizer is not None:
+        from ._tokens import TokenizerError, load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(args.tokenizer)
+        except TokenizerError as exc:
+            raise SystemExit(f"rollout bench: {exc}") from None
     return BenchConfig(
         points=tuple(points),
+        tokenizer=tokenizer,
+        tokenizer_given=args.tokenizer is not None,
         concurrency=concurrency,
         concurrency_modes=concurrency_modes,
         concurrency_scenario=concurrency_scenario if concurrency else None,
@@ -485,7 +504,7 @@ def _run(args: argparse.Namespace) -> int:
         first = note.splitlines()[0]
         more = "\n" + note if args.debug else " (the traceback is in results.json's notes)"
         print(f"rollout bench: {first}{more}", file=sys.stderr)
-    lost = _lost_tokens(results)
+    lost = _lost_output(results) + _unmeasured(results)
     for line in lost:
         print(f"rollout bench: {line}", file=sys.stderr)
     if results["meta"]["interrupted"]:
@@ -591,18 +610,31 @@ def _has_matplotlib() -> bool:
     return True
 
 
-def _lost_tokens(results: dict[str, Any]) -> list[str]:
-    """One line per server whose streams lost tokens (its rollouts are failures)."""
+def _lost_output(results: dict[str, Any]) -> list[str]:
+    """One line per server whose streams lost output (its rollouts are failures)."""
     lines = []
     for server in results["servers"]:
         waves = [c for c in results["concurrency"] if c["server"] == server["label"]]
         turns = sum(c["turns_failed"] for c in waves)
         if server["stream_failures"] or turns:
             lines.append(
-                f"{server['label']} lost tokens: what arrived is not what it produced "
+                f"{server['label']} lost output: what arrived is not what it produced "
                 f"({server['stream_failures']} rollouts of the sweep, {turns} turns of the "
                 "concurrency sweep; see its notes and errors in results.json)"
             )
+    return lines
+
+
+def _unmeasured(results: dict[str, Any]) -> list[str]:
+    """One line per server none of whose modes was measured (each failed or could not run)."""
+    lines = []
+    for server in results["servers"]:
+        if server["modes"] or server["stream_failures"] or results["meta"]["interrupted"]:
+            continue
+        reasons = [n for n in server["notes"] if " failed and was skipped" in n]
+        reasons += [n for n in server["notes"] if n.startswith("not measured:")]
+        why = "; ".join(reasons[:3]) or "no mode ran"
+        lines.append(f"{server['label']}: no mode could be measured: {why}")
     return lines
 
 

@@ -52,7 +52,8 @@ from ._records import RolloutRecord, Stream, TurnRecord
 from ._scenario import INSTRUCTIONS, TOOL_NAME, Scenario
 from ._server import Endpoint
 from ._streams import check_streams, measure_encoding
-from ._ws import ConnectionClosed, HandshakeError, WsSocket, open_bench_ws
+from ._tokens import SIM, TokenCounter
+from ._ws import ConnectionClosed, ConnectionRejected, HandshakeError, WsSocket, open_bench_ws
 
 __all__ = [
     "MODES",
@@ -62,7 +63,7 @@ __all__ = [
     "TurnRecord",
     "parse_server_timing",
     "probe_rollout_extension",
-    "probe_websocket_deflate",
+    "probe_websocket",
     "run_rollout",
 ]
 
@@ -97,10 +98,10 @@ class RolloutSpec:
     # output comes with a user message asking for the answer (best effort).
     force_tool_choice: bool = False
     timeout: float = 900.0
-    # Tokens are counted as the `sim` model counts them (exactly; see `count_tokens`), and a
-    # turn whose count differs from its usage fails. False for other models: o200k tokens,
-    # an estimate, and only the text is checked.
-    sim_tokens: bool = True
+    # How received tokens are counted (`_tokens.py`): the sim's exact count by default (a
+    # turn whose count differs from its usage fails); a tokenizer the user named (a figure
+    # beside the usage); None: the server's usage is the count. Text is checked in every case.
+    counter: TokenCounter | None = SIM
     keep_frames: bool = False  # keep each turn's events as received (to time their encoding)
     # For a real model: the tools to declare instead of the scenario's (whose argument length
     # is the `sim` model's output size), and fields every create carries (`temperature`,
@@ -481,7 +482,7 @@ async def run_rollout(
             f"{mode}, turn {len(record.turns)}: malformed answer from the server: {exc!r}"
         ) from None
     # After the rollout, off its clock: what arrived, counted and checked.
-    check_streams(record, sim=spec.sim_tokens)
+    check_streams(record, spec.counter)
     if spec.keep_frames:
         for turn in record.turns:
             measure_encoding(turn, sse=mode.startswith("http"))
@@ -503,14 +504,22 @@ def _open_ws(endpoint: Endpoint, *, timing: bool) -> AbstractAsyncContextManager
     )
 
 
-async def probe_websocket_deflate(endpoint: Endpoint, limit: float = 60.0) -> bool | None:
-    """Whether the server accepts the client's permessage-deflate offer (None: no WebSocket)."""
+async def probe_websocket(endpoint: Endpoint, limit: float = 60.0) -> tuple[bool | None, str]:
+    """Whether the server has WebSocket mode, and accepts the client's permessage-deflate
+    offer: (True or False, "") when the handshake succeeds, (None, why) when it does not."""
     try:
         with trio.fail_after(limit):
             async with _open_ws(endpoint, timing=False) as ws:
-                return bool(ws.deflate)
-    except (trio.TooSlowError, OSError, HandshakeError, ConnectionClosed):
-        return None
+                return bool(ws.deflate), ""
+    except trio.TooSlowError:
+        return None, f"no WebSocket handshake within {limit:g} s"
+    except ConnectionRejected as exc:
+        said = _error_message(exc.body)
+        return None, f"no WebSocket mode: the upgrade was answered HTTP {exc.status_code}" + (
+            f": {said}" if said else ""
+        )
+    except (OSError, HandshakeError, ConnectionClosed) as exc:
+        return None, f"no WebSocket mode: the handshake failed ({_reason(exc)})"
 
 
 async def _loop(
@@ -589,6 +598,18 @@ async def probe_rollout_extension(
         return False, f"WebSocket failed: {_reason(exc)}"
     except Exception as exc:  # a handshake refusal and the like: report, don't crash
         return False, f"the WebSocket could not be opened: {_reason(exc)}"
+
+
+def _error_message(body: bytes, limit: int = 120) -> str:
+    """What an HTTP error body says: its OpenAI-shaped `error.message`, or its start."""
+    text = body.decode(errors="replace").strip()
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        text = error["message"]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _reason(exc: BaseException) -> str:

@@ -156,7 +156,7 @@ def _wave_summary(wave: dict[str, Any]) -> str:
     """K, the stream rate as a share of the model's and the turn excess; or what failed."""
     head = f"K={wave['concurrency']}: "
     if wave["turns_failed"]:
-        return head + f"{wave['turns_failed']} turns lost tokens"
+        return head + f"{wave['turns_failed']} turns lost output"
     if wave["rollouts_failed"]:
         return head + f"{wave['rollouts_failed']} rollouts failed"
     pace, excess = wave["pace_ratio"], wave["excess_ratio"]

@@ -142,7 +142,7 @@ class RealPlan:
             model=f"{self.model}:calls={n}",
             run_tools=False,
             timing=False,
-            sim_tokens=False,
+            counter=None,
             timeout=self.timeout,
             tools=(RUN_TOOL,),
             incomplete_ends=True,

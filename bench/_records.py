@@ -52,7 +52,7 @@ class TurnRecord:
     streams: list[Stream] = attrs.field(factory=list)
     # The first delta's kind and text: its tokens arrive as the rate's clock starts.
     first_delta: tuple[str, str] | None = None
-    received_tokens: int | None = None  # tokens counted in the deltas (`count_tokens`)
+    received_tokens: int | None = None  # tokens counted in the deltas (None: no tokenizer)
     failure: str | None = None  # what the stream lost (the turn is no data point)
     # `encode_s`: seconds the server's codec takes to encode this turn's events, per event
     # (counting pass only: re-encoded in the benchmark's process, `measure_encoding`).

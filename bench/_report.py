@@ -534,8 +534,97 @@ def _goals_table(results: dict[str, Any]) -> Table | None:
     )
 
 
+NOT_MEASURED = "not measured"
+
+
+def _cell_missing(server: dict[str, Any], mode: str) -> str:
+    """A side-by-side cell with no figure: the mode could not run there, or it failed."""
+    if mode in server.get("not_measured", {}):
+        return NOT_MEASURED
+    return "failed" if mode not in server["modes"] else "-"
+
+
+def _why_not(servers: Sequence[dict[str, Any]]) -> str:
+    """One sentence per server that could not run some modes: which, and the evidence."""
+    parts = []
+    for server in servers:
+        by_reason: dict[str, list[str]] = {}
+        for mode, why in server.get("not_measured", {}).items():
+            by_reason.setdefault(why, []).append(mode)
+        for why, modes in by_reason.items():
+            parts.append(f"{server['label']}: {', '.join(modes)} {NOT_MEASURED} ({why}).")
+        if not server["metrics"]:
+            parts.append(f"{server['label']}: no rollout /metrics: server-side time not measured.")
+    return " ".join(parts)
+
+
+def _side_by_side_table(results: dict[str, Any]) -> Table | None:
+    """Every server's per-turn and whole-rollout time for each point and mode, side by side,
+    with what could not be measured and why: the comparison a user asks for."""
+    servers = results["servers"]
+    if len(servers) < 2:
+        return None
+    rollouts = {(r["server"], r["scenario"], r["tps"], r["mode"]): r for r in results["rollouts"]}
+    turn_s: dict[tuple[str, str, float | None, str], list[float]] = {}
+    for t in results["turns"]:
+        turn_s.setdefault((t["server"], t["scenario"], t["tps"], t["mode"]), []).append(
+            t["turn_s"]["median"]
+        )
+    rows = []
+    for point in results["meta"]["parameters"]["points"]:
+        for mode in [m for m in MODES if m in point["modes"]]:
+            cells = []
+            for server in servers:
+                key = (server["label"], point["scenario"], point["tps"], mode)
+                r = rollouts.get(key)
+                if r is None:
+                    cells.append(_cell_missing(server, mode))
+                    continue
+                cells.append(f"{_ms(_median(turn_s[key]), 1)} / {_s(_med(r['e2e_s']))}")
+            if any(c not in ("-", NOT_MEASURED) for c in cells):
+                rows.append((point["scenario"], _tps(point["tps"]), mode, *cells))
+    if not rows:
+        return None
+    return Table(
+        title="Side by side: median turn ms / median rollout s, by server",
+        headers=("scenario", "tps", "mode", *(s["label"] for s in servers)),
+        rows=tuple(rows),
+        note="turn: the client's send to the turn's last event, the median over a rollout's "
+        "turns; rollout: end to end. " + _why_not(servers),
+    )
+
+
+def _side_by_side_concurrency(results: dict[str, Any]) -> Table | None:
+    servers = results["servers"]
+    if len(servers) < 2 or not results["concurrency"]:
+        return None
+    waves = {(c["server"], c["mode"], c["concurrency"]): c for c in results["concurrency"]}
+    rows = []
+    for mode in results["meta"]["parameters"]["concurrency_modes"]:
+        for k in results["meta"]["parameters"]["concurrency"]:
+            cells = []
+            for server in servers:
+                c = waves.get((server["label"], mode, k))
+                if c is None:
+                    cells.append(_cell_missing(server, mode))
+                    continue
+                rate = c["throughput_rollouts_per_s"]
+                cells.append(
+                    f"{'-' if rate is None else f'{rate:.2f}'}/s, {c['rollouts_ok']}/{k} ok"
+                )
+            rows.append((mode, str(k), *cells))
+    return Table(
+        title="Side by side: concurrent rollouts, throughput and rollouts completed",
+        headers=("mode", "K", *(s["label"] for s in servers)),
+        rows=tuple(rows),
+    )
+
+
 def summary_tables(results: dict[str, Any]) -> list[Table]:
-    tables: list[Table | None] = []
+    tables: list[Table | None] = [
+        _side_by_side_table(results),
+        _side_by_side_concurrency(results),
+    ]
     for server in [s["label"] for s in results["servers"]]:
         tables += [
             _overhead_table(results, server),

@@ -46,10 +46,11 @@ from ._client import (
     RolloutRecord,
     RolloutSpec,
     probe_rollout_extension,
-    probe_websocket_deflate,
+    probe_websocket,
     run_rollout,
 )
 from ._errors import BenchError, StreamError
+from ._records import TurnRecord
 from ._scenario import TOOL_NAME, Scenario, default_ttft_ms, sim_model
 from ._server import (
     Endpoint,
@@ -61,6 +62,7 @@ from ._server import (
 )
 from ._stats import median, stats
 from ._streams import achieved_tps
+from ._tokens import SIM, TokenCounter
 
 __all__ = [
     "PACE_EXCESS",
@@ -72,7 +74,7 @@ __all__ = [
     "run_benchmark",
 ]
 
-SCHEMA_ID = "rollout-bench/6"
+SCHEMA_ID = "rollout-bench/7"
 # The start of a note saying the benchmark of a server stopped on an unexpected error.
 CRASH_NOTE = "benchmark crashed on server"
 INTERRUPTED_NOTE = (
@@ -116,12 +118,46 @@ class BenchConfig:
     servers: tuple[ServerSpec, ...] = (ServerSpec(label="rollout"),)
     ttft_ms: float | None = None  # None: by model speed (the engine's sim presets)
     model: str | None = None  # a model id for servers that do not run `sim`
+    # `--tokenizer` (`_tokens.py`): how received tokens are counted, and the tokens the
+    # scenario's prompt and tool outputs are made in. Unless given: the sim's exact count for
+    # the sim models, none (the server's usage) for another model.
+    tokenizer: TokenCounter | None = None
+    tokenizer_given: bool = False
     api_key: str | None = None
     counting: bool = True
     timeout: float = 900.0
     out_dir: Path = Path("bench-results")
     preset: str = "custom"
     argv: tuple[str, ...] = ()
+
+    @property
+    def counter(self) -> TokenCounter | None:
+        if self.tokenizer_given:
+            return self.tokenizer
+        return SIM if self.model is None else None
+
+    @property
+    def tokenizer_name(self) -> str:
+        counter = self.counter
+        return "usage" if counter is None else counter.name
+
+    def sized(self) -> BenchConfig:
+        """The plan with its scenarios made in the named tokenizer's tokens (unchanged for the
+        sim's count, which is o200k's on input, and without a tokenizer)."""
+        counter = self.counter
+        if counter is None or counter.exact:
+            return self
+
+        def size(scenario: Scenario) -> Scenario:
+            return scenario.with_(tokenizer=counter)
+
+        return attrs.evolve(
+            self,
+            points=tuple(attrs.evolve(p, scenario=size(p.scenario)) for p in self.points),
+            concurrency_scenario=None
+            if self.concurrency_scenario is None
+            else size(self.concurrency_scenario),
+        )
 
     def ttft_for(self, tps: float | None) -> float:
         if tps is None:
@@ -187,7 +223,7 @@ class _Wave:
     k: int
     records: list[RolloutRecord]
     errors: list[str]
-    turns_failed: int  # turns whose streams lost tokens (their rollouts are errors, not data)
+    turns_failed: int  # turns whose streams lost output (their rollouts are errors, not data)
     wall_s: float
     cpu_s: float | None
     peak_rss: int | None
@@ -203,10 +239,13 @@ class _ServerInfo:
     rollout_extension: bool
     metrics: bool
     proc_stats: bool
+    websocket: bool = False  # the WebSocket handshake succeeded (WebSocket mode)
     websocket_deflate: bool | None = None  # accepts the client's permessage-deflate offer
+    # The modes the run wanted that this server could not run, each with the evidence.
+    not_measured: dict[str, str] = attrs.field(factory=dict)
     serve_args: list[str] = attrs.field(factory=list)
     notes: list[str] = attrs.field(factory=list)
-    # Rollouts whose streams lost tokens (`_streams.check_streams`): reported, never data.
+    # Rollouts whose streams lost output (`_streams.check_streams`): reported, never data.
     stream_failures: int = 0
 
 
@@ -231,6 +270,7 @@ async def run_benchmark(
     run: the rollouts in flight are abandoned, the local servers stopped, and the document
     holds what finished (`meta.interrupted`)."""
     started = time.time()
+    config = config.sized()
     collected = _Collected(load_start=_loadavg())
     report: Progress = progress or (lambda _d, _n: None)
     run_scope = trio.CancelScope()
@@ -345,6 +385,7 @@ async def _sweep(config: BenchConfig, benches: Sequence[_ServerBench]) -> None:
             scenario=point.scenario,
             model=config.model_for(point.scenario, point.tps),
             force_tool_choice=config.model is not None,
+            counter=config.counter,
             timeout=config.timeout,
         )
         for rep in range(point.repetitions):
@@ -411,14 +452,23 @@ class _ServerBench:
         self.failed[mode] = str(exc)
         self.info.notes.append(f"{mode} failed and was skipped from then on: {exc}")
 
-    def lost_tokens(self, mode: str, record: RolloutRecord) -> bool:
-        """A rollout whose streams lost tokens is a failure of the server, not a data point:
-        counted, noted, and the mode is skipped from then on."""
+    def lost_output(self, mode: str, record: RolloutRecord) -> bool:
+        """A rollout whose streams lost output (text, or the sim's exact tokens) is a failure
+        of the server, not a data point: counted, noted, and the mode is skipped from then on."""
         if not record.failures:
             return False
         self.info.stream_failures += 1
-        self.fail(mode, StreamError(f"{mode}: the stream lost tokens: {record.failures[0]}"))
+        self.fail(mode, StreamError(f"{mode}: the stream lost output: {record.failures[0]}"))
         return True
+
+    def skip(self, modes: Iterable[str], why: str) -> None:
+        """Modes this server cannot run: not measured (with the evidence), never failed."""
+        skipped = [m for m in modes if m in self.info.modes]
+        for mode in skipped:
+            self.info.modes.remove(mode)
+            self.info.not_measured[mode] = why
+        if skipped:
+            self.info.notes.append(f"not measured: {', '.join(skipped)} ({why})")
 
     async def guarded(self, phase: Callable[..., Awaitable[None]], *args: Any) -> None:
         """Run a phase (or a step of one) unless this server's benchmark crashed before. A long
@@ -448,15 +498,18 @@ class _ServerBench:
             info.notes.append(
                 "not a local subprocess of the benchmark: server CPU and memory not measured"
             )
+        deflate, why = await probe_websocket(self.endpoint)
+        info.websocket, info.websocket_deflate = deflate is not None, deflate
+        if not info.websocket:
+            self.skip([m for m in MODES if m.startswith("ws-")], why)
+            return
         probe_model = config.model or sim_model(steps=1, output_tokens=8, tps=None, ttft_ms=0)
         supported, why = await probe_rollout_extension(
             self.endpoint, probe_model, config.scenarios()[0]
         )
         info.rollout_extension = supported
-        if not supported and "ws-rollout" in info.modes:
-            info.modes.remove("ws-rollout")
-            info.notes.append(f"no rollout extension ({why}): ws-rollout skipped")
-        info.websocket_deflate = await probe_websocket_deflate(self.endpoint)
+        if not supported:
+            self.skip(["ws-rollout"], f"no rollout extension: {why}")
 
     async def counting_pass(self) -> None:
         config, label = self.config, self.endpoint.label
@@ -471,6 +524,7 @@ class _ServerBench:
                         scenario=scenario,
                         model=config.model_for(scenario, None),
                         run_tools=False,
+                        counter=config.counter,
                         timeout=config.timeout,
                         keep_frames=True,
                     )
@@ -479,7 +533,7 @@ class _ServerBench:
                     except BenchError as exc:
                         self.fail(mode, exc)
                     else:
-                        if not self.lost_tokens(mode, record):
+                        if not self.lost_output(mode, record):
                             self.out.counting[(label, mode, scenario.name)] = record
                 self.report(what, 1)
 
@@ -498,7 +552,7 @@ class _ServerBench:
             except BenchError as exc:
                 self.fail(mode, exc)
             else:
-                if self.lost_tokens(mode, record):
+                if self.lost_output(mode, record):
                     self.report(what, 1)
                     return
                 cpu1 = proc.cpu_seconds() if proc else None
@@ -558,7 +612,7 @@ async def _wave(
             return
         if record.failures:  # what arrived is not what the server produced: no data point
             turns_failed += len(record.failures)
-            errors.append(f"{mode}: the stream lost tokens: {record.failures[0]}")
+            errors.append(f"{mode}: the stream lost output: {record.failures[0]}")
         else:
             records.append(record)
 
@@ -699,6 +753,12 @@ def _rollout_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any
         digests = sorted({r.record.transcript_digest() for r in runs})
         counting = out.counting.get((server, mode, scenario_name))
         med = median(e2e)
+        received = (
+            None
+            if config.counter is None
+            else _median_int([sum(t.received_tokens or 0 for t in r.record.turns) for r in runs])
+        )
+        reported = _median_int([_reported(r.record) for r in runs])
         records.append(
             {
                 "server": server,
@@ -734,9 +794,9 @@ def _rollout_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any
                 if counting is None
                 else [t.counters for t in counting.turns],
                 "transcript_digest": digests[0] if len(digests) == 1 else None,
-                "output_tokens_received": _median_int(
-                    [sum(t.received_tokens or 0 for t in r.record.turns) for r in runs]
-                ),
+                "output_tokens_received": received,
+                "output_tokens_reported": reported,
+                "token_ratio": None if received is None or not reported else received / reported,
                 "reduction_vs_http_stateless_pct": None,
                 "reduction_vs_http_chain_pct": None,
             }
@@ -753,6 +813,19 @@ def _rollout_records(config: BenchConfig, out: _Collected) -> list[dict[str, Any
     return records
 
 
+def _reported(record: RolloutRecord) -> int | None:
+    """The output tokens the server reported over a rollout (ws-rollout's one response reports
+    once, at its end: its last turn carries the whole usage)."""
+    usage = [t.output_tokens for t in record.turns if t.output_tokens is not None]
+    return sum(usage) if usage else None
+
+
+def _tokens_of(config: BenchConfig, turn: TurnRecord) -> int:
+    if config.counter is None:
+        return turn.output_tokens or 0
+    return turn.received_tokens or 0
+
+
 def _sum_or_none(values: Sequence[float | None]) -> float | None:
     data = [v for v in values if v is not None]
     return sum(data) if data else None
@@ -764,7 +837,7 @@ def _concurrency_records(config: BenchConfig, out: _Collected) -> list[dict[str,
         scenario = wave.scenario
         model_s = _model_seconds(config, scenario, wave.tps)
         sim = config.model is None
-        achieved = [achieved_tps(r, sim=sim) for r in wave.records]
+        achieved = [achieved_tps(r, config.counter) for r in wave.records]
         rates = [a for a in achieved if a is not None]
         pace = median(rates) / wave.tps if rates and sim else None
         turns = [t for r in wave.records for t in r.turns]
@@ -776,9 +849,10 @@ def _concurrency_records(config: BenchConfig, out: _Collected) -> list[dict[str,
             else pace >= PACE_FRACTION and excess_ratio <= PACE_EXCESS
         )
         if wave.errors and sim:
-            keeps = False  # a rollout that failed, or lost tokens, did not keep pace
-        # The tokens that arrived, counted in the deltas of the rollouts that lost none.
-        tokens = sum(t.received_tokens or 0 for r in wave.records for t in r.turns)
+            keeps = False  # a rollout that failed, or lost output, did not keep pace
+        # The tokens that arrived in the rollouts that lost nothing: counted in their deltas,
+        # or (without a tokenizer) as the server reported them.
+        tokens = sum(_tokens_of(config, t) for r in wave.records for t in r.turns)
         records.append(
             {
                 "server": wave.server,
@@ -915,6 +989,7 @@ def _parameters(config: BenchConfig) -> dict[str, Any]:
         else config.concurrency_scenario.name,
         "concurrency_tps": config.concurrency_tps,
         "model_override": config.model,
+        "tokenizer": config.tokenizer_name,
         "counting_pass": config.counting,
         "pace_fraction": PACE_FRACTION,
         "pace_excess": PACE_EXCESS,
@@ -940,7 +1015,7 @@ def _build_results(
             "versions": _versions(),
             "parameters": _parameters(config),
         },
-        "servers": [attrs.asdict(s) for s in out.servers],
+        "servers": [],
         "scenarios": [s.as_dict() for s in config.scenarios()],
         "turns": _turn_records(config, out),
         "rollouts": _rollout_records(config, out),
@@ -948,11 +1023,44 @@ def _build_results(
         "goals": [],
         "notes": list(out.notes),
     }
+    for server in out.servers:
+        note = _token_note(config, server.label, results["rollouts"])
+        if note:
+            server.notes.append(note)
+    results["servers"] = [attrs.asdict(s) for s in out.servers]
     if out.interrupted:
         results["notes"].append(INTERRUPTED_NOTE)
     results["goals"] = evaluate_goals(results)
     finite: dict[str, Any] = _finite(results)
     return finite
+
+
+# Counted and reported tokens this far apart (as a ratio) are worth a note.
+TOKEN_RATIO_NOTE = 0.02
+
+
+def _token_note(config: BenchConfig, server: str, rollouts: list[dict[str, Any]]) -> str | None:
+    """What the server's usage says against the tokens counted in what arrived: a figure,
+    never a failure (the server's tokenizer is its own)."""
+    mine = [r for r in rollouts if r["server"] == server]
+    reported = sum(r["output_tokens_reported"] or 0 for r in mine)
+    if config.counter is None:
+        if not mine:
+            return None
+        if not reported:
+            return "no usage reported and no --tokenizer: output tokens not measured"
+        return "output tokens are the server's usage (no --tokenizer to count them with)"
+    received = sum(r["output_tokens_received"] or 0 for r in mine)
+    if config.counter.exact or not reported or not received:
+        return None
+    ratio = received / reported
+    if abs(ratio - 1) <= TOKEN_RATIO_NOTE:
+        return None
+    return (
+        f"{config.counter.name} counted {received:,} output tokens where the server reported "
+        f"{reported:,} ({ratio:.2f}x): its model's tokenizer, or its usage, is not "
+        f"{config.counter.name}'s; rates are in {config.counter.name} tokens"
+    )
 
 
 def _finite(value: Any) -> Any:

@@ -5,7 +5,9 @@ answer. The model is the simulated `sim` model, driven by its model id: it calls
 `steps` times after the last user message and then answers, each call's arguments and the
 answer being `output_tokens` long, at `tps` tokens per second after `ttft_ms`. The client
 "runs" each call: it sleeps `tool_latency_ms` and returns a deterministic text of
-`tool_tokens_at(step)` o200k tokens (common English words, one token each).
+`tool_tokens_at(step)` o200k tokens (common English words, one token each), or, when the
+benchmark knows the server's tokenizer (`--tokenizer`), that many of its tokens
+(`Scenario.tokenizer`, `filler_text`).
 
 The call arguments come from the tool's JSON schema (a `command` string of a fixed length):
 `long-output` asks for 2,000 characters per call, the size of a file an agent writes, so the
@@ -20,6 +22,8 @@ import random
 from typing import Any
 
 import attrs
+
+from ._tokens import TokenCounter
 
 __all__ = [
     "CONCURRENCY_SCENARIO",
@@ -76,13 +80,34 @@ WORDS: tuple[str, ...] = tuple(" " + w for w in _WORDS)
 FILLER_CACHE = 256
 
 
+# Rounds of fitting a filler text to a tokenizer's count (each adds or drops words in
+# proportion to the miss; common words are one token in most vocabularies, so two usually do).
+FIT_ROUNDS = 6
+
+
 @functools.lru_cache(maxsize=FILLER_CACHE)
-def filler_text(n_tokens: int, seed: str) -> str:
+def filler_text(n_tokens: int, seed: str, tokenizer: TokenCounter | None = None) -> str:
     """A deterministic text of exactly `n_tokens` o200k tokens (the first word without its
-    leading space is still one token for every word of the list). Kept once made: the
-    client's turns send tool outputs, and generating them is not what a wave measures."""
+    leading space is still one token for every word of the list), or with `tokenizer` (not
+    the sim's, whose input is counted in o200k) as near `n_tokens` of its tokens as whole
+    words reach (within a token or two). Kept once made: the client's turns send tool
+    outputs, and generating them is not what a wave measures."""
     rng = random.Random(seed)
-    return "".join(rng.choice(WORDS) for _ in range(n_tokens)).lstrip()
+    words = [rng.choice(WORDS) for _ in range(n_tokens)]
+    if tokenizer is None or tokenizer.exact or tokenizer.name == "o200k":
+        return "".join(words).lstrip()
+    for _ in range(FIT_ROUNDS):
+        count = tokenizer.count_text("".join(words).lstrip())
+        if count == n_tokens or count == 0:
+            break
+        wanted = max(1, round(len(words) * n_tokens / count))
+        if wanted == len(words):
+            wanted += 1 if count < n_tokens else -1
+        if wanted < 1:
+            break
+        del words[wanted:]
+        words.extend(rng.choice(WORDS) for _ in range(wanted - len(words)))
+    return "".join(words).lstrip()
 
 
 def default_ttft_ms(tps: float) -> float:
@@ -107,6 +132,9 @@ class Scenario:
     tool_latency_ms: float  # how long the client "runs" each tool
     output_tokens: int  # model output per turn: call arguments, and the final answer
     prompt_tokens: int  # the user prompt
+    # The server's tokenizer, when the benchmark knows it (`--tokenizer`): the prompt and tool
+    # outputs are made in its tokens (None: in o200k's, the sim's own count of its input).
+    tokenizer: TokenCounter | None = attrs.field(default=None, eq=False)
 
     @property
     def turns(self) -> int:
@@ -116,10 +144,10 @@ class Scenario:
         return self.tool_tokens[step % len(self.tool_tokens)]
 
     def tool_output(self, step: int) -> str:
-        return filler_text(self.tool_tokens_at(step), f"{self.name}:tool:{step}")
+        return filler_text(self.tool_tokens_at(step), f"{self.name}:tool:{step}", self.tokenizer)
 
     def prompt(self) -> str:
-        return filler_text(self.prompt_tokens, f"{self.name}:prompt")
+        return filler_text(self.prompt_tokens, f"{self.name}:prompt", self.tokenizer)
 
     def prepare(self, extra_steps: int = 0) -> None:
         """Make the prompt and every tool output up to `steps + extra_steps` now (`filler_text`

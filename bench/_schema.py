@@ -68,7 +68,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         },
     },
     "properties": {
-        "schema": {"const": "rollout-bench/6"},
+        "schema": {"const": "rollout-bench/7"},
         "meta": _record(
             {
                 "started_at": {"type": "string"},
@@ -117,6 +117,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
                         "concurrency_scenario": _STR_OR_NULL,
                         "concurrency_tps": _NUM,
                         "model_override": _STR_OR_NULL,
+                        "tokenizer": {"type": "string"},
                         "counting_pass": {"type": "boolean"},
                         "pace_fraction": _NUM,
                         "pace_excess": _NUM,
@@ -136,7 +137,13 @@ RESULTS_SCHEMA: dict[str, Any] = {
                     "rollout_extension": {"type": "boolean"},
                     "metrics": {"type": "boolean"},
                     "proc_stats": {"type": "boolean"},
+                    "websocket": {"type": "boolean"},
                     "websocket_deflate": {"type": ["boolean", "null"]},
+                    "not_measured": {
+                        "type": "object",
+                        "propertyNames": _MODE,
+                        "additionalProperties": {"type": "string"},
+                    },
                     "serve_args": {"type": "array", "items": {"type": "string"}},
                     "notes": {"type": "array", "items": {"type": "string"}},
                     "stream_failures": {"type": "integer", "minimum": 0},
@@ -235,6 +242,8 @@ RESULTS_SCHEMA: dict[str, Any] = {
                     },
                     "transcript_digest": _STR_OR_NULL,
                     "output_tokens_received": _INT_OR_NULL,
+                    "output_tokens_reported": _INT_OR_NULL,
+                    "token_ratio": _NUM_OR_NULL,
                     "reduction_vs_http_stateless_pct": _NUM_OR_NULL,
                     "reduction_vs_http_chain_pct": _NUM_OR_NULL,
                 }

@@ -38,6 +38,7 @@ from rollout.bench._runner import PACE_EXCESS, PACE_FRACTION, _cpu_model, _versi
 from rollout.bench._server import free_port, parse_counters, parse_stage_sums
 from rollout.bench._stats import percentile, stats
 from rollout.bench._streams import check_streams
+from rollout.bench._tokens import SIM, load_tokenizer
 from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
 from rollout.engine._heap import freeze_startup_heap
 from rollout.engine._serve import ServerConfig, open_server
@@ -533,9 +534,9 @@ async def test_keep_pace_counts_what_arrives(drop_every: int, tmp_path: Path) ->
     if drop_every:
         assert (wave["rollouts_ok"], wave["rollouts_failed"]) == (0, k), wave["errors"]
         assert wave["turns_failed"] >= k
-        assert all("the stream lost tokens: turn " in e for e in wave["errors"]), wave["errors"]
+        assert all("the stream lost output: turn " in e for e in wave["errors"]), wave["errors"]
         assert wave["keeps_pace"] is False and wave["output_tokens_received"] == 0
-        assert goal["met"] is False and "turns lost tokens" in goal["detail"], goal
+        assert goal["met"] is False and "turns lost output" in goal["detail"], goal
     else:
         assert (wave["rollouts_ok"], wave["rollouts_failed"], wave["turns_failed"]) == (k, 0, 0)
         expected = k * PACE_SCENARIO.turns * PACE_SCENARIO.output_tokens
@@ -565,14 +566,14 @@ def test_check_streams_counts_as_the_sim_does() -> None:
         _turn(0, [("arguments", args, args)], 10),
         _turn(1, [("text", "a b c", "a b c")], 3),
     ]
-    check_streams(ok, sim=True)
+    check_streams(ok, SIM)
     assert [t.received_tokens for t in ok.turns] == [10, 3] and ok.failures == []
     lost = bench.RolloutRecord(mode="ws-chain")
     lost.turns = [
         _turn(0, [("arguments", args[:-8], args)], 10),
         _turn(1, [("text", "a c", "a b c")], 3),
     ]
-    check_streams(lost, sim=True)
+    check_streams(lost, SIM)
     assert lost.failures == [
         "turn 0: the arguments deltas of item_0_0 add up to 32 characters, the item has 40; "
         "received 8 tokens, usage.output_tokens is 10",
@@ -584,15 +585,23 @@ def test_check_streams_counts_as_the_sim_does() -> None:
         _turn(0, [("arguments", args, args)], None),
         _turn(1, [("text", "a b", "a b")], 13),
     ]
-    check_streams(rollout, sim=True)
+    check_streams(rollout, SIM)
     assert rollout.failures == [
         "turn 1: the rollout received 12 tokens over its turns, usage.output_tokens is 13"
     ]
-    # Another model: o200k tokens, and the usage (the model's own count) is not compared.
+    # A named tokenizer: its count, and the usage (the model's own count) is not compared.
     other = bench.RolloutRecord(mode="ws-chain")
     other.turns = [_turn(0, [("text", "Hello, world", "Hello, world")], 99)]
-    check_streams(other, sim=False)
+    check_streams(other, load_tokenizer("o200k"))
     assert other.turns[0].received_tokens == 3 and other.failures == []
+    # No tokenizer: nothing counted, the text still checked.
+    unknown = bench.RolloutRecord(mode="ws-chain")
+    unknown.turns = [_turn(0, [("text", "Hello", "Hello, world")], 99)]
+    check_streams(unknown, None)
+    assert unknown.turns[0].received_tokens is None
+    assert unknown.failures == [
+        "turn 0: the text deltas of item_0_0 add up to 5 characters, the item has 12"
+    ]
 
 
 # --- the command line as a user meets it: one clear line and a status, never a traceback ---
@@ -677,7 +686,7 @@ def test_cli_report_of_another_schema_says_so(tmp_path: Path) -> None:
     done = _bench_cli("--report", str(old), "--out", "out", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (1, "")
     assert done.stderr == (
-        f"rollout bench: {old} is rollout-bench/5; this version reads rollout-bench/6 (run the "
+        f"rollout bench: {old} is rollout-bench/5; this version reads rollout-bench/7 (run the "
         "benchmark again to get one)\n"
     )
 
@@ -874,14 +883,14 @@ async def test_cli_exits_1_when_the_server_loses_tokens(tmp_path: Path) -> None:
         done = await trio.to_thread.run_sync(functools.partial(_bench_cli, *argv, cwd=tmp_path))
     assert done.returncode == 1, done.stderr
     assert done.stderr.splitlines()[-1] == (
-        "rollout bench: faulty lost tokens: what arrived is not what it produced (1 rollouts "
+        "rollout bench: faulty lost output: what arrived is not what it produced (1 rollouts "
         "of the sweep, 0 turns of the concurrency sweep; see its notes and errors in "
         "results.json)"
     )
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     (server,) = results["servers"]
     assert server["stream_failures"] == 1 and results["rollouts"] == []
-    assert any("ws-chain: the stream lost tokens: turn " in n for n in server["notes"])
+    assert any("ws-chain: the stream lost output: turn " in n for n in server["notes"])
 
 
 def test_missing_matplotlib_is_said_where_the_outputs_are_listed(

@@ -87,7 +87,7 @@ def test_with_local_and_an_unknown_model_says_how_to_serve_it(tmp_path: Path) ->
 def test_an_earlier_run_is_kept_unless_forced(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "results.json").write_text(json.dumps({"schema": "rollout-bench/6", "old": True}))
+    (out / "results.json").write_text(json.dumps({"schema": "rollout-bench/7", "old": True}))
     (out / "overhead.png").write_bytes(b"old plot")
     done = _bench_cli(*TINY, "--out", "out", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (1, "")
