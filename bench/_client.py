@@ -166,6 +166,7 @@ class _TurnReader:
         elif kind in self.ends:
             turn.ended = now
             self.response = event.get("response")
+            turn.status = (self.response or {}).get("status")
             if kind == "response.done":
                 self.pending = list(event.get("pending_call_ids") or [])
             usage = (self.response or {}).get("usage")
@@ -263,6 +264,9 @@ class _Transport:
     """One mode's way of sending a turn and reading its events."""
 
     mode: str
+    # The conversation is over (ws-rollout's one response reached a terminal event): the
+    # rollout ends there, whatever that response holds.
+    ended: bool = False
 
     async def turn(
         self, index: int, new_input: list[dict[str, Any]], record: TurnRecord
@@ -419,6 +423,8 @@ class _WsTransport(_Transport):
                     f"{self.mode}, turn {index}: the server ended the rollout with "
                     "response.completed at a tool call (no rollout extension?)"
                 )
+            # A terminal event (not a suspension) ends the rollout, whatever it holds.
+            self.ended = reader.pending is None
             self.response_id = response.get("id")
         else:
             self.previous = response.get("id")
@@ -546,7 +552,7 @@ async def _loop(
             if after is not None:
                 turn.counters = {k: v - before.get(k, 0) for k, v in after.items()}
                 before = after
-        if not calls:
+        if not calls or transport.ended:
             return
         if spec.run_tools:
             t0 = time.perf_counter()
@@ -590,7 +596,9 @@ async def probe_rollout_extension(
                     kind = event.get("type")
                     if kind == "response.done" and "pending_call_ids" in event:
                         return True, ""
-                    if kind in _FAILURES or kind == "response.completed":
+                    if kind == "response.completed":
+                        return False, "ignored `rollout: true` and completed at the tool call"
+                    if kind in _FAILURES:
                         return False, f"answered {_describe(event)}"
     except trio.TooSlowError:
         return False, f"no answer within {limit:g}s"

@@ -35,6 +35,7 @@ class TurnRecord:
     ended: float = 0.0
     deltas: int = 0
     kind: str = "text"  # "tool_call" or "text"
+    status: str | None = None  # the response's status at the turn's end (None: not given)
     output_tokens: int | None = None  # from the response's usage, where the mode has it
     context_tokens: int | None = None  # input tokens from the usage, where the mode has it
     stages: dict[str, float] | None = None  # server-reported pre-inference seconds by stage

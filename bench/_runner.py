@@ -87,6 +87,9 @@ PACE_FRACTION = 0.95
 # ... and when its median turn takes at most this much longer than the model's own time (the
 # same allowance as the goal for a whole rollout at 4,000 tps).
 PACE_EXCESS = 0.10
+# A model that is not `sim` may write this many times the scenario's output per turn (at least
+# 128 tokens): room for a call's arguments in any tokenizer, a bound on an answer.
+MODEL_OUTPUT_FACTOR = 8
 # How far apart (seconds) a wave's rollouts start when the model's turn time is unknown.
 DEFAULT_STAGGER = 0.2
 
@@ -158,6 +161,17 @@ class BenchConfig:
             if self.concurrency_scenario is None
             else size(self.concurrency_scenario),
         )
+
+    def model_body(self, scenario: Scenario) -> tuple[tuple[str, Any], ...]:
+        """Fields every create carries for a model that is not `sim`: greedy sampling (every
+        mode then asks for the same work, and a server that changes the conversation shows in
+        the transcripts), and its output bounded (a model left to answer may write to the end
+        of its context; the sim's output is set by its model id), a turn cut there ending like
+        a completed one."""
+        if self.model is None:
+            return ()
+        bound = max(MODEL_OUTPUT_FACTOR * scenario.output_tokens, 128)
+        return (("temperature", 0), ("max_output_tokens", bound))
 
     def ttft_for(self, tps: float | None) -> float:
         if tps is None:
@@ -386,6 +400,8 @@ async def _sweep(config: BenchConfig, benches: Sequence[_ServerBench]) -> None:
             model=config.model_for(point.scenario, point.tps),
             force_tool_choice=config.model is not None,
             counter=config.counter,
+            body=config.model_body(point.scenario),
+            incomplete_ends=config.model is not None,
             timeout=config.timeout,
         )
         for rep in range(point.repetitions):
@@ -402,6 +418,9 @@ async def _concurrency(config: BenchConfig, benches: Sequence[_ServerBench]) -> 
         scenario=scenario,
         model=config.model_for(scenario, config.concurrency_tps),
         force_tool_choice=config.model is not None,
+        counter=config.counter,
+        body=config.model_body(scenario),
+        incomplete_ends=config.model is not None,
         timeout=config.timeout,
     )
     stagger = _model_seconds(config, scenario, config.concurrency_tps) or DEFAULT_STAGGER
@@ -459,6 +478,25 @@ class _ServerBench:
             return False
         self.info.stream_failures += 1
         self.fail(mode, StreamError(f"{mode}: the stream lost output: {record.failures[0]}"))
+        return True
+
+    def ended_early(self, mode: str, record: RolloutRecord, spec: RolloutSpec) -> bool:
+        """A rollout of fewer turns than the scenario's is another workload, not a data point:
+        in ws-rollout a model that is not `sim` chooses its calls (one response has one
+        `tool_choice`: auto), and may answer at once. The mode is not measured, with what the
+        model did; the other modes force each call."""
+        scenario = spec.scenario
+        if len(record.turns) >= scenario.turns or not spec.force_tool_choice:
+            return False
+        calls = sum(1 for t in record.turns if t.kind == "tool_call")
+        last = record.turns[-1].status if record.turns else None
+        ended = "" if last in (None, "completed", "in_progress") else f" ({last})"
+        self.skip(
+            [mode],
+            f"the rollout ended{ended} after {calls} of the scenario's {scenario.steps} tool "
+            "calls (in one rollout the model chooses its calls, tool_choice auto; a `sim` "
+            "model with steps, or one that keeps calling, runs the scenario)",
+        )
         return True
 
     def skip(self, modes: Iterable[str], why: str) -> None:
@@ -552,7 +590,7 @@ class _ServerBench:
             except BenchError as exc:
                 self.fail(mode, exc)
             else:
-                if self.lost_output(mode, record):
+                if self.lost_output(mode, record) or self.ended_early(mode, record, spec):
                     self.report(what, 1)
                     return
                 cpu1 = proc.cpu_seconds() if proc else None
@@ -1024,15 +1062,48 @@ def _build_results(
         "notes": list(out.notes),
     }
     for server in out.servers:
-        note = _token_note(config, server.label, results["rollouts"])
-        if note:
-            server.notes.append(note)
+        for note in (
+            _token_note(config, server.label, results["rollouts"]),
+            _history_note(config, server.label, results["rollouts"]),
+        ):
+            if note:
+                server.notes.append(note)
     results["servers"] = [attrs.asdict(s) for s in out.servers]
     if out.interrupted:
         results["notes"].append(INTERRUPTED_NOTE)
     results["goals"] = evaluate_goals(results)
     finite: dict[str, Any] = _finite(results)
     return finite
+
+
+def _history_note(config: BenchConfig, server: str, rollouts: list[dict[str, Any]]) -> str | None:
+    """Modes whose model saw another conversation than the stateless client's: every mode
+    sends the same turns, so a deterministic model (the sim behind any server) answers them
+    alike unless the server lost or changed history it was asked to keep (an unknown
+    `previous_response_id` silently ignored, for one). A note, not a failure: a sampling
+    model's transcripts differ by chance."""
+    mine = [r for r in rollouts if r["server"] == server]
+    digests = {(r["scenario"], r["tps"], r["mode"]): r["transcript_digest"] for r in mine}
+    differ = []
+    for r in mine:
+        base = digests.get((r["scenario"], r["tps"], "http-stateless"))
+        if base is None or r["transcript_digest"] in (None, base):
+            continue
+        if r["mode"] == "ws-rollout" and config.model is not None:
+            continue  # there the model chooses its calls (tool_choice auto): not comparable
+        if r["mode"] not in differ:
+            differ.append(r["mode"])
+    if not differ:
+        return None
+    why = (
+        "the server did not pass on the same conversation (history it was to keep lost or changed)"
+    )
+    if config.model is not None:  # greedy, but a model's numerics may differ with its cache
+        why = f"unless the model is not deterministic, {why}"
+    return (
+        f"{', '.join(differ)}: the model answered differently than in http-stateless (the "
+        f"transcripts differ): {why}"
+    )
 
 
 # Counted and reported tokens this far apart (as a ratio) are worth a note.

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from rollout import bench
@@ -25,6 +26,8 @@ from rollout.bench._tokens import load_tokenizer
 
 from tests.test_bench import _bench_cli
 from tests.test_conform import API_KEY, serving
+from tests.test_conform_cli import Scope
+from tests.test_conform_mutations import Mutant, _json_rewrite
 from tests.test_conform_profiles import IgnoresRollout, RefusesExtensionFields
 from tests.upstream_harness import (
     Exchange,
@@ -69,7 +72,10 @@ def _measured(results: dict[str, Any], server: str) -> list[str]:
 @pytest.mark.parametrize(
     ("wrapper", "evidence"),
     [
-        (IgnoresRollout, "no rollout extension: answered response.completed"),
+        (
+            IgnoresRollout,
+            "no rollout extension: ignored `rollout: true` and completed at the tool call",
+        ),
         (RefusesExtensionFields, "no rollout extension: answered error unsupported_parameter"),
     ],
 )
@@ -133,9 +139,19 @@ async def own_tokenizer_model(exchange: Exchange) -> None:
     await exchange.stream([*chunks, chunk(finish=finish), chunk(usage=usage)])
 
 
-async def _own_tokenizer_run(tmp_path: Path, **changes: Any) -> dict[str, Any]:
+async def answers_unless_told_to_call(exchange: Exchange) -> None:
+    """A model that calls a tool only when `tool_choice` names it: left to choose (a rollout's
+    `auto`), it answers at once."""
+    if not isinstance(exchange.body.get("tool_choice"), dict):
+        exchange.body["tool_choice"] = "none"
+    await own_tokenizer_model(exchange)
+
+
+async def _own_tokenizer_run(
+    tmp_path: Path, model: Any = own_tokenizer_model, **changes: Any
+) -> dict[str, Any]:
     with trio.fail_after(DEADLINE):
-        async with open_fake_upstream(own_tokenizer_model) as (upstream_url, _):
+        async with open_fake_upstream(model) as (upstream_url, _):
             registry = gateway_registry(upstream_url, name="own-model", model="own-model")
             async with open_rollout(registry=registry) as url:
                 server = bench.ServerSpec(label="gw", url=url)
@@ -148,8 +164,15 @@ async def test_a_model_with_its_own_tokenizer_completes_every_mode(tmp_path: Pat
     """Before: every mode failed at turn 0, "the stream lost tokens: received 6 tokens,
     usage.output_tokens is 13" (the count of what arrived in o200k tokens had to equal the
     server's usage, true only of an o200k model reporting honest counts)."""
-    results = await _own_tokenizer_run(tmp_path)
+    results = await _own_tokenizer_run(
+        tmp_path, concurrency=(2,), concurrency_modes=("ws-chain",), concurrency_scenario=SCENARIO
+    )
     (server,) = results["servers"]
+    (wave,) = results["concurrency"]
+    assert (wave["rollouts_ok"], wave["errors"]) == (2, []), wave
+    assert wave["output_tokens_received"] == 2 * (
+        own_tokens(CALL_ARGUMENTS) + own_tokens("".join(ANSWER))
+    )
     assert server["stream_failures"] == 0 and server["not_measured"] == {}, server
     assert _measured(results, "gw") == list(ALL_MODES)
     assert results["meta"]["parameters"]["tokenizer"] == "usage"
@@ -163,6 +186,20 @@ async def test_a_model_with_its_own_tokenizer_completes_every_mode(tmp_path: Pat
         "output tokens are the server's usage (no --tokenizer to count them with)"
         in (server["notes"])
     )
+
+
+async def test_a_rollout_the_model_ends_early_is_not_measured(tmp_path: Path) -> None:
+    """In ws-rollout a model that is not `sim` chooses its calls; one that answers at once ran
+    another workload (one turn where the other modes ran two): not a data point, and said so.
+    Before, its 1-turn rollouts stood beside the others' 2-turn ones as a 20-fold speed-up."""
+    results = await _own_tokenizer_run(tmp_path, model=answers_unless_told_to_call)
+    (server,) = results["servers"]
+    assert _measured(results, "gw") == [m for m in ALL_MODES if m != "ws-rollout"]
+    assert server["not_measured"] == {
+        "ws-rollout": "the rollout ended after 0 of the scenario's 1 tool calls (in one "
+        "rollout the model chooses its calls, tool_choice auto; a `sim` model with steps, or "
+        "one that keeps calling, runs the scenario)"
+    }
 
 
 async def test_a_named_tokenizer_counts_beside_the_usage(tmp_path: Path) -> None:
@@ -261,3 +298,42 @@ async def test_two_servers_side_by_side_with_what_one_could_not_run(tmp_path: Pa
         text == (tmp_path / "out" / "summary.md").read_text()
         or "Side by side" in (tmp_path / "out" / "summary.md").read_text()
     )
+
+
+# --- history a server was to keep -----------------------------------------------------------
+
+
+class ChangesChainedHistory(Mutant):
+    """A gateway that loses part of what a chained HTTP request brings (here, the tool output's
+    text), as one that drops history it cannot find does: the model sees another conversation."""
+
+    def request_body(self, scope: Scope, body: bytes) -> bytes:
+        def edit(request: Any) -> None:
+            if isinstance(request, dict) and request.get("previous_response_id"):
+                for item in request.get("input") or []:
+                    if isinstance(item, dict) and item.get("type") == "function_call_output":
+                        item["output"] = "ok"
+
+        return _json_rewrite(body, edit)
+
+
+@pytest.mark.parametrize("changed", [False, True])
+async def test_a_server_that_changes_the_history_it_keeps_is_noted(
+    changed: bool, tmp_path: Path
+) -> None:
+    wrapper = ChangesChainedHistory if changed else Mutant
+    async with serving(app_wrapper=wrapper) as url:
+        config = _config((bench.ServerSpec(label="gw", url=url),), tmp_path)
+        results = await _run(attrs.evolve(config, counting=False))
+    (server,) = results["servers"]
+    digests = {r["mode"]: r["transcript_digest"] for r in results["rollouts"]}
+    notes = [n for n in server["notes"] if "the transcripts differ" in n]
+    if not changed:
+        assert len(set(digests.values())) == 1 and notes == [], (digests, notes)
+        return
+    assert digests["http-chain"] != digests["http-stateless"] == digests["ws-chain"]
+    assert notes == [
+        "http-chain: the model answered differently than in http-stateless (the transcripts "
+        "differ): the server did not pass on the same conversation "
+        "(history it was to keep lost or changed)"
+    ]
