@@ -19,7 +19,7 @@ import pytest
 import trio
 from hypercorn.protocol.ws_stream import Handshake
 from rollout._cli import build_parser
-from rollout.bench._client import probe_websocket_deflate
+from rollout.bench._client import probe_websocket
 from rollout.bench._server import Endpoint
 from rollout.bench._ws import ConnectionRejected, open_bench_ws
 from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE, without_deflate_offers
@@ -150,4 +150,7 @@ async def test_trio_client_reports_a_refused_upgrade_as_itself() -> None:
                 ):
                     pass  # pragma: no cover
             assert refused.value.status_code == 426
-            assert await probe_websocket_deflate(Endpoint(label="x", base_url=url)) is None
+            deflate, why = await probe_websocket(Endpoint(label="x", base_url=url))
+            assert deflate is None and why.startswith(
+                "no WebSocket mode: the upgrade was answered HTTP 426: WebSocket mode is disabled"
+            ), why
