@@ -163,9 +163,7 @@ class ChatEncoder:
 
     def _close_calls(self) -> None:
         if self._open_calls:
-            self.messages.append(
-                dumps_json({"role": "assistant", "content": None, "tool_calls": self._open_calls})
-            )
+            self.messages.append(_calls_message(self._open_calls))
             self._open_calls = []
 
     def _add(self, item: Item) -> None:
@@ -201,10 +199,15 @@ class ChatEncoder:
         """The encoded messages so far, the open tool-call group included (not mutated)."""
         if not self._open_calls:
             return self.messages
-        return [
-            *self.messages,
-            dumps_json({"role": "assistant", "content": None, "tool_calls": self._open_calls}),
-        ]
+        return [*self.messages, _calls_message(self._open_calls)]
+
+
+def _calls_message(calls: list[dict[str, Any]]) -> bytes:
+    """An assistant message of tool calls, without `content`: the chat API makes it optional
+    when `tool_calls` is given, and servers differ on the rest (llama-cpp-python's server
+    refuses `"content": null` with HTTP 500 and validation errors; OpenAI, vLLM and
+    llama.cpp's `llama-server` take the message as it is here)."""
+    return dumps_json({"role": "assistant", "tool_calls": calls})
 
 
 # The arguments a client-run built-in tool takes in function form: its action or operation.

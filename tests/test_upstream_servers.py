@@ -1,0 +1,126 @@
+"""The chat-completions upstream as real model servers are: rollout in front of a server that
+validates messages as llama-cpp-python's `python -m llama_cpp.server` does (an assistant
+message's `content` may be a string or absent, never null: null is HTTP 500 with its pydantic
+errors), driven through a tool loop over HTTP and WebSocket.
+
+Before, rollout sent the tool-call message with `"content": null`, and every tool loop failed
+at its second turn (`response.failed` after the retries)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import trio
+
+from tests.server_harness import open_ws
+from tests.upstream_harness import (
+    Exchange,
+    chunk,
+    gateway_registry,
+    open_fake_upstream,
+    open_rollout,
+    text_chunks,
+)
+
+DEADLINE = 30.0
+TOOL = {
+    "type": "function",
+    "name": "run",
+    "description": "Run a shell command.",
+    "parameters": {
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+    },
+}
+CALLS = 2  # tool calls before the answer
+
+
+def _refusal(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """llama-cpp-python's validation errors for what it refuses (a null `content` of an
+    assistant message), one per message type the union tried, as its server reports them."""
+    return [
+        {
+            "type": "string_type",
+            "loc": ["body", "messages", i, kind, "content"],
+            "msg": "Input should be a valid string",
+            "input": None,
+        }
+        for i, m in enumerate(messages)
+        if m.get("role") == "assistant" and "content" in m and m["content"] is None
+        for kind in ("ChatCompletionRequestAssistantMessage", "ChatCompletionRequestUserMessage")
+    ]
+
+
+async def strict_model(exchange: Exchange) -> None:
+    """Calls `run` until it has CALLS tool results, then answers; refuses null content."""
+    messages = exchange.body["messages"]
+    errors = _refusal(messages)
+    if errors:
+        await exchange.json(500, {"detail": errors})
+        return
+    done = sum(1 for m in messages if m["role"] == "tool")
+    if done >= CALLS:
+        await exchange.stream(text_chunks(["All ", "done."]))
+        return
+    call = {"index": 0, "id": f"call_{done}", "type": "function"}
+    arguments = json.dumps({"command": f"step {done}"})
+    await exchange.stream(
+        [
+            chunk(tool_calls=[{**call, "function": {"name": "run", "arguments": arguments}}]),
+            chunk(finish="tool_calls"),
+            chunk(usage={"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}),
+        ]
+    )
+
+
+async def test_a_tool_loop_over_http_against_a_server_refusing_null_content() -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_fake_upstream(strict_model) as (upstream_url, upstream):
+            registry = gateway_registry(upstream_url, name="strict", retries=0)
+            async with open_rollout(registry=registry) as url, httpx.AsyncClient() as client:
+                body: dict[str, Any] = {"model": "strict", "tools": [TOOL], "input": "Go."}
+                for turn in range(CALLS + 1):
+                    response = (await client.post(f"{url}/responses", json=body)).json()
+                    assert response["status"] == "completed", response
+                    calls = [o for o in response["output"] if o["type"] == "function_call"]
+                    if turn == CALLS:
+                        assert calls == [] and response["output"][0]["type"] == "message"
+                        break
+                    assert len(calls) == 1, response
+                    body = {
+                        "model": "strict",
+                        "tools": [TOOL],
+                        "previous_response_id": response["id"],
+                        "input": [
+                            {
+                                "type": "function_call_output",
+                                "call_id": calls[0]["call_id"],
+                                "output": "ok",
+                            }
+                        ],
+                    }
+    assert upstream.hits == CALLS + 1
+    last = upstream.bodies[-1]["messages"]
+    assert [m["role"] for m in last] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert all("content" not in m for m in last if m["role"] == "assistant")
+
+
+async def test_a_rollout_over_websocket_against_a_server_refusing_null_content() -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_fake_upstream(strict_model) as (upstream_url, upstream):
+            registry = gateway_registry(upstream_url, name="strict", retries=0)
+            async with open_rollout(registry=registry) as url, open_ws(url) as ws:
+                events = await ws.create(model="strict", tools=[TOOL], input="Go.", rollout=True)
+                for _ in range(CALLS):
+                    done = events[-1]
+                    assert done.type == "response.done", done
+                    (call_id,) = done.pending_call_ids
+                    output = {"type": "function_call_output", "call_id": call_id, "output": "ok"}
+                    events = await ws.append(done.response.id, [output])
+                assert events[-1].type == "response.completed", events[-1]
+    assert upstream.hits == CALLS + 1
+    last = upstream.bodies[-1]["messages"]
+    assert all("content" not in m for m in last if m["role"] == "assistant")
