@@ -179,7 +179,7 @@ class UpstreamBackend:
                     if attempt.num > 1:
                         self.counters.retries += 1
                     self.counters.requests += 1
-                    async for event in self._attempt(body, toolset):
+                    async for event in self._attempt(body, toolset, request.max_output_tokens):
                         yield event
                     return
         except _Retryable as exc:  # the last attempt failed too
@@ -187,7 +187,7 @@ class UpstreamBackend:
             raise BackendError(exc.message, code=exc.code) from None
 
     async def _attempt(
-        self, body: bytes, toolset: ChatToolset
+        self, body: bytes, toolset: ChatToolset, max_tokens: int | None
     ) -> AsyncGenerator[SampleEvent, None]:
         """One request to the upstream, streamed. Raises `_Retryable` for a failure before
         anything was received, `BackendError` for the rest."""
@@ -205,7 +205,7 @@ class UpstreamBackend:
                         raise _Retryable(text, response_code)
                     self.counters.failures += 1
                     raise BackendError(text, code=response_code)
-                async for event in _parse_stream(resp, toolset):
+                async for event in _parse_stream(resp, toolset, max_tokens):
                     yield event
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise _Retryable(
@@ -269,10 +269,12 @@ async def _error_of(resp: httpx.Response) -> tuple[str, str | None]:
         return text, None
 
 
-async def _parse_stream(resp: httpx.Response, toolset: ChatToolset) -> AsyncIterator[SampleEvent]:
+async def _parse_stream(
+    resp: httpx.Response, toolset: ChatToolset, max_tokens: int | None
+) -> AsyncIterator[SampleEvent]:
     """Chat-completion chunks -> sample events. Raises BackendError on malformed chunks or a
     stream that ends before a finish reason."""
-    reader = _ChunkReader(toolset)
+    reader = _ChunkReader(toolset, max_tokens)
     decoder = SseDecoder(max_event_size=MAX_UPSTREAM_LINE)
     done = False
     async for raw in resp.aiter_bytes():
@@ -302,11 +304,16 @@ class _ChunkReader:
     """The state of one chat-completions stream: the item open (text or a call), the finish
     reason and the usage, fed chunk by chunk."""
 
-    def __init__(self, toolset: ChatToolset) -> None:
+    def __init__(self, toolset: ChatToolset, max_tokens: int | None = None) -> None:
         self.toolset = toolset
+        self.max_tokens = max_tokens
         self.open_kind: str | None = None  # "text" | "call"
         self.call: OpenCall | None = None
         self.call_index: int | None = None
+        # The open function call's arguments as received (checked when it closes: a call cut
+        # by the length limit, or a model's malformed JSON, never ends a response completed).
+        self.arguments: list[str] = []
+        self.broken_call = False
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -353,10 +360,13 @@ class _ChunkReader:
             out += self._close()
             chat_name = str(function.get("name", ""))
             self.call = OpenCall(self.toolset.find(chat_name))
+            self.arguments = []
             out.append(self.call.start(chat_name))
             self.open_kind, self.call_index = "call", index
         arguments = function.get("arguments")
         if arguments and self.call is not None:
+            if self.call.buffered is None:
+                self.arguments.append(arguments)
             more = self.call.delta(arguments)
             if more is not None:
                 out.append(more)
@@ -366,8 +376,17 @@ class _ChunkReader:
         if self.open_kind == "text":
             return [TextEnd()]
         if self.call is not None:
+            if self._open_call_broken():
+                self.broken_call = True
             return list(self.call.end())
         return []
+
+    def _open_call_broken(self) -> bool:
+        """The open function call's arguments are not JSON (so far)."""
+        call = self.call
+        if call is None or self.open_kind != "call" or call.buffered is not None:
+            return False
+        return not _is_json("".join(self.arguments))
 
     def end(self, *, closed: bool) -> list[SampleEvent]:
         """The last events: the open item closed, then `Finish` with the upstream's usage."""
@@ -381,6 +400,23 @@ class _ChunkReader:
             self.finish, "stop"
         )
         usage = self.usage
+        if self.broken_call:  # a call before the last one: malformed, whatever the limit
+            raise BackendError(_NOT_JSON)
+        closing: list[SampleEvent] = []
+        if self._open_call_broken():
+            produced = usage.get("completion_tokens") if usage else None
+            cut = reason == "max_output_tokens" or (
+                self.max_tokens is not None
+                and isinstance(produced, int)
+                and produced >= self.max_tokens
+            )
+            if not cut:  # malformed, not by the length limit (whatever the finish says)
+                raise BackendError(_NOT_JSON)
+            # Cut by the limit (llama-cpp-python says "tool_calls" even then): the call stays
+            # open, and the response ends incomplete with it (closed `incomplete`).
+            reason = "max_output_tokens"
+        else:
+            closing = self._close()
         details = (usage or {}).get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         finish = Finish(
@@ -389,4 +425,18 @@ class _ChunkReader:
             output_tokens=usage.get("completion_tokens") if usage else None,
             cached_tokens=cached if isinstance(cached, int) else None,
         )
-        return [*self._close(), finish]
+        return [*closing, finish]
+
+
+_NOT_JSON = "The upstream model's tool call arguments are not valid JSON."
+
+
+def _is_json(text: str) -> bool:
+    """Valid JSON, or nothing (a call of a tool without parameters)."""
+    if not text.strip():
+        return True
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from tests.server_harness import open_ws
@@ -124,3 +125,53 @@ async def test_a_rollout_over_websocket_against_a_server_refusing_null_content()
     assert upstream.hits == CALLS + 1
     last = upstream.bodies[-1]["messages"]
     assert all("content" not in m for m in last if m["role"] == "assistant")
+
+
+# --- a call cut short, or malformed: never a completed response -----------------------------
+
+CUT = '{"command": "ls -la sr'  # the arguments as a length limit leaves them
+
+
+def call_model(arguments: str, finish: str, completion_tokens: int) -> Any:
+    async def handler(exchange: Exchange) -> None:
+        call = {"index": 0, "id": "call_cut", "type": "function"}
+        usage = {"prompt_tokens": 9, "completion_tokens": completion_tokens}
+        usage["total_tokens"] = 9 + completion_tokens
+        await exchange.stream(
+            [
+                chunk(tool_calls=[{**call, "function": {"name": "run", "arguments": arguments}}]),
+                chunk(finish=finish),
+                chunk(usage=usage),
+            ]
+        )
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("arguments", "finish", "produced", "status", "reason"),
+    [
+        # llama-cpp-python names the finish "tool_calls" even when max_tokens cut the call
+        (CUT, "tool_calls", 16, "incomplete", "max_output_tokens"),
+        (CUT, "length", 16, "incomplete", "max_output_tokens"),
+        # malformed, and not by the limit: the documented failure, not a call to run
+        (CUT, "tool_calls", 9, "failed", None),
+        ('{"command": "ls"}', "tool_calls", 16, "completed", None),
+    ],
+)
+async def test_a_call_whose_arguments_are_not_json_does_not_complete(
+    arguments: str, finish: str, produced: int, status: str, reason: str | None
+) -> None:
+    with trio.fail_after(DEADLINE):
+        async with open_fake_upstream(call_model(arguments, finish, produced)) as (up, _):
+            registry = gateway_registry(up, name="cut", retries=0)
+            async with open_rollout(registry=registry) as url, httpx.AsyncClient() as client:
+                body = {"model": "cut", "tools": [TOOL], "input": "Go.", "max_output_tokens": 16}
+                response = (await client.post(f"{url}/responses", json=body)).json()
+    assert response["status"] == status, response
+    if status == "incomplete":
+        assert response["incomplete_details"] == {"reason": reason}
+    if status == "failed":
+        assert response["error"]["message"] == (
+            "The upstream model's tool call arguments are not valid JSON."
+        ), response["error"]
