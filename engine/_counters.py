@@ -46,6 +46,9 @@ class Counters:
     samplings: int = 0
     rollout_suspensions: int = 0  # rollouts suspended at tool calls (`response.done` sent)
     tokens_sampled: int = 0
+    # samplings whose output tokens are an estimate (an upstream that reported no usage: its
+    # chunks counted), not the model's own count
+    usage_estimated: int = 0
     # Tokens a model evaluated as context (prompt chunks, and sampled tokens fed back): with
     # every reuse working, each token of a conversation's context once. Backends that keep no
     # evaluated state (sim, a chat-completions upstream) report none.

@@ -292,6 +292,9 @@ class Finish:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None  # of input_tokens, served from the upstream's own cache
+    # The output count is an estimate: an upstream that reported no usage (its deltas counted,
+    # a chunk each); counted in `usage_estimated`.
+    estimated: bool = False
 
 
 SampleEvent: TypeAlias = (

@@ -174,6 +174,8 @@ async def sample_turn(
     engine.counters.tokens_sampled += progress.output_tokens
     if measured is not None:
         _take_measured(progress, measured, cached, state.context_tokens)
+        if measured.estimated:
+            engine.counters.usage_estimated += 1
     outputs = stream.output_since(first_output)
     usage = usage_of(progress)
     if finish in ("max_output_tokens", "steered"):

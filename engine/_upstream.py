@@ -424,6 +424,7 @@ class _ChunkReader:
             input_tokens=usage.get("prompt_tokens") if usage else None,
             output_tokens=usage.get("completion_tokens") if usage else None,
             cached_tokens=cached if isinstance(cached, int) else None,
+            estimated=not usage or not isinstance(usage.get("completion_tokens"), int),
         )
         return [*closing, finish]
 

@@ -175,3 +175,32 @@ async def test_a_call_whose_arguments_are_not_json_does_not_complete(
         assert response["error"]["message"] == (
             "The upstream model's tool call arguments are not valid JSON."
         ), response["error"]
+
+
+# --- usage the upstream does not report ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("reports_usage", [True, False])
+async def test_usage_the_upstream_does_not_report_is_counted_as_estimated(
+    reports_usage: bool,
+) -> None:
+    """llama-cpp-python's server reports no usage in a stream: the output tokens are then
+    rollout's count of the deltas (a chunk each), and each such sampling is counted in
+    `usage_estimated`."""
+
+    async def model(exchange: Exchange) -> None:
+        chunks = text_chunks(["One ", "two ", "three."], prompt_tokens=12)
+        await exchange.stream(chunks if reports_usage else chunks[:-1])
+
+    with trio.fail_after(DEADLINE):
+        async with open_fake_upstream(model) as (up, _):
+            registry = gateway_registry(up, name="quiet", retries=0)
+            async with open_rollout(registry=registry) as url, httpx.AsyncClient() as client:
+                body = {"model": "quiet", "input": "Count."}
+                response = (await client.post(f"{url}/responses", json=body)).json()
+                metrics = (await client.get(url.removesuffix("/v1") + "/metrics")).text
+    assert response["status"] == "completed", response
+    assert response["usage"]["output_tokens"] == 3
+    line = 'rollout_work_total{counter="usage_estimated"} '
+    (value,) = [row.removeprefix(line) for row in metrics.splitlines() if row.startswith(line)]
+    assert float(value) == (0 if reports_usage else 1), value
