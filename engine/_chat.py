@@ -203,11 +203,12 @@ class ChatEncoder:
 
 
 def _calls_message(calls: list[dict[str, Any]]) -> bytes:
-    """An assistant message of tool calls, without `content`: the chat API makes it optional
-    when `tool_calls` is given, and servers differ on the rest (llama-cpp-python's server
-    refuses `"content": null` with HTTP 500 and validation errors; OpenAI, vLLM and
-    llama.cpp's `llama-server` take the message as it is here)."""
-    return dumps_json({"role": "assistant", "tool_calls": calls})
+    """An assistant message of tool calls, with empty text: the form every server takes.
+    llama-cpp-python's server refuses `"content": null` (HTTP 500, validation errors), and a
+    message without `content` breaks chat templates that concatenate it (SmolLM2's, through
+    that server: the stream ends mid-answer); OpenAI, vLLM and llama.cpp's `llama-server`
+    accept the empty string."""
+    return dumps_json({"role": "assistant", "content": "", "tool_calls": calls})
 
 
 # The arguments a client-run built-in tool takes in function form: its action or operation.

@@ -345,8 +345,9 @@ async def test_follow_up_encodes_only_new_messages_but_sends_the_whole_conversat
     assert first_body["messages"] == [system, {"role": "user", "content": user["content"]}]
     assert follow_up["messages"][:2] == first_body["messages"]
     group, *tools = follow_up["messages"][2:]
-    assert group == {  # no `content`: optional with tool_calls, and null is refused by some
+    assert group == {  # empty text: null is refused by some servers, a missing one breaks others
         "role": "assistant",
+        "content": "",
         "tool_calls": [
             {
                 "id": c["call_id"],

@@ -1,7 +1,8 @@
 """The chat-completions upstream as real model servers are: rollout in front of a server that
-validates messages as llama-cpp-python's `python -m llama_cpp.server` does (an assistant
-message's `content` may be a string or absent, never null: null is HTTP 500 with its pydantic
-errors), driven through a tool loop over HTTP and WebSocket.
+takes messages as llama-cpp-python's `python -m llama_cpp.server` does (an assistant message's
+`content` must be a string: null is HTTP 500 with its pydantic errors, and a missing one breaks
+SmolLM2's chat template, which concatenates it: here, a 500 too), driven through a tool loop
+over HTTP and WebSocket.
 
 Before, rollout sent the tool-call message with `"content": null`, and every tool loop failed
 at its second turn (`response.failed` after the retries)."""
@@ -50,7 +51,7 @@ def _refusal(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "input": None,
         }
         for i, m in enumerate(messages)
-        if m.get("role") == "assistant" and "content" in m and m["content"] is None
+        if m.get("role") == "assistant" and not isinstance(m.get("content"), str)
         for kind in ("ChatCompletionRequestAssistantMessage", "ChatCompletionRequestUserMessage")
     ]
 
@@ -106,7 +107,7 @@ async def test_a_tool_loop_over_http_against_a_server_refusing_null_content() ->
     assert upstream.hits == CALLS + 1
     last = upstream.bodies[-1]["messages"]
     assert [m["role"] for m in last] == ["user", "assistant", "tool", "assistant", "tool"]
-    assert all("content" not in m for m in last if m["role"] == "assistant")
+    assert all(m["content"] == "" for m in last if m["role"] == "assistant")
 
 
 async def test_a_rollout_over_websocket_against_a_server_refusing_null_content() -> None:
@@ -124,7 +125,7 @@ async def test_a_rollout_over_websocket_against_a_server_refusing_null_content()
                 assert events[-1].type == "response.completed", events[-1]
     assert upstream.hits == CALLS + 1
     last = upstream.bodies[-1]["messages"]
-    assert all("content" not in m for m in last if m["role"] == "assistant")
+    assert all(m["content"] == "" for m in last if m["role"] == "assistant")
 
 
 # --- a call cut short, or malformed: never a completed response -----------------------------
