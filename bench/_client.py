@@ -50,7 +50,7 @@ from rollout.spec import WsClient
 from ._errors import ServerError
 from ._records import RolloutRecord, Stream, TurnRecord
 from ._scenario import INSTRUCTIONS, TOOL_NAME, Scenario
-from ._server import Endpoint
+from ._server import Endpoint, error_fields
 from ._streams import check_streams, measure_encoding
 from ._tokens import SIM, TokenCounter
 from ._ws import ConnectionClosed, ConnectionRejected, HandshakeError, WsSocket, open_bench_ws
@@ -609,14 +609,9 @@ async def probe_rollout_extension(
 
 
 def _error_message(body: bytes, limit: int = 120) -> str:
-    """What an HTTP error body says: its OpenAI-shaped `error.message`, or its start."""
-    text = body.decode(errors="replace").strip()
-    try:
-        error = json.loads(text).get("error")
-    except (ValueError, AttributeError):
-        error = None
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        text = error["message"]
+    """What an HTTP error body says (`error_fields`), cut to `limit` characters."""
+    message = error_fields(body)[0]
+    text = body.decode(errors="replace").strip() if not message else message
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -8,6 +8,7 @@ available for a server given by URL.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -329,16 +330,24 @@ async def preflight(
 
 def _error_of(response: httpx.Response) -> tuple[str, str | None, str | None]:
     """The error's message, code and param (OpenAI's shape), or the body's start."""
+    message, code, param = error_fields(response.content)
+    if message is None:
+        return response.text[:200].strip() or "(no body)", None, None
+    return message[:200], code, param
+
+
+def error_fields(body: bytes) -> tuple[str | None, str | None, str | None]:
+    """An HTTP error body's message, code and param in OpenAI's shape (`{"error": {...}}`);
+    (None, None, None) for any other body."""
     try:
-        error = response.json().get("error")
+        error = json.loads(body).get("error")
     except (ValueError, AttributeError):
         error = None
-    if isinstance(error, dict):
-        message = str(error.get("message") or "")[:200]
-        code, param = error.get("code"), error.get("param")
-        return (
-            message,
-            code if isinstance(code, str) else None,
-            param if isinstance(param, str) else None,
-        )
-    return response.text[:200].strip() or "(no body)", None, None
+    if not isinstance(error, dict):
+        return None, None, None
+    code, param = error.get("code"), error.get("param")
+    return (
+        str(error.get("message") or ""),
+        code if isinstance(code, str) else None,
+        param if isinstance(param, str) else None,
+    )

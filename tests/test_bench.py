@@ -43,6 +43,8 @@ from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
 from rollout.engine._heap import freeze_startup_heap
 from rollout.engine._serve import ServerConfig, open_server
 
+from tests.client_harness import stop_process
+
 TINY = [
     "--scenario", "alpha-demo", "--steps", "4", "--tool-tokens", "300", "--prompt-tokens",
     "200", "--output-tokens", "20", "--tool-latency-ms", "1", "--tps", "4000", "--ttft-ms", "5",
@@ -488,13 +490,7 @@ async def _fault_server(drop_every: int) -> AsyncIterator[str]:
                 line += chunk
         yield line.decode().strip()
     finally:
-        with trio.CancelScope(shield=True):
-            process.terminate()
-            with trio.move_on_after(15):
-                await process.wait()
-            if process.poll() is None:
-                process.kill()
-                await process.wait()
+        await stop_process(process)
 
 
 # The keep-pace test's wave: K rollouts of 4 turns of 200 tokens at 4,000 tps (about 11 deltas

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import trio
 
-from tests.client_harness import unavailable
+from tests.client_harness import stop_process, unavailable
 from tests.llama_harness import require_llama
 from tests.server_harness import open_ws
 from tests.upstream_harness import closed_port_url, gateway_registry, open_rollout
@@ -86,13 +86,7 @@ async def llama_server() -> AsyncIterator[str]:
                     await trio.sleep(0.2)
         yield url
     finally:
-        with trio.CancelScope(shield=True):
-            process.terminate()
-            with trio.move_on_after(15):
-                await process.wait()
-            if process.poll() is None:
-                process.kill()
-                await process.wait()
+        await stop_process(process)
 
 
 def _body(turn: int) -> dict[str, Any]:
