@@ -313,6 +313,7 @@ class _ChunkReader:
         # The open function call's arguments as received (checked when it closes: a call cut
         # by the length limit, or a model's malformed JSON, never ends a response completed).
         self.arguments: list[str] = []
+        self.escaper = ControlEscaper()
         self.broken_call = False
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -360,11 +361,12 @@ class _ChunkReader:
             out += self._close()
             chat_name = str(function.get("name", ""))
             self.call = OpenCall(self.toolset.find(chat_name))
-            self.arguments = []
+            self.arguments, self.escaper = [], ControlEscaper()
             out.append(self.call.start(chat_name))
             self.open_kind, self.call_index = "call", index
         arguments = function.get("arguments")
         if arguments and self.call is not None:
+            arguments = self.escaper.feed(arguments)
             if self.call.buffered is None:
                 self.arguments.append(arguments)
             more = self.call.delta(arguments)
@@ -430,6 +432,38 @@ class _ChunkReader:
 
 
 _NOT_JSON = "The upstream model's tool call arguments are not valid JSON."
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
+
+
+class ControlEscaper:
+    """Escapes raw control characters inside the JSON strings of a call's streamed arguments,
+    across pieces. JSON forbids them, but llama-cpp-python's grammar lets a model write a raw
+    newline in a string (seen with SmolLM2 and a string with a `maxLength`: the command ended
+    with a line break before its closing quote): escaped, the arguments are the JSON the
+    model meant, and every delta and the final arguments agree. Everything else passes
+    unchanged."""
+
+    def __init__(self) -> None:
+        self.in_string = False
+        self.escaped = False  # the previous character, in a string, was a backslash
+
+    def feed(self, piece: str) -> str:
+        out: list[str] = []
+        for c in piece:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+                elif c < " ":
+                    out.append(_ESCAPES.get(c) or f"\\u{ord(c):04x}")
+                    continue
+            elif c == '"':
+                self.in_string = True
+            out.append(c)
+        return "".join(out)
 
 
 def _is_json(text: str) -> bool:

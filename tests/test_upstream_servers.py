@@ -178,6 +178,31 @@ async def test_a_call_whose_arguments_are_not_json_does_not_complete(
         ), response["error"]
 
 
+async def test_a_raw_newline_in_a_calls_string_arrives_escaped() -> None:
+    """llama-cpp-python's grammar lets SmolLM2 end a string with a raw line break (invalid
+    JSON, which failed the turn): rollout escapes it as it streams; the deltas and the final
+    arguments agree and parse."""
+    pieces = ['{ "', "command", '" :"', "ls", " -la", "\n", '"', "}"]
+
+    async def handler(exchange: Exchange) -> None:
+        call = {"index": 0, "id": "call_nl", "type": "function"}
+        first = {**call, "function": {"name": "run", "arguments": pieces[0]}}
+        rest = [{"index": 0, "function": {"arguments": piece}} for piece in pieces[1:]]
+        chunks = [chunk(tool_calls=[first]), *(chunk(tool_calls=[r]) for r in rest)]
+        await exchange.stream([*chunks, chunk(finish="tool_calls")])
+
+    with trio.fail_after(DEADLINE):
+        async with open_fake_upstream(handler) as (up, _):
+            registry = gateway_registry(up, name="nl", retries=0)
+            async with open_rollout(registry=registry) as url, open_ws(url) as ws:
+                events = await ws.create(model="nl", tools=[TOOL], input="Go.")
+    assert events[-1].type == "response.completed", ws.raw[-1]
+    (call,) = [i for i in ws.raw[-1]["response"]["output"] if i["type"] == "function_call"]
+    assert json.loads(call["arguments"]) == {"command": "ls -la\n"}
+    deltas = [e["delta"] for e in ws.raw if e["type"] == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == call["arguments"] == '{ "command" :"ls -la\\n"}'
+
+
 # --- usage the upstream does not report ---------------------------------------------------------
 
 
