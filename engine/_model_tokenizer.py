@@ -32,7 +32,7 @@ import mmap
 import struct
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -205,7 +205,7 @@ def _gguf(path: Path) -> ModelTokenizer:
     from ._llama import llama_available
 
     try:
-        keys = gguf_keys(path)
+        keys = gguf_keys(path, until={"tokenizer.ggml.model"})
     except OSError as exc:
         raise TokenizerFileError(f"{path}: {exc.strerror or exc}") from None
     except ValueError as exc:
@@ -224,20 +224,22 @@ _GGUF_STRING = 8
 _GGUF_ARRAY = 9
 
 
-def gguf_keys(path: Path) -> set[str]:
+def gguf_keys(path: Path, *, until: Set[str] = frozenset()) -> set[str]:
     """The metadata keys of a GGUF file (versions 2 and 3), read from its header without
-    loading it. Raises `ValueError` when the file is not one, `OSError` when unreadable."""
+    loading it; with `until`, only until those are found (the vocabulary's arrays, tens of
+    thousands of strings, come after `tokenizer.ggml.model`). Raises `ValueError` when the
+    file is not one, `OSError` when unreadable."""
     with path.open("rb") as file:
         if file.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
             raise ValueError("no GGUF magic")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             try:
-                return _read_keys(data)
+                return _read_keys(data, until)
             except (struct.error, IndexError, UnicodeDecodeError, RecursionError):
                 raise ValueError("a truncated or damaged header") from None
 
 
-def _read_keys(data: Any) -> set[str]:
+def _read_keys(data: Any, until: Set[str]) -> set[str]:
     (version,) = struct.unpack_from("<I", data, 4)
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version}, not 2 or 3")
@@ -248,8 +250,10 @@ def _read_keys(data: Any) -> set[str]:
         (length,) = struct.unpack_from("<Q", data, pos)
         key = bytes(data[pos + 8 : pos + 8 + length]).decode()
         (kind,) = struct.unpack_from("<I", data, pos + 8 + length)
-        pos = _skip_value(data, pos + 12 + length, kind)
         keys.add(key)
+        if until and until <= keys:
+            break
+        pos = _skip_value(data, pos + 12 + length, kind)
     return keys
 
 
