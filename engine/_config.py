@@ -9,6 +9,7 @@
     read_timeout = 300.0                    # seconds of upstream silence before failing
     retries = 2                             # on connect errors and 5xx before the first token
     max_connections = 64                    # the connection pool's bound
+    tokenizer = "/path/to/tokenizer.json"   # optional: the model's own tokenizer (below)
     aliases = ["other-name"]
     description = "..."
 
@@ -30,6 +31,29 @@
 The built-in models (`sim` and its presets; `smollm2` with the llama extra) stay available
 alongside: a file that names one of them (as a model or an alias) is refused, as is an alias
 that would hide a model of the file.
+
+Paths (`gguf`, `tokenizer`) are taken as written (`~` expanded): a relative one is relative to
+the directory `rollout serve` runs in, not to the models file.
+
+`tokenizer` (upstream models only; see `_model_tokenizer`) names the model's tokenizer, for
+the usage an upstream does not report (llama-cpp-python's server reports none in a stream):
+
+- a Hugging Face `tokenizer.json` (needs `pip install 'rollout-engine[tokenizers]'`; loaded
+  with the file): the model's conversations render with rollout's chat template over this
+  tokenizer, so the input tokens are the model's tokens of the conversation's text plus
+  rollout's framing (a few control tokens per message, not the model's own template's);
+- a GGUF file (needs `pip install 'rollout-engine[llama]'`; its header is checked with the
+  file, its vocabulary loaded on the model's first use, without weights): conversations
+  render with the model's own chat template and vocabulary, as the in-process models do
+  (a template the renderer refuses falls back to rollout's, over the model's vocabulary).
+
+Without usage from the upstream, a turn's input tokens are then that rendering's (the
+context, as rollout's own models count it: without the generation prompt), and its output
+tokens the tokenizer's count of the output text: each message's text and each function
+call's name and arguments, each tokenized on its own (not the model's markup around a call,
+nor its end-of-turn token). Such a count is not an estimate (`usage_estimated` stays); without
+`tokenizer`, the output tokens are the stream's chunks, one each, counted in `usage_estimated`.
+Usage the upstream reports is always taken as reported.
 """
 
 from __future__ import annotations
@@ -43,6 +67,7 @@ from rollout.protocol import RemoteProtocolError
 
 from ._defaults import default_registry
 from ._llama import DEFAULT_KV_INDEX_MB, LlamaBackend, LlamaConfig, llama_available
+from ._model_tokenizer import TokenizerFileError, load_model_tokenizer
 from ._models import DEFAULT_CONTEXT_WINDOW, ModelRegistry, ModelSpec
 from ._upstream import UpstreamBackend, UpstreamConfig
 
@@ -142,7 +167,15 @@ def registry_from_mapping(
             registry.add(_gguf_model(name, table, where, kv_cache_mb))
             _add_aliases(registry, name, table, where, builtin)
             continue
-        allowed = {"upstream", "model", "context_window", "aliases", "description", *_UPSTREAM_KEYS}
+        allowed = {
+            "upstream",
+            "model",
+            "context_window",
+            "tokenizer",
+            "aliases",
+            "description",
+            *_UPSTREAM_KEYS,
+        }
         unknown = sorted(set(table) - allowed)
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]}: unknown key")
@@ -158,17 +191,26 @@ def registry_from_mapping(
         options = {
             k: _get(table, k, kind, where) for k, kind in _UPSTREAM_KEYS.items() if k in table
         }
+        tokenizer = None
+        if "tokenizer" in table:
+            path = Path(_get(table, "tokenizer", str, where)).expanduser()
+            try:
+                tokenizer = load_model_tokenizer(path)
+            except TokenizerFileError as exc:
+                raise ConfigError(f"{where}.tokenizer: {exc}") from None
         backend = UpstreamBackend(
             UpstreamConfig(
                 base_url=base_url,
                 model=_get(table, "model", str, where) if "model" in table else name,
                 **options,
-            )
+            ),
+            count_tokens=tokenizer.count if tokenizer is not None else None,
         )
         registry.add(
             ModelSpec(
                 name=name,
                 backend=backend,
+                renderer=tokenizer.renderer if tokenizer is not None else None,
                 context_window=_get(table, "context_window", int, where)
                 if "context_window" in table
                 else DEFAULT_CONTEXT_WINDOW,
@@ -219,6 +261,10 @@ def _gguf_model(name: str, table: dict[str, Any], where: str, kv_cache_mb: float
     """A `gguf = PATH` table: a model run in this process (its file is opened now, memory-
     mapped, to read its context size and chat template; its KV pool comes on first use)."""
     allowed = {"gguf", "aliases", "description", *_GGUF_KEYS}
+    if "tokenizer" in table:
+        raise ConfigError(
+            f"{where}.tokenizer: only for upstream models (a `gguf` model counts with its own)"
+        )
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown key")

@@ -292,8 +292,9 @@ class Finish:
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None  # of input_tokens, served from the upstream's own cache
-    # The output count is an estimate: an upstream that reported no usage (its deltas counted,
-    # a chunk each); counted in `usage_estimated`.
+    # The output count is an estimate: an upstream that reported no usage, for a model without
+    # its own tokenizer (the models file's `tokenizer`: with one, `output_tokens` is its count
+    # of the output text); its deltas counted, a chunk each; counted in `usage_estimated`.
     estimated: bool = False
 
 

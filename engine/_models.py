@@ -6,7 +6,8 @@ parameters for families that take them (the simulated `sim` model does):
 
 A model with its own tokenizer and chat template (`ModelSpec.renderer`) renders with them:
 its route carries the renderer, and everything above the backend speaks its tokens. Models
-without one (the `sim` family, chat-completions upstreams) use the engine's default renderer.
+without one (the `sim` family, chat-completions upstreams without a `tokenizer` in the models
+file) use the engine's default renderer.
 """
 
 from __future__ import annotations

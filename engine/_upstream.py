@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import attrs
@@ -68,10 +68,18 @@ class UpstreamCounters:
 
 
 class UpstreamBackend:
+    """`count_tokens`: the model's own tokenizer (the models file's `tokenizer` key), which
+    counts the output of a turn the upstream reports no usage for (see `_ChunkReader.end`)."""
+
     def __init__(
-        self, config: UpstreamConfig, *, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        config: UpstreamConfig,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        count_tokens: Callable[[str], int] | None = None,
     ) -> None:
         self.config = config
+        self.count_tokens = count_tokens
         self.counters = UpstreamCounters()
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -205,7 +213,7 @@ class UpstreamBackend:
                         raise _Retryable(text, response_code)
                     self.counters.failures += 1
                     raise BackendError(text, code=response_code)
-                async for event in _parse_stream(resp, toolset, max_tokens):
+                async for event in _parse_stream(resp, toolset, max_tokens, self.count_tokens):
                     yield event
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise _Retryable(
@@ -270,11 +278,14 @@ async def _error_of(resp: httpx.Response) -> tuple[str, str | None]:
 
 
 async def _parse_stream(
-    resp: httpx.Response, toolset: ChatToolset, max_tokens: int | None
+    resp: httpx.Response,
+    toolset: ChatToolset,
+    max_tokens: int | None,
+    count_tokens: Callable[[str], int] | None = None,
 ) -> AsyncIterator[SampleEvent]:
     """Chat-completion chunks -> sample events. Raises BackendError on malformed chunks or a
     stream that ends before a finish reason."""
-    reader = _ChunkReader(toolset, max_tokens)
+    reader = _ChunkReader(toolset, max_tokens, count_tokens)
     decoder = SseDecoder(max_event_size=MAX_UPSTREAM_LINE)
     done = False
     async for raw in resp.aiter_bytes():
@@ -302,11 +313,23 @@ async def _parse_stream(
 
 class _ChunkReader:
     """The state of one chat-completions stream: the item open (text or a call), the finish
-    reason and the usage, fed chunk by chunk."""
+    reason and the usage, fed chunk by chunk. With `count_tokens` (the model's tokenizer), the
+    turn's output text is kept as it streams, to be counted when the upstream reports no
+    usage: each message's text, and each function call's name and arguments, each tokenized
+    on its own."""
 
-    def __init__(self, toolset: ChatToolset, max_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        toolset: ChatToolset,
+        max_tokens: int | None = None,
+        count_tokens: Callable[[str], int] | None = None,
+    ) -> None:
         self.toolset = toolset
         self.max_tokens = max_tokens
+        self.count_tokens = count_tokens
+        # The output's texts, when counted: one list of pieces per message text, call name,
+        # call arguments (in stream order).
+        self.texts: list[list[str]] | None = [] if count_tokens is not None else None
         self.open_kind: str | None = None  # "text" | "call"
         self.call: OpenCall | None = None
         self.call_index: int | None = None
@@ -350,6 +373,10 @@ class _ChunkReader:
         if self.open_kind is None:
             out.append(TextStart())
             self.open_kind = "text"
+            if self.texts is not None:
+                self.texts.append([])
+        if self.texts is not None:
+            self.texts[-1].append(content)
         out.append(TextDelta(content, 1))
         return out
 
@@ -364,7 +391,11 @@ class _ChunkReader:
             self.arguments, self.escaper = [], ControlEscaper()
             out.append(self.call.start(chat_name))
             self.open_kind, self.call_index = "call", index
+            if self.texts is not None:
+                self.texts += [[chat_name], []]  # the name, then the arguments to come
         arguments = function.get("arguments")
+        if arguments and self.texts is not None and self.open_kind == "call":
+            self.texts[-1].append(str(arguments))
         if arguments and self.call is not None:
             arguments = self.escaper.feed(arguments)
             if self.call.buffered is None:
@@ -421,14 +452,24 @@ class _ChunkReader:
             closing = self._close()
         details = (usage or {}).get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        reported = usage.get("completion_tokens") if usage else None
+        output = reported if isinstance(reported, int) else self._counted()
         finish = Finish(
             reason,  # type: ignore[arg-type]
             input_tokens=usage.get("prompt_tokens") if usage else None,
-            output_tokens=usage.get("completion_tokens") if usage else None,
+            output_tokens=output,
             cached_tokens=cached if isinstance(cached, int) else None,
-            estimated=not usage or not isinstance(usage.get("completion_tokens"), int),
+            estimated=output is None,
         )
         return [*closing, finish]
+
+    def _counted(self) -> int | None:
+        """The output's tokens by the model's tokenizer (None without one): each text of
+        `texts` encoded on its own. Not counted: what the model writes around a call (its
+        markers, the JSON of name and arguments together) and the end-of-turn token."""
+        if self.count_tokens is None or self.texts is None:
+            return None
+        return sum(self.count_tokens("".join(pieces)) for pieces in self.texts)
 
 
 _NOT_JSON = "The upstream model's tool call arguments are not valid JSON."
