@@ -21,6 +21,8 @@
                                             # sequences of context_size tokens as it holds
                                             # (SmolLM2-135M: 22.5 KiB per token)
     sequences = 16                          # at most this many sequences (default 64)
+    prefill_queue_tokens = 8192             # prompt tokens queued on the model before a new
+                                            # turn waits (in arrival order) to be admitted
     chat_template = "{% for m in messages %}..."  # default: the GGUF's own
     aliases = ["other-name"]
     description = "..."
@@ -87,6 +89,7 @@ _GGUF_KEYS = {
     "context_size": int,
     "kv_memory_mb": float,
     "sequences": int,
+    "prefill_queue_tokens": int,
     "chat_template": str,
 }
 
@@ -115,6 +118,7 @@ _POSITIVE = {
     "context_size",
     "kv_memory_mb",
     "sequences",
+    "prefill_queue_tokens",
 }
 
 

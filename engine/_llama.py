@@ -45,7 +45,7 @@ from rollout.protocol import Item, RemoteProtocolError, Tool, ToolChoice
 from ._errors import BackendError
 from ._interfaces import Holder, Prefilled, SampleEvent, SampleRequest
 from ._kv import KVIndex, Slot
-from ._llama_engine import EngineReport, Job, LlamaRuntime, SamplerSpec
+from ._llama_engine import EngineReport, Job, LlamaRuntime, RuntimeStats, SamplerSpec
 
 if TYPE_CHECKING:
     from ._llama_vocab import LlamaVocab
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_KV_INDEX_MB",
     "DEFAULT_KV_MEMORY_MB",
+    "DEFAULT_PREFILL_QUEUE_TOKENS",
     "DEFAULT_SLOTS",
     "LlamaBackend",
     "LlamaConfig",
@@ -71,8 +72,12 @@ DEFAULT_KV_INDEX_MB = 256.0
 # The most sequences a model's context has (running, kept and indexed together), whatever
 # its pool would hold.
 DEFAULT_SLOTS = 64
-# Tokens per llama_decode call (a prompt is evaluated in chunks of this many).
+# The most tokens per llama_decode call (every decoding turn's next token, and prompt chunks:
+# `_llama_engine.PROMPT_CHUNK`).
 DEFAULT_BATCH = 512
+# Prompt tokens queued on the model's thread (started, not yet evaluated) past which a new
+# turn waits, in arrival order, before its KV is planned: ~40 s of prefill on 2 cores.
+DEFAULT_PREFILL_QUEUE_TOKENS = 8192
 # The largest `calls=N` model parameter (a forced tool loop's length).
 MAX_FORCED_CALLS = 1000
 
@@ -97,6 +102,7 @@ class LlamaConfig:
     index_mb: float = DEFAULT_KV_INDEX_MB
     slots: int = DEFAULT_SLOTS
     batch: int = DEFAULT_BATCH
+    prefill_queue_tokens: int = DEFAULT_PREFILL_QUEUE_TOKENS
     # The chat template, if not the GGUF's own (`tokenizer.chat_template`).
     chat_template: str | None = None
 
@@ -114,6 +120,9 @@ class LlamaBackend:
         self._start_lock = trio.Lock()
         self.kv: KVIndex | None = None
         self._changed = trio.Event()  # set when a turn ends or a holder lets go
+        self._stepped = trio.Event()  # set when the thread reports a step's work
+        self._admission = trio.Lock()  # fair: turns are admitted in arrival order
+        self.waiting = 0  # turns waiting for the prompt queue or the KV pool
         self.renderer = LazyRenderer(self)
 
     # --- loading -----------------------------------------------------------------------------
@@ -156,6 +165,11 @@ class LlamaBackend:
         per_sequence = self.context_limit * self.kv_bytes_per_token
         held = int(self.config.kv_memory_mb * 2**20) // per_sequence
         return max(1, min(self.config.slots, held))
+
+    @property
+    def runtime_stats(self) -> RuntimeStats | None:
+        """What the model's thread has done (None before the model first runs)."""
+        return None if self._runtime is None else self._runtime.stats
 
     @property
     def kv_cells(self) -> int:
@@ -299,17 +313,24 @@ class LlamaBackend:
         # Tools described, none to be called: the model may not open a call (`_toolconv`).
         no_call = toolset is not None and bool(toolset.tools) and not parser.parses_calls
         holders = tuple(h for h in request.holders if not h.closed)
-        plan = None
-        while plan is None:
-            try:
-                plan = kv.plan(request.owner, context, holders, reserve=budget)
-            except ValueError as exc:
-                raise BackendError(
-                    f"This turn does not fit the model's KV pool: {exc}.",
-                    code="context_length_exceeded",
-                ) from None
-            if plan is None:
-                await self._changed.wait()
+        self.waiting += 1
+        try:
+            async with self._admission:
+                while runtime.stats.queued_prompt >= self.config.prefill_queue_tokens:
+                    await self._stepped.wait()
+                plan = None
+                while plan is None:
+                    try:
+                        plan = kv.plan(request.owner, context, holders, reserve=budget)
+                    except ValueError as exc:
+                        raise BackendError(
+                            f"This turn does not fit the model's KV pool: {exc}.",
+                            code="context_length_exceeded",
+                        ) from None
+                    if plan is None:
+                        await self._changed.wait()
+        finally:
+            self.waiting -= 1
         reports: collections.deque[EngineReport] = collections.deque()
         arrived = trio.Event()
         slot, keep = plan.slot, plan.keep
@@ -317,6 +338,9 @@ class LlamaBackend:
         def on_report(report: EngineReport) -> None:
             reports.append(report)
             arrived.set()
+            if report.evaluated or report.end is not None:
+                self._stepped.set()
+                self._stepped = trio.Event()
             if report.end is not None:
                 self._turn_ended(slot, context[:keep], report, holders)
 

@@ -6,8 +6,8 @@ with KV cells of its own) and one batch, and loops:
 
     take commands     start a job (its sequence operations first: evictions, a truncated or
                       copied prefix, `_kv.Plan.ops`), cancel one, clear sequences, stop
-    build a batch     every decoding job's last sampled token (one each), then prefill
-                      chunks of jobs still reading their prompt, first come first served
+    build a batch     every decoding job's last sampled token (one each), then prompt
+                      tokens of jobs still reading their prompt (the scheduling policy below)
     decode            one `llama_decode` for the batch
     sample            each job whose logits came out samples a token with its own sampler
                       chain (grammar, then greedy or top-p/temperature; a `no_call` job's
@@ -16,13 +16,42 @@ with KV cells of its own) and one batch, and loops:
     report            each job's news goes to its trio task (`trio.lowlevel.TrioToken`):
                       tokens evaluated, tokens sampled, and at the end what its sequence holds
 
+Scheduling policy (one step = one `llama_decode`):
+
+    a decode step     every decoding job's next token, one each, in one batch: decoding
+                      jobs never wait for one another (the batch grows with them)
+    a read step       one prompt chunk (`PROMPT_CHUNK` tokens, fewer at a prompt's end) of the
+                      oldest job still reading its prompt, alone
+    alternation       while some decode and a prompt waits, the steps alternate: a long
+                      prompt delays the others' next token by one chunk (~0.5 s on 2 cores),
+                      never by its whole length, and is read at half the steps; the oldest
+                      prompt finishes first (it starts decoding soonest). On a CPU a step's
+                      cost is its tokens' (128-token chunks read as fast as 512-token ones),
+                      so keeping chunks apart from decoding costs no throughput
+    suspended         a rollout at a tool call has no job: its sequence keeps its KV and costs
+                      no compute (`_kv.py` decides what stays)
+
+Queued prompt tokens (of jobs started, not yet evaluated) are bounded by the caller
+(`LlamaBackend`, `prefill_queue_tokens`): a turn past the bound waits on the event loop before
+its KV is planned. `stats` counts what the thread did (steps, tokens by kind, its busy time
+by kind of step, sequences per step): the `rollout_model_*` metrics.
+
 A job is cancelled between steps (its prompt or output may stop mid-way; what its sequence
 holds is reported either way). The thread never touches the KV index: the event loop decides
 which sequence a job runs on and what it keeps (`_kv.py`), the thread only applies it.
 
-Evaluation boundaries: a prompt is evaluated in chunks of `batch` tokens from its first
-position (fewer while other jobs decode: `DECODE_SHARE_CHUNK`), so two turns that keep the same
-prefix and evaluate the same tokens alone run the same computations, bit for bit.
+Evaluation boundaries: llama.cpp's numbers for a sequence depend on how its own tokens are
+grouped into evaluations (a prompt read in 64-token chunks gives logits up to ~0.8 away from
+128-token ones), and on company that reads a prompt: a chunk evaluated beside other sequences'
+tokens (two equal chunks, or a chunk beside decoding tokens) can come out ~0.5 away, and
+flash attention's kernel moves with the longest sequence in the batch. What does not move:
+one token per sequence beside other sequences' single tokens (each sequence has its own KV
+cells, `kv_unified = False`; measured bit for bit here over hundreds of steps). So flash
+attention is off, a prompt is always cut at the same places (`PROMPT_CHUNK` tokens from its
+first position) and each chunk is evaluated alone, and a decode step holds one token per
+sequence: a turn computes the same logits bit for bit whether it runs alone or batched with
+any others (tests/test_llama_batching.py), and two turns that keep the same prefix and
+evaluate the same tokens compute the same.
 """
 
 from __future__ import annotations
@@ -33,6 +62,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,19 +73,52 @@ import trio
 from ._toolconv import Grammar, GrammarError
 
 __all__ = [
-    "DECODE_SHARE_CHUNK",
+    "PROMPT_CHUNK",
     "EngineReport",
     "Job",
     "LlamaRuntime",
+    "RuntimeStats",
     "SamplerSpec",
     "kv_bytes_per_token",
 ]
 
 log = logging.getLogger("rollout.engine.llama")
 
-# Prompt tokens evaluated per step while other jobs are decoding: a long prefill then delays
-# their next token by one such chunk (~0.4 s at 300 tokens/s) instead of a whole batch.
-DECODE_SHARE_CHUNK = 128
+# A prompt is evaluated in chunks of this many tokens from its first position, whatever else
+# runs: its numbers then never depend on the other jobs (see "Evaluation boundaries"). While
+# other jobs decode, a step carries one chunk: their next token waits ~0.5 s on 2 cores, not a
+# whole batch. (Measured here, SmolLM2-135M on 2 cores: 128-token chunks prefill as fast as
+# 512-token ones, ~250 tokens/s.)
+PROMPT_CHUNK = 128
+
+
+# Buckets of the sequences-per-step histogram (`rollout_model_step_sequences`).
+STEP_SEQUENCE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@attrs.define
+class RuntimeStats:
+    """What the model's thread has done. Each field has one writer: `submitted_prompt` the
+    event loop (`submit`), the rest the thread; readers (/metrics) see each field whole."""
+
+    steps: int = 0  # llama_decode calls
+    prompt_tokens: int = 0  # prompt tokens evaluated
+    decode_tokens: int = 0  # sampled tokens fed back (one per decoding job per step)
+    # The thread's busy time (decode and sampling), by kind of step: "prefill" when the step
+    # evaluated prompt tokens (with or without decoding jobs beside them), else "decode".
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    sequences: int = 0  # the sum over steps of the sequences each step served
+    step_sequences: list[int] = attrs.field(factory=lambda: [0] * len(STEP_SEQUENCE_BUCKETS))
+    submitted_prompt: int = 0  # prompt tokens of the jobs submitted
+    retired_prompt: int = 0  # prompt tokens evaluated, or dropped with their job
+    decoding: int = 0  # jobs decoding after the last step
+    prefilling: int = 0  # jobs (started) still reading their prompt
+
+    @property
+    def queued_prompt(self) -> int:
+        """Prompt tokens submitted and not yet evaluated (nor dropped)."""
+        return max(0, self.submitted_prompt - self.retired_prompt)
 
 
 @attrs.frozen
@@ -148,6 +211,12 @@ class LlamaRuntime:
         # (measured: up to 0.54 here); apart, the same tokens evaluated the same way give the
         # same logits whatever else the model holds.
         cp.kv_unified = False
+        # No flash attention: its CPU kernel's numbers for a sequence move with the longest
+        # sequence in the batch (measured: the same turn, batched, differs from its first
+        # logits on), and here it is the slower path too (SmolLM2, 2 cores, 3,000 tokens of
+        # context: 184 against 127-162 prompt tokens/s, 44-56 against 10-18 tokens/s decoded).
+        cp.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        batch = max(batch, PROMPT_CHUNK + slots)  # a step holds a chunk and every decoder
         cp.n_batch = batch
         cp.n_ubatch = batch
         cp.n_threads = threads
@@ -172,6 +241,8 @@ class LlamaRuntime:
         self._candidates["id"] = numpy.arange(self.n_vocab, dtype=numpy.int32)
         self._openers = numpy.array(sorted(openers), dtype=numpy.int64)
         self._blank = blank
+        self.stats = RuntimeStats()
+        self._read_next = True  # whose turn the next step is, when some decode and one reads
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._jobs: list[Job] = []
         self._thread = threading.Thread(target=self._run, name="rollout-llama", daemon=True)
@@ -187,6 +258,7 @@ class LlamaRuntime:
                 EngineReport(end="error", fed=array("I"), error="the model's thread has stopped")
             )
             return
+        self.stats.submitted_prompt += len(job.prompt)
         self._inbox.put(("start", job))
 
     def cancel(self, job: Job) -> None:
@@ -331,6 +403,26 @@ class LlamaRuntime:
         outputs: list[tuple[Job, int]] = []  # (job, batch index of its logits)
         evaluated: dict[int, int] = {}
         decoding = [j for j in self._jobs if j.next_token is not None]
+        reading = next((j for j in self._jobs if j.read < len(j.prompt)), None)
+        # A prompt chunk never shares a step with other sequences' tokens (see "Evaluation
+        # boundaries"): while some decode and a prompt waits, steps alternate.
+        read = reading is not None and (not decoding or self._read_next)
+        self._read_next = not read
+        prompt = 0
+        if read:
+            assert reading is not None
+            take = prompt = min(len(reading.prompt) - reading.read, PROMPT_CHUNK)
+            for i in range(take):
+                index = reading.read + i
+                last = index == len(reading.prompt) - 1
+                self._put(n, reading.prompt[index], reading.pos + index, reading.seq, last)
+                if last:
+                    outputs.append((reading, n))
+                n += 1
+            reading.fed.extend(reading.prompt[reading.read : reading.read + take])
+            reading.read += take
+            evaluated[id(reading)] = take
+            decoding = []
         for job in decoding:
             self._put(n, job.next_token, job.pos + len(job.fed), job.seq, True)  # type: ignore[arg-type]
             job.fed.append(job.next_token)  # type: ignore[arg-type]
@@ -338,28 +430,11 @@ class LlamaRuntime:
             outputs.append((job, n))
             evaluated[id(job)] = 1
             n += 1
-        share = self.batch_size if not decoding else min(self.batch_size, DECODE_SHARE_CHUNK)
-        for job in self._jobs:
-            left = len(job.prompt) - job.read
-            if left <= 0 or job in decoding:
-                continue
-            room = min(self.batch_size - n, share)
-            if room <= 0:
-                break
-            take = min(left, room)
-            for i in range(take):
-                index = job.read + i
-                last = index == len(job.prompt) - 1
-                self._put(n, job.prompt[index], job.pos + index, job.seq, last)
-                if last:
-                    outputs.append((job, n))
-                n += 1
-            job.fed.extend(job.prompt[job.read : job.read + take])
-            job.read += take
-            evaluated[id(job)] = take
         batch.n_tokens = n
+        started = time.perf_counter()
         rc = llama.llama_decode(self.ctx, batch)
         if rc != 0:
+            self.stats.retired_prompt += prompt
             for job in self._jobs:
                 self._end(job, "error", f"llama_decode failed ({rc}): the KV cache is full")
             self._jobs = []
@@ -368,6 +443,7 @@ class LlamaRuntime:
         for job, index in outputs:
             sampled[id(job)] = self._sample(job, index)
             job.sampled += 1
+        self._count(len(decoding), prompt, len(evaluated), time.perf_counter() - started)
         still: list[Job] = []
         for job in self._jobs:
             token = sampled.get(id(job))
@@ -387,6 +463,25 @@ class LlamaRuntime:
                 job.deliver(news)
                 still.append(job)
         self._jobs = still
+        stats = self.stats
+        stats.decoding = sum(1 for j in still if j.next_token is not None)
+        stats.prefilling = len(still) - stats.decoding
+
+    def _count(self, decoded: int, prompt: int, sequences: int, seconds: float) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.decode_tokens += decoded
+        stats.prompt_tokens += prompt
+        stats.retired_prompt += prompt
+        if prompt:
+            stats.prefill_seconds += seconds
+        else:
+            stats.decode_seconds += seconds
+        stats.sequences += sequences
+        for i, bound in enumerate(STEP_SEQUENCE_BUCKETS):
+            if sequences <= bound:
+                stats.step_sequences[i] += 1
+                break
 
     def _put(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
         batch = self.batch
@@ -397,6 +492,7 @@ class LlamaRuntime:
         batch.logits[i] = logits
 
     def _end(self, job: Job, why: str, error: str | None = None) -> None:
+        self.stats.retired_prompt += len(job.prompt) - job.read  # what it will not evaluate
         if job.chain is not None:
             self._llama.llama_sampler_free(job.chain)
             job.chain = None

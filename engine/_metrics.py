@@ -29,6 +29,13 @@ counts:
                                                                      kept ones for a full pool
     rollout_kv_cache_tokens{model=,state=running|kept|indexed} gauge tokens the KV pool holds
     rollout_kv_cache_bytes{model=}                          gauge    the KV pool's size
+    rollout_model_steps_total{model=}                       counter  llama_decode calls
+    rollout_model_tokens_total{model=,kind=prompt|decode}   counter  tokens evaluated
+    rollout_model_busy_seconds_total{model=,phase=prefill|decode} counter the model thread's
+                                                                     time (decode, sampling)
+    rollout_model_step_sequences{model=}                    histogram sequences per step
+    rollout_model_sequences{model=,state=decoding|prefilling|waiting} gauge turns by state
+    rollout_model_prompt_queued_tokens{model=}              gauge    prompt tokens queued
 
 The stage histograms stay the engine's own (`_counters.StageTimer`), exported here through
 `HistogramMetricFamily`: the engine measures without depending on an exposition library (it
@@ -61,7 +68,7 @@ import math
 import os
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -80,6 +87,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from ._counters import LATENCY_BUCKETS
 from ._engine import Engine
 from ._http_limits import TransportStats
+from ._llama_engine import STEP_SEQUENCE_BUCKETS
 
 __all__ = [
     "METRICS_POLL_INTERVAL",
@@ -239,6 +247,65 @@ class _RolloutCollector:
             held.add_metric([name, "indexed"], kv.indexed_tokens)
             size.add_metric([name], kv.cells * backend.kv_bytes_per_token)  # type: ignore[attr-defined]
         yield from (lookups, reused, dropped, held, size)
+        yield from self._model_threads(models)
+
+    def _model_threads(self, models: Sequence[tuple[str, object]]) -> Iterator[Metric]:
+        """The model threads of the real models that have run (`_llama_engine.py`: what each
+        step did, the turns waiting to be admitted)."""
+        running = [
+            (name, backend, backend.runtime_stats)  # type: ignore[attr-defined]
+            for name, backend in models
+            if getattr(backend, "runtime_stats", None) is not None
+        ]
+        if not running:
+            return
+        steps = CounterMetricFamily(
+            "rollout_model_steps", "llama_decode calls of a real model.", labels=["model"]
+        )
+        tokens = CounterMetricFamily(
+            "rollout_model_tokens",
+            "Tokens a real model evaluated: prompt tokens, and sampled tokens fed back (decode).",
+            labels=["model", "kind"],
+        )
+        busy = CounterMetricFamily(
+            "rollout_model_busy_seconds",
+            "The model thread's time in llama_decode and sampling, by kind of step: prefill "
+            "(it evaluated prompt tokens, beside any decoding), decode (only decoding).",
+            labels=["model", "phase"],
+        )
+        per_step = HistogramMetricFamily(
+            "rollout_model_step_sequences",
+            "Sequences served by each step (batch size in sequences).",
+            labels=["model"],
+        )
+        sequences = GaugeMetricFamily(
+            "rollout_model_sequences",
+            "A real model's turns by state: decoding, prefilling (reading their prompt), "
+            "waiting (for the prompt queue's bound or the KV pool).",
+            labels=["model", "state"],
+        )
+        queued = GaugeMetricFamily(
+            "rollout_model_prompt_queued_tokens",
+            "Prompt tokens started and not yet evaluated (bounded by prefill_queue_tokens).",
+            labels=["model"],
+        )
+        for name, backend, stats in running:
+            steps.add_metric([name], stats.steps)
+            tokens.add_metric([name, "prompt"], stats.prompt_tokens)
+            tokens.add_metric([name, "decode"], stats.decode_tokens)
+            busy.add_metric([name, "prefill"], stats.prefill_seconds)
+            busy.add_metric([name, "decode"], stats.decode_seconds)
+            cumulative, buckets = 0, []
+            for bound, count in zip(STEP_SEQUENCE_BUCKETS, stats.step_sequences, strict=True):
+                cumulative += count
+                buckets.append((str(bound), cumulative))
+            buckets.append(("+Inf", cumulative))
+            per_step.add_metric([name], buckets, sum_value=stats.sequences)
+            sequences.add_metric([name, "decoding"], stats.decoding)
+            sequences.add_metric([name, "prefilling"], stats.prefilling)
+            sequences.add_metric([name, "waiting"], backend.waiting)  # type: ignore[attr-defined]
+            queued.add_metric([name], stats.queued_prompt)
+        yield from (steps, tokens, busy, per_step, sequences, queued)
 
     def _render_cache(self) -> Iterator[Metric]:
         cache = self._engine.render_cache

@@ -118,10 +118,10 @@ class Outcome:
 # --- the four ways -------------------------------------------------------------------------
 
 
-async def run_rollout(url: str, outcome: Outcome) -> None:
+async def run_rollout(url: str, outcome: Outcome, key: str | None = None) -> None:
     """One response: `rollout: true`, suspended at each call (`response.done`), resumed by
-    `response.append`."""
-    async with open_ws(url, key=KEYS[outcome.mode]) as ws:
+    `response.append`; under the mode's API key unless `key` is given."""
+    async with open_ws(url, key=key or KEYS[outcome.mode]) as ws:
         script = outcome.script
         events = await ws.create(
             input=script.question, rollout=True, store=False, **script.settings()

@@ -20,10 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 from rollout import protocol as p
+from rollout.engine._llama_engine import PROMPT_CHUNK
 
 from tests.llama_harness import require_llama, smollm2_renderer
 
-CHUNK = 512  # the engine's batch (`_llama.DEFAULT_BATCH`)
+CHUNK = PROMPT_CHUNK  # how the engine cuts a prompt
 
 
 def conversations() -> list[list[int]]:
