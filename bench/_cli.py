@@ -63,7 +63,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="a preset: alpha-demo, long-context, codex-like, long-output (repeatable; default: "
         "the plan's); or real-model alone: the packaged SmolLM2 (the llama extra) in a tool "
         "loop on local servers with the KV index on and off (about 12 minutes on 2 cores; "
-        "--local LABEL=ARGS replaces the two servers, --repetitions repeats)",
+        "--local LABEL=ARGS replaces the two servers, --repetitions repeats); or "
+        "real-model-batch alone: K = 1, 2, 4, 8 agents at once on SmolLM2 in rollout's process "
+        "against llama-cpp-python's own server behind rollout (about 15 minutes; --concurrency "
+        "sets the K values, --local embedded=|llama-server=|llama-server-cache= picks servers)",
     )
     p.add_argument("--steps", type=int, help="override: tool calls per rollout")
     p.add_argument("--tool-tokens", type=int, help="override: tokens of each tool output")
@@ -471,6 +474,8 @@ def _run(args: argparse.Namespace) -> int:
         return _report_only(args)
     if REAL_MODEL in args.scenario:
         return _run_real(args)
+    if REAL_MODEL_BATCH in args.scenario:
+        return _run_batch(args)
     config = build_config(args)
     plots = not args.no_plots and _has_matplotlib()
     if not args.no_plots and not plots:
@@ -519,13 +524,46 @@ def _run(args: argparse.Namespace) -> int:
 REAL_MODEL = "real-model"
 
 
+def _run_model_scenario(
+    args: argparse.Namespace,
+    run: Any,
+    plan: Any,
+    validate: Any,
+    render: Any,
+) -> dict[str, Any] | None:
+    """Run a real-model scenario (`_real.py`, `_batch.py`) with progress lines; write and
+    print its results and summary. None when it could not run (said on stderr)."""
+    import trio
+
+    from ._errors import BenchError
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    def progress(line: str) -> None:
+        print(f"[{time.monotonic() - started:6.0f} s] {line}", file=sys.stderr, flush=True)
+
+    try:
+        results: dict[str, Any] = trio.run(run, plan, out, progress)
+    except BenchError as exc:
+        print(f"rollout bench: {exc}", file=sys.stderr)
+        return None
+    validate(results)
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    summary = render(results)
+    (out / "summary.md").write_text(summary)
+    print(summary)
+    print(f"results: {path}")
+    print(f"summary: {out / 'summary.md'}")
+    return results
+
+
 def _run_real(args: argparse.Namespace) -> int:
     """`--scenario real-model`: its own runner (`_real.py`), results and plot."""
     import shlex
 
-    import trio
-
-    from ._errors import BenchError
     from ._real import RealPlan, render_summary, run_real_model, validate_real, write_real_plot
 
     if args.scenario != [REAL_MODEL]:
@@ -567,31 +605,69 @@ def _run_real(args: argparse.Namespace) -> int:
                 raise SystemExit(f"rollout bench: --local takes LABEL=ARGS, not {raw!r}")
             servers.append((label, tuple(shlex.split(serve_args))))
         plan = attrs.evolve(plan, servers=tuple(servers))
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-
-    def progress(line: str) -> None:
-        print(f"[{time.monotonic() - started:6.0f} s] {line}", file=sys.stderr, flush=True)
-
-    try:
-        results = trio.run(run_real_model, plan, out, progress)
-    except BenchError as exc:
-        print(f"rollout bench: {exc}", file=sys.stderr)
+    results = _run_model_scenario(args, run_real_model, plan, validate_real, render_summary)
+    if results is None:
         return 1
-    validate_real(results)
-    path = out / "results.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    summary = render_summary(results)
-    (out / "summary.md").write_text(summary)
-    print(summary)
-    print(f"results: {path}")
-    print(f"summary: {out / 'summary.md'}")
     if not args.no_plots and _has_matplotlib():
-        print(f"plot:    {write_real_plot(results, out)}")
+        print(f"plot:    {write_real_plot(results, args.out)}")
     failed = [r for r in results["runs"] if "error" in r]
     for run in failed:
         print(f"rollout bench: {run['server']} {run['mode']}: {run['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+REAL_MODEL_BATCH = "real-model-batch"
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    """`--scenario real-model-batch`: its own runner (`_batch.py`) and results."""
+    import shlex
+
+    from ._batch import SERVERS, BatchPlan, render_batch_summary, run_batch, validate_batch
+    from ._llama_server import llama_server_missing
+
+    if args.scenario != [REAL_MODEL_BATCH]:
+        raise SystemExit("rollout bench: --scenario real-model-batch runs alone")
+    if args.url:
+        raise SystemExit(
+            "rollout bench: --scenario real-model-batch starts its own servers; use --local "
+            f"LABEL=ARGS to choose them ({', '.join(SERVERS)})"
+        )
+    missing = llama_server_missing()
+    if missing is not None:
+        raise SystemExit(f"rollout bench: --scenario real-model-batch: {missing}")
+    _check_numbers(args)
+    plan = BatchPlan(timeout=args.timeout)
+    for field, value in (
+        ("calls", args.steps),
+        ("tool_tokens", args.tool_tokens),
+        ("max_output_tokens", args.output_tokens),
+        ("prompt_tokens", args.prompt_tokens),
+    ):
+        if value is not None:
+            plan = attrs.evolve(plan, **{field: value})
+    if args.concurrency:
+        ks = tuple(sorted({int(k) for k in args.concurrency.split(",") if k.strip()}))
+        if not ks or min(ks) < 1:
+            raise SystemExit("rollout bench: --concurrency takes K values of 1 or more")
+        plan = attrs.evolve(
+            plan, concurrency=ks, peer_concurrency=tuple(k for k in ks if k <= 4) or ks[:1]
+        )
+    if args.local:
+        servers = []
+        for raw in args.local:
+            label, sep, extra = raw.partition("=")
+            if not sep or label not in SERVERS:
+                raise SystemExit(
+                    f"rollout bench: --local takes LABEL=ARGS with LABEL one of "
+                    f"{', '.join(SERVERS)}, not {raw!r}"
+                )
+            servers.append((label, (*SERVERS[label][1], *shlex.split(extra))))
+        plan = attrs.evolve(plan, servers=tuple(servers))
+    results = _run_model_scenario(args, run_batch, plan, validate_batch, render_batch_summary)
+    if results is None:
+        return 1
+    failed = [r for w in results["waves"] for r in w["rollouts"] if "error" in r]
     return 1 if failed else 0
 
 

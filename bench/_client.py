@@ -173,6 +173,8 @@ class _TurnReader:
             if kind != "response.done" and usage:
                 turn.output_tokens = usage.get("output_tokens")
                 turn.context_tokens = usage.get("input_tokens")
+                details = usage.get("input_tokens_details") or {}
+                turn.cached_tokens = details.get("cached_tokens")
             return True
         elif kind in _FAILURES:
             raise ServerError(f"{self.mode}, turn {turn.index}: {_describe(event)}")

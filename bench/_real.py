@@ -196,14 +196,7 @@ async def run_real_model(plan: RealPlan, out_dir: Path, progress: Progress) -> d
     memory = await _memory_phase(plan, out_dir, keys)
     results: dict[str, Any] = {
         "schema": REAL_SCHEMA_ID,
-        "meta": {
-            "started": _iso(started),
-            "seconds": round(time.time() - started, 1),
-            "argv": ["rollout", *sys.argv[1:]],
-            "cpus": os.cpu_count(),
-            "loadavg_start": load_start,
-            "loadavg_end": _loadavg(),
-        },
+        "meta": run_meta(started, load_start),
         "plan": plan.as_dict(),
         "runs": runs,
         "memory": memory,
@@ -492,29 +485,8 @@ def _s(seconds: float | None) -> str:
 
 def render_summary(results: dict[str, Any]) -> str:
     """The run as Markdown: goals first, then end to end, then per turn."""
-    meta = results["meta"]
     plan = results["plan"]
-    lines = [
-        f"# rollout bench: {REAL_MODEL} ({plan['model']}, {plan['turns']} turns)",
-        "",
-        f"Started {meta['started']}, took {meta['seconds']:.0f} s on {meta['cpus']} CPUs; "
-        f"load average {_load(meta['loadavg_start'])} at the start, "
-        f"{_load(meta['loadavg_end'])} at the end.",
-        "",
-        "## Goals",
-        "",
-        "| goal | target | figure | verdict | detail |",
-        "|---|---|---|---|---|",
-    ]
-    for goal in results["goals"]:
-        verdict = {True: "MET", False: "MISSED", None: "not measured"}[goal["met"]]
-        figure = goal["figure"]
-        shown = "n/a" if figure is None else f"{figure:g}"
-        if figure is not None and goal.get("unit"):
-            shown = f"{figure:,} {goal['unit']}"
-        lines.append(
-            f"| {goal['goal']} | {goal['target']} | {shown} | {verdict} | {goal['detail']} |"
-        )
+    lines = summary_head(results, f"{REAL_MODEL} ({plan['model']}, {plan['turns']} turns)")
     lines += [
         "",
         "## End to end (median over repetitions)",
@@ -599,6 +571,45 @@ def _contexts(results: dict[str, Any], server: str) -> list[int | None]:
     return out
 
 
+def summary_head(results: dict[str, Any], title: str) -> list[str]:
+    """A real-model summary's opening: its title, the run's machine and load, the goals."""
+    meta = results["meta"]
+    lines = [
+        f"# rollout bench: {title}",
+        "",
+        f"Started {meta['started']}, took {meta['seconds']:.0f} s on {meta['cpus']} CPUs; "
+        f"load average {_load(meta['loadavg_start'])} at the start, "
+        f"{_load(meta['loadavg_end'])} at the end.",
+        "",
+        "## Goals",
+        "",
+        "| goal | target | figure | verdict | detail |",
+        "|---|---|---|---|---|",
+    ]
+    for goal in results["goals"]:
+        verdict = {True: "MET", False: "MISSED", None: "not measured"}[goal["met"]]
+        figure = goal["figure"]
+        shown = "n/a" if figure is None else f"{figure:g}"
+        if figure is not None and goal.get("unit"):
+            shown = f"{figure:,} {goal['unit']}"
+        lines.append(
+            f"| {goal['goal']} | {goal['target']} | {shown} | {verdict} | {goal['detail']} |"
+        )
+    return lines
+
+
+def run_meta(started: float, load_start: list[float] | None) -> dict[str, Any]:
+    """A real-model run's `meta`: when, how long, how invoked, on what, under what load."""
+    return {
+        "started": _iso(started),
+        "seconds": round(time.time() - started, 1),
+        "argv": ["rollout", *sys.argv[1:]],
+        "cpus": os.cpu_count(),
+        "loadavg_start": load_start,
+        "loadavg_end": _loadavg(),
+    }
+
+
 def _load(values: list[float] | None) -> str:
     return "n/a" if not values else " / ".join(f"{v:.2f}" for v in values)
 
@@ -644,6 +655,15 @@ _RUN = {
         "turns": {"type": "array", "items": _TURN},
     },
 }
+# A results document's goals (this scenario's and `_batch.py`'s): each with its verdict.
+GOALS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["goal", "target", "figure", "detail", "met"],
+        "properties": {"met": {"type": ["boolean", "null"]}},
+    },
+}
 _RSS = {
     "type": ["object", "null"],
     "required": ["rss", "peak"],
@@ -679,14 +699,7 @@ REAL_SCHEMA: dict[str, Any] = {
             ],
             "properties": {"rss_cold": _RSS, "rss_warm": _RSS, "rss_held": _RSS},
         },
-        "goals": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["goal", "target", "figure", "detail", "met"],
-                "properties": {"met": {"type": ["boolean", "null"]}},
-            },
-        },
+        "goals": GOALS_SCHEMA,
     },
 }
 

@@ -38,6 +38,7 @@ class TurnRecord:
     status: str | None = None  # the response's status at the turn's end (None: not given)
     output_tokens: int | None = None  # from the response's usage, where the mode has it
     context_tokens: int | None = None  # input tokens from the usage, where the mode has it
+    cached_tokens: int | None = None  # of them, what the server says it did not evaluate
     stages: dict[str, float] | None = None  # server-reported pre-inference seconds by stage
     counters: dict[str, int] | None = None  # /metrics work-counter deltas (counting pass)
     wire: WireCounts | None = None  # WebSocket bytes over the turn, on the wire and of payloads

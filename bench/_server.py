@@ -38,6 +38,7 @@ __all__ = [
     "parse_stage_sums",
     "preflight",
     "scrape_metrics",
+    "stop_process",
 ]
 
 # How long `rollout serve` gets to answer /healthz after it is started (it loads the o200k
@@ -251,7 +252,7 @@ async def open_local_server(
                 )
             finally:
                 with trio.CancelScope(shield=True):
-                    await _stop(process)
+                    await stop_process(process)
                     _keep_log(log_path, kept_log)
 
 
@@ -265,15 +266,18 @@ def _keep_log(log_path: Path, kept: Path) -> None:
         pass
 
 
-async def _stop(process: trio.Process) -> None:
-    if process.poll() is not None:
-        return
-    process.terminate()
-    with trio.move_on_after(SERVER_STOP_TIMEOUT):
-        await process.wait()
-        return
-    process.kill()
-    await process.wait()
+async def stop_process(process: trio.Process, limit: float = SERVER_STOP_TIMEOUT) -> None:
+    """Terminate a subprocess, kill it if it has not exited within `limit` seconds; shielded,
+    so a cancelled run still cleans up."""
+    with trio.CancelScope(shield=True):
+        if process.poll() is not None:
+            return
+        process.terminate()
+        with trio.move_on_after(limit):
+            await process.wait()
+        if process.poll() is None:
+            process.kill()
+            await process.wait()
 
 
 async def preflight(

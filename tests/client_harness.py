@@ -72,18 +72,6 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
-async def stop_process(process: trio.Process, limit: float = SERVER_STOP_TIMEOUT) -> None:
-    """Terminate a subprocess a test started, kill it if it has not exited within `limit`
-    seconds; shielded, so a test's cancellation still cleans up."""
-    with trio.CancelScope(shield=True):
-        process.terminate()
-        with trio.move_on_after(limit):
-            await process.wait()
-        if process.poll() is None:
-            process.kill()
-            await process.wait()
-
-
 def require(condition: object, reason: str) -> None:
     if not condition:
         unavailable(reason)

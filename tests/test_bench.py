@@ -35,15 +35,13 @@ from rollout.bench._client import Stream, parse_server_timing
 from rollout.bench._goals import PACE_CONCURRENCY
 from rollout.bench._report import print_tables, summary_tables, to_markdown
 from rollout.bench._runner import PACE_EXCESS, PACE_FRACTION, _cpu_model, _versions
-from rollout.bench._server import free_port, parse_counters, parse_stage_sums
+from rollout.bench._server import free_port, parse_counters, parse_stage_sums, stop_process
 from rollout.bench._stats import percentile, stats
 from rollout.bench._streams import check_streams
 from rollout.bench._tokens import SIM, load_tokenizer
 from rollout.engine._deflate import DEFAULT_WEBSOCKET_DEFLATE
 from rollout.engine._heap import freeze_startup_heap
 from rollout.engine._serve import ServerConfig, open_server
-
-from tests.client_harness import stop_process
 
 TINY = [
     "--scenario", "alpha-demo", "--steps", "4", "--tool-tokens", "300", "--prompt-tokens",

@@ -6,30 +6,26 @@ forced calls, then the answer) over HTTP and over WebSocket, greedy.
 Before, the loop failed at its second turn: rollout sent the tool-call message with
 `"content": null`, which this server refuses (HTTP 500, pydantic errors).
 
-One thing is changed around the server, not in it: the model's weights are not repacked into
-extra buffer types (`use_extra_bufts`, the engine's own `model_params()` choice): on the
-virtual machines here the CPU advertises AMX, and its tile instructions fault (SIGILL in
-`llama_decode`) where the hypervisor has not enabled them."""
+One thing is changed around the server, not in it: the model's weights are kept out of AMX
+buffers (`rollout.bench._llama_server`, which the benchmark's `real-model-batch` scenario runs
+too)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import trio
+from rollout.bench._llama_server import llama_server_missing, open_llama_server
 
-from tests.client_harness import stop_process, unavailable
+from tests.client_harness import unavailable
 from tests.llama_harness import require_llama
 from tests.server_harness import open_ws
-from tests.upstream_harness import closed_port_url, gateway_registry, open_rollout
+from tests.upstream_harness import gateway_registry, open_rollout
 
-START_LIMIT = 120.0  # seconds for the server to load the model and answer
 LOOP_LIMIT = 300.0
 TURNS = 8  # seven forced calls, then the answer
 TOOL = {
@@ -42,51 +38,22 @@ TOOL = {
         "required": ["command"],
     },
 }
-# The server, with the model's weights kept in plain CPU buffers (see the module's docstring).
-LAUNCH = """
-import runpy, llama_cpp.llama_cpp as api
-_default = api.llama_model_default_params
-def _params():
-    params = _default()
-    params.use_extra_bufts = False
-    return params
-api.llama_model_default_params = _params
-runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
-"""
 
 
 @asynccontextmanager
 async def llama_server() -> AsyncIterator[str]:
+    """The server with the packaged model as `smol` (`rollout.bench._llama_server`: the weights
+    kept in plain CPU buffers, see the module's docstring)."""
     require_llama()
-    if importlib.util.find_spec("llama_cpp.server.app") is None or (
-        importlib.util.find_spec("uvicorn") is None
-    ):
-        unavailable("llama-cpp-python's [server] extra is not installed (pip install -e '.[test]')")
+    missing = llama_server_missing()
+    if missing is not None:
+        unavailable(missing)
     from rollout.engine._llama_vocab import packaged_smollm2
 
-    url = closed_port_url()
-    port = url.split(":")[2].split("/")[0]
-    argv = [
-        sys.executable, "-c", LAUNCH, "--model", str(packaged_smollm2()), "--model_alias",
-        "smol", "--n_ctx", "4096", "--n_threads", "2", "--host", "127.0.0.1", "--port", port,
-    ]  # fmt: skip
-    process = await trio.lowlevel.open_process(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        with trio.fail_after(START_LIMIT):
-            async with httpx.AsyncClient() as client:
-                while True:
-                    assert process.poll() is None, f"the server exited ({process.returncode})"
-                    try:
-                        if (await client.get(f"{url}/models")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    await trio.sleep(0.2)
+    model = packaged_smollm2()
+    assert model is not None
+    async with open_llama_server(model, alias="smol", threads=2, n_ctx=4096) as url:
         yield url
-    finally:
-        await stop_process(process)
 
 
 def _body(turn: int) -> dict[str, Any]:
