@@ -10,13 +10,15 @@ worker serving 48 concurrent rollouts at 4,000 tokens/s put 22% of its samples u
 hypercorn's send path (9% with this patch, most of it the system call).
 
 The patch writes directly when it can do so without changing what hypercorn guarantees:
-- only on a WebSocket (an HTTP/1.1 connection upgraded: its protocol's stream is a
-  `WSStream`). HTTP responses keep hypercorn's path, whose checkpoints matter there: a
-  response the app sends before it read the request body (a 401, say) ends the exchange,
-  and hypercorn keeps the connection alive only if its reader has taken in the rest of the
-  request by then. Written without a checkpoint, the response won that race, hypercorn
-  closed the connection, and a client reusing it saw "server disconnected" (httpx, in
-  `tests/test_server_http.py::test_auth`, about one run in six);
+- on a WebSocket (an HTTP/1.1 connection upgraded: its protocol's stream is a `WSStream`),
+  and on an HTTP/1.1 response whose request hypercorn has read to its end (h11's
+  `their_state` is DONE: an SSE stream, typically). Other HTTP responses keep hypercorn's
+  path, whose checkpoints matter there: a response the app sends before it read the request
+  body (a 401, say) ends the exchange, and hypercorn keeps the connection alive only if its
+  reader has taken in the rest of the request by then. Written without a checkpoint, the
+  response won that race, hypercorn closed the connection, and a client reusing it saw
+  "server disconnected" (httpx, in `tests/test_server_http.py::test_auth`, about one run
+  in six). Once the request is read there is no race left;
 - only for a plain `trio.SocketStream` (TLS streams take the original path: their bytes are
   not the chunk's);
 - only while no other task holds the connection's `send_lock` (then no write of another task
@@ -56,6 +58,7 @@ __all__ = ["write_directly"]
 def write_directly() -> None:
     """Make hypercorn's trio servers whose config has `direct_writes = True` write each chunk
     with one system call when the socket takes it at once. Idempotent."""
+    import h11
     from hypercorn.events import Closed, RawData
     from hypercorn.protocol.ws_stream import WSStream
     from hypercorn.trio.tcp_server import TCPServer
@@ -77,7 +80,7 @@ def write_directly() -> None:
             or not isinstance(stream, trio.SocketStream)  # (final: exactly a plain socket)
             or lock.locked()
             or not getattr(self.config, "direct_writes", False)
-            or not isinstance(getattr(self.protocol.protocol, "stream", None), WSStream)
+            or not _settled(self.protocol.protocol)
         ):
             await original(self, event)
             return
@@ -101,6 +104,15 @@ def write_directly() -> None:
             lock.release()
         if broken:
             await self.protocol.handle(Closed())
+
+    def _settled(protocol: Any) -> bool:
+        """A WebSocket, or an HTTP/1.1 response whose request has been read to its end (h11's
+        `their_state` is DONE: no race with hypercorn's reader is left)."""
+        stream = getattr(protocol, "stream", None)  # (hypercorn's, typed by neither)
+        if isinstance(stream, WSStream):
+            return True
+        connection = getattr(protocol, "connection", None)
+        return isinstance(connection, h11.Connection) and connection.their_state is h11.DONE
 
     protocol_send._rollout_patched = True  # type: ignore[attr-defined]
     TCPServer.protocol_send = protocol_send  # type: ignore[method-assign]

@@ -16,6 +16,7 @@ import socket
 from types import SimpleNamespace
 from typing import Any
 
+import h11
 import pytest
 import trio
 from hypercorn.config import Config
@@ -37,25 +38,39 @@ DRAIN_DEADLINE = 5  # a shielded reader's own (only a failing test waits for it)
 
 class FakeProtocol:
     """What hypercorn's connection protocol is told (`Closed` when the peer went away), on a
-    connection whose stream is a WebSocket's (`websocket=False`: an HTTP request's)."""
+    connection whose stream is a WebSocket's (`websocket=False`: an HTTP request's, its h11
+    connection having read the request `read` to its end or not)."""
 
-    def __init__(self, *, websocket: bool = True) -> None:
+    def __init__(self, *, websocket: bool = True, read: bool = False) -> None:
         self.events: list[Any] = []
         stream = WSStream.__new__(WSStream) if websocket else HTTPStream.__new__(HTTPStream)
-        self.protocol = SimpleNamespace(stream=stream)  # as `ProtocolWrapper.protocol`
+        connection = h11.Connection(h11.SERVER)
+        if read:
+            connection.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            while (
+                connection.next_event() is not h11.NEED_DATA
+                and connection.their_state is not h11.DONE
+            ):
+                pass
+        # as `ProtocolWrapper.protocol`
+        self.protocol = SimpleNamespace(stream=stream, connection=connection)
 
     async def handle(self, event: Any) -> None:
         self.events.append(event)
 
 
 def server_on(
-    sock: trio.socket.SocketType, config: Config | None = None, *, websocket: bool = True
+    sock: trio.socket.SocketType,
+    config: Config | None = None,
+    *,
+    websocket: bool = True,
+    read: bool = False,
 ) -> TCPServer:
     """A hypercorn TCPServer over one end of a socket pair, as its constructor builds it."""
     write_directly()
     stream = trio.SocketStream(sock)
     server = TCPServer(None, config or HypercornConfig(), None, None, stream)  # type: ignore[arg-type]
-    server.protocol = FakeProtocol(websocket=websocket)  # type: ignore[assignment]
+    server.protocol = FakeProtocol(websocket=websocket, read=read)  # type: ignore[assignment]
     return server
 
 
@@ -187,16 +202,23 @@ async def test_a_peer_gone_is_a_closed_connection(how: str) -> None:
         assert not server.send_lock.locked()
 
 
-async def test_an_http_response_keeps_hypercorns_path() -> None:
-    """HTTP responses are written as hypercorn writes them (with its checkpoints, which let
-    its reader finish taking in a request before a response that did not read it ends the
-    exchange): only WebSocket frames are written directly."""
+async def test_an_http_response_keeps_hypercorns_path_until_the_request_is_read() -> None:
+    """An HTTP response sent while its request is still arriving is written as hypercorn
+    writes it (with its checkpoints, which let its reader finish taking in a request before a
+    response that did not read it ends the exchange); once h11 has read the request to its end
+    (an SSE stream's events), chunks are written directly."""
     a, b = trio.socket.socketpair()
     with a, b:
         server = server_on(a, websocket=False)
         with trio.fail_after(DEADLINE):
             assert await others_ran_during(server, b"HTTP/1.1 401")
             assert await read_exactly(b, 12) == b"HTTP/1.1 401"
+    a, b = trio.socket.socketpair()
+    with a, b:
+        server = server_on(a, websocket=False, read=True)
+        with trio.fail_after(DEADLINE):
+            assert not await others_ran_during(server, b"data: {}\n\n")
+            assert await read_exactly(b, 10) == b"data: {}\n\n"
 
 
 async def test_a_server_without_the_setting_keeps_hypercorns_path() -> None:
