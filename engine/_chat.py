@@ -144,14 +144,24 @@ class ChatEncoder:
 
     Consecutive function calls form one assistant message with `tool_calls`; that message stays
     open (its calls kept as dicts) until the next item that is not a function call closes it.
+
+    The closed messages are also kept joined by commas, as a few segments of decreasing size
+    (each more than twice the next; a new turn's messages become a segment and merge down):
+    a request body is those segments as they are (`body_chunks`), so a turn copies what is new
+    and, now and then, a merge, not the conversation (each byte is copied O(log n) times over
+    a conversation's life). `bytes_encoded` counts the JSON this encoder produced: each
+    message once, the open group each time it is asked for.
     """
 
-    __slots__ = ("_open_calls", "consumed", "messages")
+    __slots__ = ("_joined", "_open_calls", "_rope", "bytes_encoded", "consumed", "messages")
 
     def __init__(self) -> None:
         self.messages: list[bytes] = []
         self.consumed = 0  # items encoded
+        self.bytes_encoded = 0
         self._open_calls: list[dict[str, Any]] = []
+        self._rope: list[bytes] = []  # the closed messages, joined by commas, in segments
+        self._joined = 0  # messages in the rope
 
     def extend(self, items: Sequence[Item], stop: int) -> int:
         """Encode items[self.consumed:stop]; returns how many messages were encoded."""
@@ -163,8 +173,12 @@ class ChatEncoder:
 
     def _close_calls(self) -> None:
         if self._open_calls:
-            self.messages.append(_calls_message(self._open_calls))
+            self._append(_calls_message(self._open_calls))
             self._open_calls = []
+
+    def _append(self, message: bytes) -> None:
+        self.messages.append(message)
+        self.bytes_encoded += len(message)
 
     def _add(self, item: Item) -> None:
         if call_of(item) is not None:
@@ -182,13 +196,11 @@ class ChatEncoder:
             role = "system" if item.role == "developer" else item.role
             if role == "assistant":
                 text = item.content if isinstance(item.content, str) else _text_of(item.content)
-                self.messages.append(dumps_json({"role": "assistant", "content": text}))
+                self._append(dumps_json({"role": "assistant", "content": text}))
             else:
-                self.messages.append(
-                    dumps_json({"role": role, "content": _chat_content(item.content)})
-                )
+                self._append(dumps_json({"role": role, "content": _chat_content(item.content)}))
         elif answer is not None:
-            self.messages.append(
+            self._append(
                 dumps_json(
                     {"role": "tool", "tool_call_id": answer[0], "content": _output_text(item)}
                 )
@@ -199,7 +211,28 @@ class ChatEncoder:
         """The encoded messages so far, the open tool-call group included (not mutated)."""
         if not self._open_calls:
             return self.messages
-        return [*self.messages, _calls_message(self._open_calls)]
+        group = _calls_message(self._open_calls)
+        self.bytes_encoded += len(group)
+        return [*self.messages, group]
+
+    def body_chunks(self) -> list[bytes]:
+        """The messages so far, the open tool-call group included, joined by commas (no
+        brackets), as a few chunks whose concatenation is `b",".join(body_messages())`."""
+        fresh = self.messages[self._joined :]
+        if fresh:
+            segment = b",".join(fresh)
+            self._rope.append(b"," + segment if self._rope else segment)
+            self._joined = len(self.messages)
+            rope = self._rope
+            while len(rope) > 1 and len(rope[-2]) <= 2 * len(rope[-1]):
+                last = rope.pop()
+                rope[-1] += last
+        chunks = list(self._rope)
+        if self._open_calls:
+            group = _calls_message(self._open_calls)
+            self.bytes_encoded += len(group)
+            chunks.append(b"," + group if chunks else group)
+        return chunks
 
 
 def _calls_message(calls: list[dict[str, Any]]) -> bytes:

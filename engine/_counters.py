@@ -16,8 +16,23 @@ import attrs
 
 __all__ = ["STAGES", "Counters", "StageTimer"]
 
-# The pre-inference stages whose latency is measured, in pipeline order.
-STAGES = ("decode", "resolve", "validate", "render", "classify", "route", "store")
+# The stages whose latency is measured, in a request's order: receiving an HTTP body; the
+# pre-inference stages (`lookup`: the render cache's search for a stateless client's known
+# prefix); an upstream model's request: encoding its body, and sending it (from the request's
+# start to its last byte handed to the socket, the connection included).
+STAGES = (
+    "receive",
+    "decode",
+    "resolve",
+    "lookup",
+    "validate",
+    "render",
+    "classify",
+    "route",
+    "store",
+    "upstream_encode",
+    "upstream_send",
+)
 
 # Histogram bucket upper bounds in seconds for per-stage latency (Prometheus-style, cumulative).
 LATENCY_BUCKETS = (
@@ -136,6 +151,12 @@ class StageTimer:
     histograms: dict[str, _Histogram] = attrs.field(
         factory=lambda: {stage: _Histogram() for stage in STAGES}
     )
+
+    def observe(self, stage: str, seconds: float, into: dict[str, float] | None = None) -> None:
+        """A stage timed by the caller (a backend's own: `SampleRequest.observe`)."""
+        self.histograms[stage].observe(seconds)
+        if into is not None:
+            into[stage] = into.get(stage, 0.0) + seconds
 
     @contextmanager
     def measure(self, stage: str, into: dict[str, float] | None = None) -> Iterator[None]:

@@ -25,6 +25,7 @@ from ._cache import DEFAULT_CACHE_RESPONSES, DEFAULT_CACHE_TOKENS, ResponseCache
 from ._compact import SnapshotSeal
 from ._counters import Counters, StageTimer
 from ._errors import previous_response_not_found, server_error, shutting_down
+from ._input_memo import DEFAULT_INPUT_MEMO_BYTES, FAST_DECODE_MIN_BYTES, InputMemo
 from ._interfaces import (
     Classifier,
     HostedTool,
@@ -63,6 +64,7 @@ __all__ = [
 
 _Raw = typing.TypeVar("_Raw", str, bytes)
 _Decoded = typing.TypeVar("_Decoded")
+_In = typing.TypeVar("_In")
 
 # How long a suspended rollout waits for its tool outputs before it ends `incomplete`.
 DEFAULT_ROLLOUT_SUSPEND_LIMIT = 600.0
@@ -70,6 +72,9 @@ DEFAULT_ROLLOUT_SUSPEND_LIMIT = 600.0
 # enough to stall every other connection (a 5 MB body of 1.7 million empty arrays parses in
 # ~0.8 s; the decoder itself stops at the first bad element).
 OFFLOAD_DECODE_BYTES = 256 * 1024
+# A create at most this large is split on the event loop (`InputMemo.split`: ~0.25 ms per MB);
+# only what is new in it is parsed there, or in a worker thread when that is large too.
+INLINE_SPLIT_BYTES = 4 * 2**20
 # Large decodes at once: each holds its parsed JSON (several times its size) in memory.
 MAX_CONCURRENT_LARGE_DECODES = 2
 # A request whose JSON schemas (tools' parameters, `text.format`) have at least this many values
@@ -123,6 +128,12 @@ class Engine:
         self.counters = Counters()
         # Conversations rendered once, for every connection (`_render_cache.py`).
         self.render_cache = render_cache if render_cache is not None else RenderCache()
+        # Stateless clients' inputs decoded in the time of what is new (`_input_memo.py`):
+        # off with the render cache, which its keys feed.
+        self.input_memo = InputMemo(
+            max_bytes=DEFAULT_INPUT_MEMO_BYTES if self.render_cache.enabled else 0,
+            ttl=self.render_cache.ttl,
+        )
         # Executors of hosted tools by type: those types are offered to the model.
         self.hosted: dict[str, HostedTool] = {tool.type: tool for tool in hosted_tools}
         # Seals compaction snapshots. Without a configured key it is per process: compaction
@@ -178,6 +189,56 @@ class Engine:
         `MAX_CONCURRENT_LARGE_DECODES` at once), so the event loop keeps serving others. The
         time it took goes to the `decode` stage (and to `timings`, the request's)."""
         self.counters.bytes_decoded += len(data)
+        return await self._decode(decode, data, timings)
+
+    async def decode_create(
+        self,
+        decode: Callable[[_Raw], _Decoded],
+        data: _Raw,
+        *,
+        owner: str | None,
+        kind: typing.Literal["body", "event"],
+        max_size: int,
+        timings: dict[str, float] | None = None,
+    ) -> _Decoded | ResponseCreate:
+        """Decode a client message that may be a create with a long input (an HTTP body,
+        `kind` "body", or a WebSocket message, "event") through the input memo
+        (`_input_memo.py`): only what is new in its input is parsed, and its items come keyed.
+        Anything else, and anything the memo does not decode, goes to `decode` (the
+        protocol's decoder, whose answer or error it is), as `Engine.decode` runs it."""
+        self.counters.bytes_decoded += len(data)
+        memo = self.input_memo
+        size = len(data)
+        if not memo.enabled or not FAST_DECODE_MIN_BYTES <= size <= min(
+            max_size, INLINE_SPLIT_BYTES
+        ):
+            return await self._decode(decode, data, timings)
+        started = time.perf_counter()
+        try:  # one `decode` observation: the memo's work, and the decoder's after it if any
+            split = memo.split(data, owner, kind=kind, max_size=max_size)
+            if split is not None:
+                found = await self._off_loop_if(split.new_bytes, memo.finish, split)
+                if found is not None:
+                    return found
+            return await self._off_loop_if(size, decode, data)
+        finally:
+            self.timer.observe("decode", time.perf_counter() - started, timings)
+
+    async def _off_loop_if(self, size: int, work: Callable[[_In], _Decoded], data: _In) -> _Decoded:
+        """`work(data)` inline when `size` is under `OFFLOAD_DECODE_BYTES`, else in a worker
+        thread (at most `MAX_CONCURRENT_LARGE_DECODES` at once)."""
+        if size < OFFLOAD_DECODE_BYTES:
+            return work(data)
+        async with self.decode_limiter:
+            self.counters.offloaded_decodes += 1
+            return await trio.to_thread.run_sync(work, data)
+
+    async def _decode(
+        self,
+        decode: Callable[[_Raw], _Decoded],
+        data: _Raw,
+        timings: dict[str, float] | None = None,
+    ) -> _Decoded:
         if len(data) < OFFLOAD_DECODE_BYTES:
             with self.timer.measure("decode", timings):
                 return decode(data)

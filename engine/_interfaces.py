@@ -212,6 +212,9 @@ class SampleRequest:
     # Scopes that may keep backend state between turns: the rollout's, then the lane's.
     holders: tuple[Holder, ...] = ()
     seed: int | None = None  # for sampling with temperature > 0
+    # Reports a backend's own stage, in seconds, to the engine's stage timer (an upstream's
+    # `upstream_encode` and `upstream_send`: `_counters.STAGES`).
+    observe: Callable[[str, float], None] | None = None
 
     def context(self) -> array[int]:
         """The rendered context as one array (a copy, at memory speed)."""

@@ -14,12 +14,20 @@ counts:
     rollout_http_requests_total           counter    HTTP requests served
     rollout_responses_total{status=...}   counter    responses by final status
     rollout_post_inference_backlog        gauge      post-inference jobs not yet written
-    rollout_stage_seconds{stage=...}      histogram  pre-inference latency by pipeline stage
+    rollout_stage_seconds{stage=...}      histogram  latency by stage (`_counters.STAGES`: the
+                                                     body's receipt, pre-inference, an upstream
+                                                     request's encoding and sending)
     rollout_render_cache_lookups_total{outcome=hit|miss}    counter  render cache lookups
     rollout_render_cache_tokens_reused_total                counter  tokens found, not rendered
     rollout_render_cache_dropped_total{reason=budget|ttl}   counter  entries dropped
     rollout_render_cache_bytes                              gauge    memory held (estimated)
     rollout_render_cache_entries                            gauge    entries held
+    rollout_input_memo_requests_total{outcome=hit|miss|fallback} counter large creates decoded
+    rollout_input_memo_items_reused_total                   counter  input items not decoded
+    rollout_input_memo_bytes_parsed_total                   counter  input text parsed
+    rollout_input_memo_bytes                                gauge    input text held
+    rollout_upstream_bytes_encoded_total{model=,part=messages|head} counter  upstream JSON made
+    rollout_upstream_bytes_sent_total{model=}               counter  upstream body bytes sent
     rollout_kv_cache_lookups_total{model=,outcome=hit|miss} counter  a real model's turns that
                                                                      kept a cached prefix or not
     rollout_kv_cache_tokens_reused_total{model=}            counter  context tokens whose KV was
@@ -169,6 +177,8 @@ class _RolloutCollector:
         )
         yield self._stages()
         yield from self._render_cache()
+        yield from self._input_memo()
+        yield from self._upstreams()
         yield from self._kv_caches()
 
     def _transport(self) -> Iterator[Metric]:
@@ -341,9 +351,65 @@ class _RolloutCollector:
             "rollout_render_cache_entries", "Render cache entries held.", value=len(cache)
         )
 
+    def _input_memo(self) -> Iterator[Metric]:
+        memo = self._engine.input_memo
+        stats = memo.stats
+        requests = CounterMetricFamily(
+            "rollout_input_memo_requests",
+            "Large creates by how the input memo decoded them: from an earlier input's items "
+            "(hit), all parsed (miss), or left to the protocol's decoder (fallback).",
+            labels=["outcome"],
+        )
+        requests.add_metric(["hit"], stats.hits)
+        requests.add_metric(["miss"], stats.misses)
+        requests.add_metric(["fallback"], stats.fallbacks)
+        yield requests
+        yield CounterMetricFamily(
+            "rollout_input_memo_items_reused",
+            "Input items taken from an earlier input instead of decoded.",
+            value=stats.items_reused,
+        )
+        yield CounterMetricFamily(
+            "rollout_input_memo_bytes_parsed",
+            "Input text the input memo parsed (the new part of each input).",
+            value=stats.bytes_parsed,
+        )
+        yield GaugeMetricFamily(
+            "rollout_input_memo_bytes", "Input text the input memo holds.", value=memo.bytes_held
+        )
+
+    def _upstreams(self) -> Iterator[Metric]:
+        """What the chat-completions upstreams' requests cost to make (`_upstream.py`)."""
+        from ._upstream import UpstreamBackend
+
+        models = [
+            (spec.name, spec.backend)
+            for spec in self._engine.registry.specs()
+            if isinstance(spec.backend, UpstreamBackend)
+        ]
+        if not models:
+            return
+        encoded = CounterMetricFamily(
+            "rollout_upstream_bytes_encoded",
+            "JSON encoded for upstream request bodies: the conversation's messages (each "
+            "once) and each request's head (model, options, tools, system message).",
+            labels=["model", "part"],
+        )
+        sent = CounterMetricFamily(
+            "rollout_upstream_bytes_sent", "Request body bytes sent upstream.", labels=["model"]
+        )
+        for name, backend in models:
+            encoded.add_metric([name, "messages"], backend.counters.message_bytes_encoded)
+            encoded.add_metric([name, "head"], backend.counters.head_bytes_encoded)
+            sent.add_metric([name], backend.counters.bytes_sent)
+        yield from (encoded, sent)
+
     def _stages(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily(
-            "rollout_stage_seconds", "Pre-inference latency by pipeline stage.", labels=["stage"]
+            "rollout_stage_seconds",
+            "Latency by stage: an HTTP body's receipt, the pre-inference stages, an upstream "
+            "request's encoding and sending.",
+            labels=["stage"],
         )
         for stage, hist in self._engine.timer.histograms.items():
             buckets: list[tuple[str, float]] = []

@@ -143,18 +143,24 @@ class RenderCache:
     # --- lookups ---------------------------------------------------------------------------
 
     def longest(
-        self, owner: str | None, items: Sequence[Item], render_version: str
+        self,
+        owner: str | None,
+        items: Sequence[Item],
+        render_version: str,
+        keys: list[bytes] | None = None,
     ) -> RenderHit | None:
         """The longest prefix of `items` this owner's conversations already rendered with the
         renderer `render_version` names, or None. Computes every item's content key once
-        (O(items), no rendering)."""
+        (O(items), no rendering), unless `keys` brings them (the content key after each item,
+        as the input memo computed them while decoding: `_input_memo.py`)."""
         if not self.enabled or not items:
             return None
-        keys: list[bytes] = []
-        key = ROOT_KEY
-        for item in items:
-            key = chain_key(key, item_key(item)[0])
-            keys.append(key)
+        if keys is None or len(keys) != len(items):
+            keys = []
+            key = ROOT_KEY
+            for item in items:
+                key = chain_key(key, item_key(item)[0])
+                keys.append(key)
         for n in range(len(keys), 0, -1):
             state = self._get((owner, render_version, keys[n - 1]))
             if isinstance(state, ResponseState):

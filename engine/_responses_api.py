@@ -49,12 +49,18 @@ class ResponsesApi:
     async def create(self, req: HttpRequest) -> int:
         """`POST /v1/responses`."""
         limit = self.max_message_size
-        body = await read_body(
-            req.receive, limit, f"The request body is larger than the limit of {limit} bytes."
-        )
         timings: dict[str, float] = {}
-        request = await self.engine.decode(
-            functools.partial(decode_create_body, max_size=limit), body, timings
+        with self.engine.timer.measure("receive", timings):
+            body = await read_body(
+                req.receive, limit, f"The request body is larger than the limit of {limit} bytes."
+            )
+        request = await self.engine.decode_create(
+            functools.partial(decode_create_body, max_size=limit),
+            body,
+            owner=req.owner,
+            kind="body",
+            max_size=limit,
+            timings=timings,
         )
         _refuse_websocket_only(request)
         session = self._session(req.owner)

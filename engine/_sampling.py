@@ -105,7 +105,7 @@ async def sample_turn(
     progress.started = True
     progress.input_tokens = state.context_tokens
     progress.cached_tokens = cached
-    sample_request = _sample_request(state, request, owner, holders)
+    sample_request = _sample_request(state, request, owner, holders, engine.timer.observe)
     first_output = stream.output_count
     hosted: tuple[CallStart, list[str]] | None = None  # a hosted tool's call being made
     ran_hosted = False
@@ -312,6 +312,7 @@ def _sample_request(
     request: ResponseCreate,
     owner: str | None = None,
     holders: tuple[Holder, ...] = (),
+    observe: Callable[[str, float], None] | None = None,
 ) -> SampleRequest:
     """What the backend sees: the state's context (a view, never a copy) and the request's
     sampling parameters."""
@@ -336,4 +337,5 @@ def _sample_request(
         n_item_tokens=state.item_tokens,
         owner=owner,
         holders=holders,
+        observe=observe,
     )

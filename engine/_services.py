@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import trio
 from rollout.protocol import Item, ResponseCreate
@@ -69,6 +69,17 @@ class EngineServices(Protocol):
         data: _Raw,
         timings: dict[str, float] | None = None,
     ) -> Awaitable[_Decoded]: ...
+
+    def decode_create(
+        self,
+        decode: Callable[[_Raw], _Decoded],
+        data: _Raw,
+        *,
+        owner: str | None,
+        kind: Literal["body", "event"],
+        max_size: int,
+        timings: dict[str, float] | None = None,
+    ) -> Awaitable[_Decoded | ResponseCreate]: ...
 
     async def validate_off_loop(
         self,

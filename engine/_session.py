@@ -47,6 +47,7 @@ from ._cache import ResponseCache
 from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, restore_state
 from ._errors import previous_response_not_found, server_error, shutting_down
 from ._ids import new_id
+from ._input_memo import KeyedInput
 from ._interfaces import Holder, StoredResponse, UsageRecord
 from ._pipeline import Prepared as PipelinePrepared
 from ._postinfer import PostJob, WriteFailed
@@ -164,7 +165,7 @@ class Session:
         prefix = pipeline.prefix(
             target.instructions, target.tools, None, timings, known, route=route
         )
-        root, rest = self._cached_prefix(items, version)
+        root, rest = self._cached_prefix(items, version, timings=timings)
         staged = pipeline.stage(
             rest,
             route=route,
@@ -183,13 +184,19 @@ class Session:
         return state
 
     def _cached_prefix(
-        self, items: list[Item], render_version: str
+        self,
+        items: list[Item],
+        render_version: str,
+        keys: list[bytes] | None = None,
+        timings: dict[str, float] | None = None,
     ) -> tuple[ResponseState, list[Item]]:
         """The state to build `items` onto: the render cache's longest rendering of their
         first items by the renderer `render_version` names (as a state of no response), else
-        an empty state; and the items left."""
+        an empty state; and the items left. `keys`: the items' content keys, when the decoder
+        computed them (`KeyedInput`)."""
         empty = self.engine.empty_state()
-        hit = self.engine.render_cache.longest(self.owner, items, render_version)
+        with self.engine.timer.measure("lookup", timings):
+            hit = self.engine.render_cache.longest(self.owner, items, render_version, keys)
         if hit is None:
             return empty, items
         root = attrs.evolve(hit.state, response=empty.response, stored=True)
@@ -492,7 +499,8 @@ class Session:
         if route is not None:
             version = engine.pipeline.render_version_for(route)
             if parent is None and base.n_items == 0 and items:
-                base, rest = self._cached_prefix(items, version)
+                keys = _input_keys(request, resolved)
+                base, rest = self._cached_prefix(items, version, keys, timings)
                 offset += len(items) - len(rest)
                 items, own_root = rest, base.n_items > 0
             if (
@@ -556,11 +564,17 @@ class Session:
         state) and the index in the request's input of the first item staged. A compaction
         item must be of `route`'s renderer (with no route, the engine's default)."""
         engine = self.engine
-        items = normalize_input(request.input)
+        given = request.input
+        items = normalize_input(given)
         base = parent or engine.empty_state()
-        last = max(
-            (i for i, item in enumerate(items) if isinstance(item, Compaction)), default=None
-        )
+        if isinstance(given, KeyedInput):  # the decoder looked already (`_input_memo.py`)
+            last = None if given.last_compaction < 0 else given.last_compaction
+            references = given.references > 0
+        else:
+            last = max(
+                (i for i, item in enumerate(items) if isinstance(item, Compaction)), default=None
+            )
+            references = any(isinstance(item, ItemReference) for item in items)
         start = 0  # the index in the request's input of the first item returned
         if last is not None:
             where = f"input[{last}]"
@@ -577,11 +591,11 @@ class Session:
             base = restore_state(engine.pipeline, base, payload, param=where, route=route)
             items = items[last + 1 :]
             start = last + 1
-        if any(isinstance(item, ItemReference) for item in items):
+        if references:
             items = [
                 await self._dereference(item, parent, start + i) for i, item in enumerate(items)
             ]
-        return _Input(base=base, items=items, offset=start)
+        return _Input(base=base, items=items, offset=start, whole=last is None and not references)
 
     async def _dereference(self, item: Item, parent: ResponseState | None, index: int) -> Item:
         if not isinstance(item, ItemReference):
@@ -605,6 +619,17 @@ class _Input:
     base: ResponseState  # the state to stage `items` onto
     items: list[Item]
     offset: int  # the index in the request's input of `items[0]`
+    whole: bool = False  # `items` are the request's input as it came (nothing resolved)
+
+
+def _input_keys(request: ResponseCreate, resolved: _Input) -> list[bytes] | None:
+    """The content keys the decoder computed for the request's input (`KeyedInput`), when the
+    items to stage are exactly those items (no compaction item, reference or steer changed
+    them)."""
+    given = request.input
+    if not isinstance(given, KeyedInput) or not resolved.whole:
+        return None
+    return given.keys
 
 
 def _generates(request: ResponseCreate) -> bool:

@@ -526,7 +526,14 @@ class WebSocketConnection:
             data = message.get("bytes") or b""
         timings: dict[str, float] = {}
         try:
-            decoded = await self.session.engine.decode(self.protocol.decode, data, timings)
+            decoded = await self.session.engine.decode_create(
+                self.protocol.decode,
+                data,
+                owner=self.session.owner,
+                kind="event",
+                max_size=self.protocol.max_message_size,
+                timings=timings,
+            )
         except RemoteProtocolError as exc:
             await self._answer_error(exc)
             return

@@ -280,6 +280,7 @@ class FakeUpstream:
     handler: Handler
     hits: int = 0
     bodies: list[Any] = attrs.field(factory=list)
+    raws: list[bytes] = attrs.field(factory=list)  # the bodies as they arrived
     paths: list[str] = attrs.field(factory=list)
     disconnects: int = 0
     disconnected: trio.Event = attrs.field(factory=trio.Event)
@@ -310,6 +311,7 @@ class FakeUpstream:
             body = raw
         self.hits += 1
         self.bodies.append(body)
+        self.raws.append(raw)
         self.paths.append(scope["path"])
         hit, self.hit = self.hit, trio.Event()
         hit.set()
