@@ -66,7 +66,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--local LABEL=ARGS replaces the two servers, --repetitions repeats); or "
         "real-model-batch alone: K = 1, 2, 4, 8 agents at once on SmolLM2 in rollout's process "
         "against llama-cpp-python's own server behind rollout (about 15 minutes; --concurrency "
-        "sets the K values, --local embedded=|llama-server=|llama-server-cache= picks servers)",
+        "sets the K values, --local embedded=|llama-server=|llama-server-cache= picks servers); "
+        "or gateway alone: rollout in front of a fake chat-completions model that stamps each "
+        "request's arrival, per-turn overhead at ~1k and ~100k tokens of history for four "
+        "clients (about 3 minutes; --repetitions, --local gateway=ARGS)",
     )
     p.add_argument("--steps", type=int, help="override: tool calls per rollout")
     p.add_argument("--tool-tokens", type=int, help="override: tokens of each tool output")
@@ -476,6 +479,8 @@ def _run(args: argparse.Namespace) -> int:
         return _run_real(args)
     if REAL_MODEL_BATCH in args.scenario:
         return _run_batch(args)
+    if GATEWAY in args.scenario:
+        return _run_gateway(args)
     config = build_config(args)
     plots = not args.no_plots and _has_matplotlib()
     if not args.no_plots and not plots:
@@ -669,6 +674,39 @@ def _run_batch(args: argparse.Namespace) -> int:
         return 1
     failed = [r for w in results["waves"] for r in w["rollouts"] if "error" in r]
     return 1 if failed else 0
+
+
+GATEWAY = "gateway"
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    """`--scenario gateway`: its own runner (`_gateway.py`) and results."""
+    import shlex
+
+    from ._gateway import GatewayPlan, render_gateway_summary, run_gateway, validate_gateway
+
+    if args.scenario != [GATEWAY]:
+        raise SystemExit("rollout bench: --scenario gateway runs alone")
+    if args.url:
+        raise SystemExit(
+            "rollout bench: --scenario gateway starts its own server and upstream; use "
+            "--local gateway=ARGS to add `rollout serve` arguments"
+        )
+    _check_numbers(args)
+    plan = GatewayPlan(timeout=args.timeout)
+    if args.repetitions is not None:
+        plan = attrs.evolve(plan, repetitions=args.repetitions)
+    if args.tool_tokens is not None:
+        plan = attrs.evolve(plan, output_tokens=args.tool_tokens)
+    for raw in args.local:
+        label, sep, extra = raw.partition("=")
+        if not sep or label != GATEWAY:
+            raise SystemExit(f"rollout bench: --local takes gateway=ARGS here, not {raw!r}")
+        plan = attrs.evolve(plan, serve_args=(*plan.serve_args, *shlex.split(extra)))
+    results = _run_model_scenario(args, run_gateway, plan, validate_gateway, render_gateway_summary)
+    if results is None:
+        return 1
+    return 1 if results["same_upstream_bodies"]["differ"] else 0
 
 
 NO_PLOTS = (

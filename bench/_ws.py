@@ -166,14 +166,23 @@ class WsSocket:
 
     async def send_message(self, message: str | bytes) -> None:
         """Send one text (str) or binary (bytes) message."""
+        await self.send_frame(self.frame(message))
+
+    def frame(self, message: str | bytes) -> bytes:
+        """The wire bytes of one text (str) or binary (bytes) message, framed and masked,
+        for `send_frame` (a caller timing the send leaves the framing out)."""
         if self.closed is not None:
             raise ConnectionClosed(self.closed)
         if isinstance(message, str):
             self.counts.payload_out += _utf8_size(message)
-            data = self.protocol.send(TextMessage(data=message))
-        else:
-            self.counts.payload_out += len(message)
-            data = self.protocol.send(BytesMessage(data=message))
+            return self.protocol.send(TextMessage(data=message))
+        self.counts.payload_out += len(message)
+        return self.protocol.send(BytesMessage(data=message))
+
+    async def send_frame(self, data: bytes) -> None:
+        """Send what `frame` made."""
+        if self.closed is not None:
+            raise ConnectionClosed(self.closed)
         await self._send(data)
 
     async def get_message(self) -> str | bytes:

@@ -1,0 +1,778 @@
+"""`rollout bench --scenario gateway`: what rollout adds in front of a chat-completions model,
+as the model server sees it.
+
+The upstream is a fake chat-completions server in the benchmark's own process
+(`FakeUpstream`: h11 over trio): it answers every request at once with one streamed tool call,
+and stamps the moment each request's body has fully arrived, on the clock the client stamps
+its sends with (`time.perf_counter`, one process). A turn's **overhead** is that arrival minus
+the client's send: receiving and decoding the request, resolving and keying the conversation,
+validating, rendering and classifying what is new, encoding the chat request and writing it to
+the model server. Nothing of the model's time is in it.
+
+Each conversation starts with a history of about `size` tokens (a task, then tool calls and
+their ~400-token outputs), then runs `warm + turns` turns, each adding one tool output of
+`output_tokens`; the first `warm` turns (the history's first render, a cold cache) are not
+counted. Four clients (`MODES`): a WebSocket chain (`previous_response_id`), an HTTP chain
+(`store: true`), an HTTP stateless client (the whole history each turn, keep-alive) and a
+WebSocket stateless client (the whole history in each `response.create`). Every conversation
+has its own API key, so each starts cold in the server's owner-scoped caches; the content is
+the same, so the upstream must receive the same bytes from every client (checked: a digest of
+every upstream body, per turn, compared across clients).
+
+The stage table is the server's own `rollout_stage_seconds` (from `/metrics`, before and after
+each conversation's counted turns), per turn; what the stages do not cover is the transport
+(the client library, the kernel, hypercorn's framing).
+
+Goals (`GOALS`), on medians of the counted turns of every repetition: the WebSocket chain at
+~100k at most 1.2x its own overhead at ~1k; the stateless HTTP client at ~100k at most 1.25x
+its own at ~1k and at most 1.4x the WebSocket chain's at ~100k.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import h11
+import httpx
+import trio
+from rollout.protocol import SseDecoder
+
+from ._errors import BenchError, ServerError
+from ._server import Endpoint, open_local_server, parse_stage_sums, scrape_metrics, stop_process
+from ._ws import WsSocket, open_bench_ws
+
+__all__ = [
+    "GOALS",
+    "MODES",
+    "SCHEMA",
+    "FakeUpstream",
+    "GatewayPlan",
+    "judge",
+    "render_gateway_summary",
+    "run_gateway",
+    "validate_gateway",
+]
+
+SCHEMA = "rollout-bench-gateway/1"
+MODES = ("ws-chain", "http-chain", "http-stateless", "ws-stateless")
+MODEL = "gateway"  # the model's name in the gateway's models file
+UPSTREAM_MODEL = "fake"
+# The largest request body the fake upstream accepts (a ~100k-token history is ~0.6 MB).
+MAX_UPSTREAM_BODY = 64 * 2**20
+# The gateway's message limit for the run (the default, 16 MiB, is already above the history).
+CLIENT_MAX_MESSAGE = 64 * 2**20
+RECEIVE_BUFFER = 1 << 20
+UPSTREAM_START_TIMEOUT = 30.0
+HISTORY_OUTPUT_TOKENS = 400  # each tool output of the starting history
+TOOL = {
+    "type": "function",
+    "name": "run",
+    "description": "Run a step of the task.",
+    "parameters": {
+        "type": "object",
+        "properties": {"i": {"type": "integer"}},
+        "required": ["i"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+# Words of the filler text: common English words, each one o200k token with its space.
+_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which "
+    "but have an they you were her she there been one all we their has would when if so no what "
+    "up out who them some into more time only can other new could these two may first then do "
+    "any like my now over such our man me even most made after also did many before must "
+    "through back years where much your way well down should because each just those people "
+    "how too little state good very make world still own see men work long get here between "
+    "both life being under never day same another know while last might us great old year off "
+    "come since against go came right used take three file line code test value result output"
+).split()
+
+
+@attrs.frozen(kw_only=True)
+class Goal:
+    name: str
+    what: str
+    limit: float
+
+
+GOALS = (
+    Goal(name="ws-chain-flat", what="ws-chain overhead at ~100k / at ~1k", limit=1.2),
+    Goal(name="stateless-flat", what="http-stateless overhead at ~100k / at ~1k", limit=1.25),
+    Goal(
+        name="stateless-vs-chain",
+        what="http-stateless overhead / ws-chain overhead, at ~100k",
+        limit=1.4,
+    ),
+)
+
+
+@attrs.frozen(kw_only=True)
+class GatewayPlan:
+    sizes: tuple[int, ...] = (1_000, 100_000)  # tokens of starting history
+    modes: tuple[str, ...] = MODES
+    turns: int = 12  # counted turns per conversation
+    warm: int = 2  # turns before them, not counted
+    repetitions: int = 3
+    output_tokens: int = 200  # each new tool output
+    timeout: float = 60.0  # one turn's limit
+    serve_args: tuple[str, ...] = ()  # extra `rollout serve` arguments
+
+    def keys(self) -> list[str]:
+        return [
+            conversation_key(mode, size, rep)
+            for rep in range(self.repetitions)
+            for size in self.sizes
+            for mode in self.modes
+        ]
+
+
+def conversation_key(mode: str, size: int, rep: int) -> str:
+    return f"sk-gw-{mode}-{size}-{rep}"
+
+
+# --- the fake upstream ------------------------------------------------------------------------
+
+
+@attrs.define
+class Arrival:
+    at: float  # perf_counter when the body had fully arrived
+    nbytes: int
+    digest: str  # sha256 of the body, first 16 hex digits
+
+
+def upstream_main() -> None:
+    """The fake upstream as a process of its own (`python -m rollout.bench._gateway`): it
+    prints its port, then serves until killed. Its arrival stamps are `time.monotonic()`, the
+    machine's one monotonic clock (CLOCK_MONOTONIC on Linux), which the client stamps its
+    sends with too."""
+    upstream = FakeUpstream()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(upstream.serve)
+            print(upstream.port, flush=True)
+
+    trio.run(main)
+
+
+class _UpstreamProcess:
+    """The fake upstream's process, seen from the benchmark: its port and its arrivals."""
+
+    def __init__(self, port: int, client: httpx.AsyncClient) -> None:
+        self.port = port
+        self.client = client
+
+    async def arrivals(self, since: int) -> list[Arrival]:
+        answer = await self.client.get(f"http://127.0.0.1:{self.port}/arrivals?since={since}")
+        return [Arrival(at=a, nbytes=n, digest=d) for a, n, d in answer.json()]
+
+
+@asynccontextmanager
+async def open_upstream(log: Path) -> AsyncIterator[_UpstreamProcess]:
+    """Start the fake upstream in its own process (the client's work never delays its
+    stamps), yield it, stop it."""
+    argv = [sys.executable, "-m", "rollout.bench._gateway"]
+    with log.open("wb") as errors:
+        process = await trio.lowlevel.open_process(
+            argv, stdout=subprocess.PIPE, stderr=errors, start_new_session=True
+        )
+        try:
+            assert process.stdout is not None
+            with trio.fail_after(UPSTREAM_START_TIMEOUT):
+                line = b""
+                while not line.endswith(b"\n"):
+                    chunk = await process.stdout.receive_some(64)
+                    if not chunk:
+                        raise BenchError(f"the fake upstream exited at start (see {log})")
+                    line += chunk
+            async with httpx.AsyncClient() as client:
+                yield _UpstreamProcess(int(line), client)
+        finally:
+            with trio.CancelScope(shield=True):
+                await stop_process(process)
+
+
+class FakeUpstream:
+    """A chat-completions server that answers every `POST .../chat/completions` at once with
+    one streamed call of the tool `run` (its id and argument the number of tool messages in
+    the request, so the same conversation gets the same answers from every client) and usage,
+    and keeps an `Arrival` per request."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[Arrival] = []
+        self.port = 0
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self._connection, listeners)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+        async with stream:
+            while True:
+                chunks: list[bytes] = []
+                size = 0
+                arrived = time.monotonic()
+                target = b""
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        data = await stream.receive_some(RECEIVE_BUFFER)
+                        arrived = time.monotonic()
+                        conn.receive_data(data)
+                        continue
+                    if isinstance(event, h11.Request):
+                        target = event.target
+                    elif isinstance(event, h11.Data):
+                        size += len(event.data)
+                        if size > MAX_UPSTREAM_BODY:
+                            return
+                        chunks.append(bytes(event.data))
+                    elif isinstance(event, h11.EndOfMessage):
+                        break
+                    else:  # ConnectionClosed, PAUSED
+                        return
+                body = b"".join(chunks)
+                if target.endswith(b"/chat/completions"):
+                    digest = body_digest(body)
+                    self.arrivals.append(Arrival(at=arrived, nbytes=len(body), digest=digest))
+                    await _answer(stream, conn, body)
+                elif target.startswith(b"/arrivals"):
+                    since = int(target.partition(b"=")[2] or 0)
+                    listed = [attrs.astuple(a) for a in self.arrivals[since:]]
+                    await _send(stream, conn, 200, b"application/json", json.dumps(listed).encode())
+                else:
+                    await _send(stream, conn, 404, b"application/json", b'{"error":"not found"}')
+                if conn.our_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+
+
+# rollout names the calls it relays itself (`call_` and 24 hex digits), whatever the model
+# called them: the digest numbers them in order of appearance, so the same conversation has the
+# same digest from every client.
+_CALL_ID = re.compile(rb'"call_[0-9a-f]{24}"')
+
+
+def body_digest(body: bytes) -> str:
+    names: dict[bytes, bytes] = {}
+
+    def number(match: re.Match[bytes]) -> bytes:
+        return names.setdefault(match.group(), b'"call#%d"' % len(names))
+
+    return hashlib.sha256(_CALL_ID.sub(number, body)).hexdigest()[:16]
+
+
+async def _send(
+    stream: trio.SocketStream, conn: h11.Connection, status: int, kind: bytes, payload: bytes
+) -> None:
+    headers = [(b"content-type", kind), (b"content-length", str(len(payload)).encode())]
+    data = conn.send(h11.Response(status_code=status, headers=headers))
+    assert data is not None
+    out = data + (conn.send(h11.Data(data=payload)) or b"") + (conn.send(h11.EndOfMessage()) or b"")
+    await stream.send_all(out)
+
+
+async def _answer(stream: trio.SocketStream, conn: h11.Connection, body: bytes) -> None:
+    n = body.count(b'"role":"tool"')
+    chunk: dict[str, Any] = {
+        "id": f"chatcmpl-{n}",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": UPSTREAM_MODEL,
+    }
+    call = {
+        "index": 0,
+        "id": f"call_{n}",
+        "type": "function",
+        "function": {"name": "run", "arguments": json.dumps({"i": n})},
+    }
+    events = [
+        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [call]}}]},
+        {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {
+            **chunk,
+            "choices": [],
+            "usage": {"prompt_tokens": len(body) // 4, "completion_tokens": 6, "total_tokens": 0},
+        },
+    ]
+    payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    await _send(stream, conn, 200, b"text/event-stream", payload + b"data: [DONE]\n\n")
+
+
+# --- the conversations ------------------------------------------------------------------------
+
+
+def filler(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def history(size: int) -> list[dict[str, Any]]:
+    """A conversation of about `size` tokens: a task, then calls and their outputs (the same
+    for every client and repetition: the upstream bodies are compared across clients)."""
+    rng = random.Random(size)
+    items: list[dict[str, Any]] = [
+        {"type": "message", "role": "user", "content": "Work through the task. " + filler(rng, 40)}
+    ]
+    tokens = 50
+    i = 0
+    while tokens < size:
+        words = min(HISTORY_OUTPUT_TOKENS, max(size - tokens, 20))
+        call_id = f"call_h{i}"
+        items.append(
+            {
+                "type": "function_call",
+                "call_id": call_id,
+                "name": "run",
+                "arguments": f'{{"i":{i}}}',
+            }
+        )
+        items.append(
+            {"type": "function_call_output", "call_id": call_id, "output": filler(rng, words)}
+        )
+        tokens += words + 12
+        i += 1
+    return items
+
+
+def tool_output(call_id: str, turn: int, tokens: int) -> dict[str, Any]:
+    rng = random.Random(1_000_003 * turn + tokens)
+    return {"type": "function_call_output", "call_id": call_id, "output": filler(rng, tokens)}
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+@attrs.define
+class TurnResult:
+    overhead: float  # upstream arrival - client send (seconds)
+    turn_time: float  # client send -> terminal event (seconds)
+    request_bytes: int  # what the client sent
+    upstream_bytes: int
+    digest: str
+
+
+class _HttpClient:
+    """A keep-alive HTTP/1.1 client (h11 over trio): a request's bytes are made before its
+    send is stamped, so the overhead measured is the server's, not a client library's."""
+
+    def __init__(self, stream: trio.SocketStream, host: str, headers: dict[str, str]) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(h11.CLIENT)
+        self.host = host
+        self.headers = [(k, v) for k, v in headers.items()]
+
+    def request(self, target: str, body: bytes) -> bytes:
+        headers = [
+            ("host", self.host),
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+            *self.headers,
+        ]
+        parts = [
+            self.conn.send(h11.Request(method="POST", target=target, headers=headers)),
+            self.conn.send(h11.Data(data=body)),
+            self.conn.send(h11.EndOfMessage()),
+        ]
+        return b"".join(p for p in parts if p)
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The response's server-sent events, to the end of the response."""
+        decoder = SseDecoder(max_event_size=CLIENT_MAX_MESSAGE)
+        status = 0
+        while True:
+            event = self.conn.next_event()
+            if event is h11.NEED_DATA:
+                self.conn.receive_data(await self.stream.receive_some(RECEIVE_BUFFER))
+                continue
+            if isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                if status != 200:
+                    text = bytes(event.data).decode(errors="replace")[:300]
+                    raise ServerError(f"HTTP {status}: {text}")
+                for sse in decoder.feed(bytes(event.data)):
+                    yield json.loads(sse.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self.conn.start_next_cycle()
+                return
+            else:
+                raise ServerError(f"the server closed the connection ({event!r})")
+
+
+class _Client:
+    """One conversation's client in one mode."""
+
+    def __init__(self, mode: str, endpoint: Endpoint, size: int, plan: GatewayPlan) -> None:
+        self.mode = mode
+        self.endpoint = endpoint
+        self.plan = plan
+        self.history = history(size)
+        self.pending: list[dict[str, Any]] = list(self.history)  # not yet sent (chains)
+        self.previous: str | None = None
+        self.ws: WsSocket | None = None
+        self.http: _HttpClient | None = None
+
+    async def open(self, stack: AsyncExitStack) -> None:
+        headers = self.endpoint.headers()
+        if self.mode.startswith("ws"):
+            self.ws = await stack.enter_async_context(
+                open_bench_ws(
+                    self.endpoint.ws_url,
+                    extra_headers=[(k.encode(), v.encode()) for k, v in headers.items()],
+                    offer_deflate=False,
+                    max_message_size=CLIENT_MAX_MESSAGE,
+                    receive_buffer_size=RECEIVE_BUFFER,
+                )
+            )
+        else:
+            parts = urlsplit(self.endpoint.base_url)
+            assert parts.hostname is not None and parts.port is not None
+            stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await stack.enter_async_context(stream)
+            self.http = _HttpClient(stream, parts.netloc, headers)
+
+    def payload(self) -> str:
+        body: dict[str, Any] = {"model": MODEL, "tools": [TOOL]}
+        chain = self.mode.endswith("chain")
+        body["input"] = self.pending if chain else self.history
+        if chain and self.previous is not None:
+            body["previous_response_id"] = self.previous
+        body["store"] = self.mode == "http-chain"
+        if self.ws is not None:
+            return _dumps({"type": "response.create", **body})
+        return _dumps({**body, "stream": True})
+
+    async def turn(self) -> tuple[float, float, int, dict[str, Any]]:
+        """Send one turn; (send time, end time, bytes sent, the final response). The send
+        is stamped as the request's first byte goes to the socket."""
+        text = self.payload()
+        with trio.fail_after(self.plan.timeout):
+            if self.ws is not None:
+                data = self.ws.frame(text)
+                sent = time.monotonic()
+                await self.ws.send_frame(data)
+                response = await self._ws_response()
+            else:
+                assert self.http is not None
+                target = urlsplit(self.endpoint.responses_url).path
+                data = self.http.request(target, text.encode())
+                sent = time.monotonic()
+                await self.http.stream.send_all(data)
+                response = await self._http_response()
+            ended = time.monotonic()
+        return sent, ended, len(data), response
+
+    async def _ws_response(self) -> dict[str, Any]:
+        assert self.ws is not None
+        while True:
+            event = json.loads(await self.ws.get_message())
+            kind = event.get("type")
+            if kind in ("response.completed", "response.incomplete", "response.failed"):
+                return _finished(self.mode, event)
+            if kind == "error":
+                raise ServerError(f"{self.mode}: error event: {_dumps(event)[:300]}")
+
+    async def _http_response(self) -> dict[str, Any]:
+        assert self.http is not None
+        final: dict[str, Any] | None = None
+        async for event in self.http.events():
+            if event.get("type") in (
+                "response.completed",
+                "response.incomplete",
+                "response.failed",
+            ):
+                final = _finished(self.mode, event)
+        if final is None:
+            raise ServerError(f"{self.mode}: the stream ended without a terminal event")
+        return final
+
+    def next_input(self, response: dict[str, Any], turn: int) -> None:
+        outputs = response.get("output") or []
+        calls = [o for o in outputs if o.get("type") == "function_call"]
+        if not calls:
+            raise ServerError(f"{self.mode}: turn {turn} ended without the tool call")
+        new = tool_output(calls[0]["call_id"], turn, self.plan.output_tokens)
+        self.previous = response.get("id")
+        self.history.extend([*outputs, new])
+        self.pending = [new]
+
+
+def _finished(mode: str, event: dict[str, Any]) -> dict[str, Any]:
+    response: dict[str, Any] = event.get("response") or {}
+    if event.get("type") != "response.completed":
+        raise ServerError(f"{mode}: the response ended {response.get('status')}: {response}")
+    return response
+
+
+async def run_conversation(
+    mode: str,
+    endpoint: Endpoint,
+    size: int,
+    plan: GatewayPlan,
+    upstream: _UpstreamProcess,
+    metrics: Callable[[], Any],
+) -> dict[str, Any]:
+    """One conversation: its counted turns and the server's stage seconds per counted turn."""
+    client = _Client(mode, endpoint, size, plan)
+    turns: list[TurnResult] = []
+    stages: dict[str, float] = {}
+    async with AsyncExitStack() as stack:
+        await client.open(stack)
+        before: dict[str, float] = {}
+        count = len(await upstream.arrivals(0))
+        for turn in range(plan.warm + plan.turns):
+            if turn == plan.warm:
+                before = await metrics()
+            sent, ended, nbytes, response = await client.turn()
+            arrived = await upstream.arrivals(count)
+            count += len(arrived)
+            if len(arrived) != 1:
+                raise ServerError(
+                    f"{mode}: turn {turn} made {len(arrived)} upstream requests, not one"
+                )
+            if turn >= plan.warm:
+                turns.append(
+                    TurnResult(
+                        overhead=arrived[0].at - sent,
+                        turn_time=ended - sent,
+                        request_bytes=nbytes,
+                        upstream_bytes=arrived[0].nbytes,
+                        digest=arrived[0].digest,
+                    )
+                )
+            client.next_input(response, turn)
+        after = await metrics()
+    stages = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / plan.turns for k in after}
+    return {
+        "mode": mode,
+        "size": size,
+        "history_bytes": len(_dumps(history(size)).encode()),
+        "turns": [attrs.asdict(t) for t in turns],
+        "stages_s": {k: v for k, v in sorted(stages.items()) if v > 0},
+    }
+
+
+@asynccontextmanager
+async def _servers(plan: GatewayPlan, out: Path, port: int) -> AsyncIterator[Endpoint]:
+    models = out / "gateway-models.toml"
+    models.write_text(
+        f'[models.{MODEL}]\nupstream = "http://127.0.0.1:{port}/v1"\nmodel = "{UPSTREAM_MODEL}"\n'
+    )
+    keys = tuple(a for key in [*plan.keys(), "sk-gw-warmup"] for a in ("--api-key", key))
+    args = ("--models", str(models), "--max-message-size", str(CLIENT_MAX_MESSAGE), *keys)
+    async with open_local_server(
+        log_path=out / "server-gateway.log", label="rollout", extra_args=(*args, *plan.serve_args)
+    ) as endpoint:
+        yield endpoint
+
+
+async def run_gateway(
+    plan: GatewayPlan, out: Path, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    started = time.time()
+    runs: list[dict[str, Any]] = []
+    async with (
+        open_upstream(out / "upstream-gateway.log") as upstream,
+        _servers(plan, out, upstream.port) as base,
+        httpx.AsyncClient() as scraper,
+    ):
+
+        async def metrics() -> dict[str, float]:
+            text = await scrape_metrics(scraper, attrs.evolve(base, api_key="sk-gw-warmup"))
+            return parse_stage_sums(text or "")
+
+        # One conversation of every mode at the smallest size, not recorded: imports,
+        # first connections and the code's first runs are not the gateway's overhead.
+        for mode in plan.modes:
+            endpoint = attrs.evolve(base, api_key="sk-gw-warmup")
+            warm = attrs.evolve(plan, warm=1, turns=1)
+            await run_conversation(mode, endpoint, plan.sizes[0], warm, upstream, metrics)
+        for rep in range(plan.repetitions):
+            for size in plan.sizes:
+                shift = rep % len(plan.modes)
+                for mode in [*plan.modes[shift:], *plan.modes[:shift]]:
+                    progress(f"repetition {rep + 1}/{plan.repetitions}: {mode} at ~{size}")
+                    key = conversation_key(mode, size, rep)
+                    run = await run_conversation(
+                        mode, attrs.evolve(base, api_key=key), size, plan, upstream, metrics
+                    )
+                    run["repetition"] = rep
+                    runs.append(run)
+    return build_results(plan, runs, started)
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def build_results(plan: GatewayPlan, runs: list[dict[str, Any]], started: float) -> dict[str, Any]:
+    from ._runner import _loadavg, _machine, _versions
+
+    points = []
+    for size in plan.sizes:
+        for mode in plan.modes:
+            mine = [r for r in runs if r["mode"] == mode and r["size"] == size]
+            turns = [t for r in mine for t in r["turns"]]
+            stage_names = sorted({s for r in mine for s in r["stages_s"]})
+            points.append(
+                {
+                    "mode": mode,
+                    "size": size,
+                    "history_bytes": mine[0]["history_bytes"] if mine else None,
+                    "turns": len(turns),
+                    "overhead_ms": _ms(_median([t["overhead"] for t in turns])),
+                    "turn_ms": _ms(_median([t["turn_time"] for t in turns])),
+                    "request_bytes": _median([t["request_bytes"] for t in turns]),
+                    "upstream_bytes": _median([t["upstream_bytes"] for t in turns]),
+                    "stages_ms": {
+                        s: _ms(_median([r["stages_s"].get(s, 0.0) for r in mine]))
+                        for s in stage_names
+                    },
+                }
+            )
+    results: dict[str, Any] = {
+        "schema": SCHEMA,
+        "meta": {
+            "started": started,
+            "seconds": round(time.time() - started, 1),
+            "machine": _machine(),
+            "loadavg": _loadavg(),
+            "versions": _versions(),
+            "plan": attrs.asdict(plan),
+        },
+        "points": points,
+        "runs": runs,
+        "same_upstream_bodies": same_bodies(runs),
+    }
+    results["goals"] = judge(results)
+    return results
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def same_bodies(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether every client sent the upstream the same bytes at every turn of a size (the
+    digests of the bodies): the conversations are the same, so they must be."""
+    differ: list[str] = []
+    by_size: dict[int, dict[str, list[str]]] = {}
+    for run in runs:
+        digests = [t["digest"] for t in run["turns"]]
+        by_size.setdefault(run["size"], {})[f"{run['mode']}#{run['repetition']}"] = digests
+    for size, seen in by_size.items():
+        reference = next(iter(seen.values()))
+        differ += [f"{name} at ~{size}" for name, d in seen.items() if d != reference]
+    return {"compared": sum(len(s) for s in by_size.values()), "differ": differ}
+
+
+def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal: its ratio from the points' median overheads, and MET, MISSED or not
+    measured."""
+    points = {(p["mode"], p["size"]): p["overhead_ms"] for p in results["points"]}
+    sizes = sorted({p["size"] for p in results["points"]})
+    small, large = (sizes[0], sizes[-1]) if sizes else (0, 0)
+    pairs = {
+        "ws-chain-flat": (("ws-chain", large), ("ws-chain", small)),
+        "stateless-flat": (("http-stateless", large), ("http-stateless", small)),
+        "stateless-vs-chain": (("http-stateless", large), ("ws-chain", large)),
+    }
+    out = []
+    for goal in GOALS:
+        top, bottom = (points.get(k) for k in pairs[goal.name])
+        ratio = None if not top or not bottom or small == large else top / bottom
+        verdict = "not measured" if ratio is None else "MET" if ratio <= goal.limit else "MISSED"
+        out.append(
+            {
+                "name": goal.name,
+                "what": goal.what,
+                "limit": goal.limit,
+                "ratio": None if ratio is None else round(ratio, 3),
+                "verdict": verdict,
+            }
+        )
+    return out
+
+
+def validate_gateway(results: dict[str, Any]) -> None:
+    """The structure the summary and the tests rely on (a check of structure only)."""
+    if results.get("schema") != SCHEMA:
+        raise BenchError(f"not a gateway run: schema {results.get('schema')!r}")
+    for key in ("meta", "points", "runs", "goals", "same_upstream_bodies"):
+        if key not in results:
+            raise BenchError(f"gateway results lack {key!r}")
+
+
+def render_gateway_summary(results: dict[str, Any]) -> str:
+    points = results["points"]
+    sizes = sorted({p["size"] for p in points})
+    modes = list(dict.fromkeys(p["mode"] for p in points))
+    by = {(p["mode"], p["size"]): p for p in points}
+    lines = ["# rollout bench: gateway", ""]
+    for goal in results["goals"]:
+        ratio = "-" if goal["ratio"] is None else f"{goal['ratio']:.2f}x"
+        lines.append(f"- {goal['verdict']}: {goal['what']} = {ratio} (goal <= {goal['limit']}x)")
+    bodies = results["same_upstream_bodies"]
+    lines.append(
+        f"- upstream bodies: {len(bodies['differ'])} of {bodies['compared']} conversations "
+        "differ from the first client's (same content: they must not)"
+    )
+    lines += [
+        "",
+        "Overhead: the client's send to the request complete at the model (median ms)",
+        "",
+    ]
+    lines.append("| client | " + " | ".join(f"~{s} tokens" for s in sizes) + " |")
+    lines.append("|---|" + "---|" * len(sizes))
+    for mode in modes:
+        cells = [_cell(by.get((mode, s), {}).get("overhead_ms")) for s in sizes]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    stage_names = sorted({s for p in points for s in p["stages_ms"]})
+    lines += ["", "The server's stages per turn (ms, median of the conversations' means)", ""]
+    lines.append("| client | size | " + " | ".join(stage_names) + " | rest |")
+    lines.append("|---|---|" + "---|" * (len(stage_names) + 1))
+    for size in sizes:
+        for mode in modes:
+            p = by.get((mode, size))
+            if p is None:
+                continue
+            st = p["stages_ms"]
+            rest = None
+            if p["overhead_ms"] is not None:
+                rest = p["overhead_ms"] - sum(v or 0.0 for v in st.values())
+            cells = [_cell(st.get(s)) for s in stage_names]
+            lines.append(f"| {mode} | ~{size} | " + " | ".join(cells) + f" | {_cell(rest)} |")
+    meta = results["meta"]
+    lines += ["", f"loadavg at the end: {meta['loadavg']}; {meta['seconds']} s", ""]
+    return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+if __name__ == "__main__":
+    upstream_main()
