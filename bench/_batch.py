@@ -60,7 +60,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ._client import RolloutSpec, run_rollout
 from ._errors import BenchError, ServerError
 from ._llama_server import open_llama_server
-from ._real import GOALS_SCHEMA, RUN_TOOL
+from ._real import GOALS_SCHEMA, RUN_TOOL, tool_loop
 from ._records import RolloutRecord
 from ._scenario import Scenario
 from ._server import Endpoint, open_local_server, scrape_metrics
@@ -122,17 +122,7 @@ class BatchPlan:
 
     def scenario(self, agent: int = 0) -> Scenario:
         """Agent `agent`'s task (its prompt and tool outputs seeded by its name)."""
-        return Scenario(
-            name=f"{BATCH}:agent-{agent}",
-            description=f"a greedy tool loop of {self.calls} calls on SmolLM2-135M: "
-            f"{self.tool_tokens}-word tool outputs, at most {self.max_output_tokens} output "
-            "tokens a turn",
-            steps=self.calls,
-            tool_tokens=(self.tool_tokens,),
-            tool_latency_ms=0.0,
-            output_tokens=self.max_output_tokens,
-            prompt_tokens=self.prompt_tokens,
-        )
+        return tool_loop(f"{BATCH}:agent-{agent}", "a greedy tool loop on SmolLM2-135M", self)
 
     def spec(self, server: str, mode: str, agent: int = 0) -> RolloutSpec:
         rollout = mode == "ws-rollout"

@@ -529,6 +529,15 @@ def _run(args: argparse.Namespace) -> int:
 REAL_MODEL = "real-model"
 
 
+def _alone(args: argparse.Namespace, scenario: str, servers: str) -> None:
+    """A scenario with its own runner takes no other scenario and no --url (it starts its own
+    servers: `servers` says how to choose them)."""
+    if args.scenario != [scenario]:
+        raise SystemExit(f"rollout bench: --scenario {scenario} runs alone")
+    if args.url:
+        raise SystemExit(f"rollout bench: --scenario {scenario} starts its own servers {servers}")
+
+
 def _run_model_scenario(
     args: argparse.Namespace,
     run: Any,
@@ -571,13 +580,11 @@ def _run_real(args: argparse.Namespace) -> int:
 
     from ._real import RealPlan, render_summary, run_real_model, validate_real, write_real_plot
 
-    if args.scenario != [REAL_MODEL]:
-        raise SystemExit("rollout bench: --scenario real-model runs alone")
-    if args.url:
-        raise SystemExit(
-            "rollout bench: --scenario real-model starts its own servers (the model runs in "
-            "them); use --local LABEL=ARGS to choose their arguments"
-        )
+    _alone(
+        args,
+        REAL_MODEL,
+        "(the model runs in them); use --local LABEL=ARGS to choose their arguments",
+    )
     from rollout.engine._llama_vocab import packaged_smollm2
 
     try:
@@ -631,13 +638,9 @@ def _run_batch(args: argparse.Namespace) -> int:
     from ._batch import SERVERS, BatchPlan, render_batch_summary, run_batch, validate_batch
     from ._llama_server import llama_server_missing
 
-    if args.scenario != [REAL_MODEL_BATCH]:
-        raise SystemExit("rollout bench: --scenario real-model-batch runs alone")
-    if args.url:
-        raise SystemExit(
-            "rollout bench: --scenario real-model-batch starts its own servers; use --local "
-            f"LABEL=ARGS to choose them ({', '.join(SERVERS)})"
-        )
+    _alone(
+        args, REAL_MODEL_BATCH, f"; use --local LABEL=ARGS to choose them ({', '.join(SERVERS)})"
+    )
     missing = llama_server_missing()
     if missing is not None:
         raise SystemExit(f"rollout bench: --scenario real-model-batch: {missing}")
@@ -685,13 +688,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
 
     from ._gateway import GatewayPlan, render_gateway_summary, run_gateway, validate_gateway
 
-    if args.scenario != [GATEWAY]:
-        raise SystemExit("rollout bench: --scenario gateway runs alone")
-    if args.url:
-        raise SystemExit(
-            "rollout bench: --scenario gateway starts its own server and upstream; use "
-            "--local gateway=ARGS to add `rollout serve` arguments"
-        )
+    _alone(args, GATEWAY, "and model; use --local gateway=ARGS to add `rollout serve` arguments")
     _check_numbers(args)
     plan = GatewayPlan(timeout=args.timeout)
     if args.repetitions is not None:

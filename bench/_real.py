@@ -42,7 +42,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import httpx
@@ -104,6 +104,33 @@ RUN_TOOL = {
 INSTRUCTIONS = "You are a coding agent. Use the run tool to inspect the project."
 
 
+class LoopSize(Protocol):
+    """The sizes of a real model's tool loop (`RealPlan`, `BatchPlan`: frozen)."""
+
+    @property
+    def calls(self) -> int: ...
+    @property
+    def tool_tokens(self) -> int: ...
+    @property
+    def max_output_tokens(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+
+
+def tool_loop(name: str, what: str, size: LoopSize) -> Scenario:
+    """A real model's tool loop as a scenario: `what` and its sizes."""
+    return Scenario(
+        name=name,
+        description=f"{what}: {size.calls} calls, {size.tool_tokens}-word tool outputs, at "
+        f"most {size.max_output_tokens} output tokens a turn",
+        steps=size.calls,
+        tool_tokens=(size.tool_tokens,),
+        tool_latency_ms=0.0,
+        output_tokens=size.max_output_tokens,
+        prompt_tokens=size.prompt_tokens,
+    )
+
+
 @attrs.frozen(kw_only=True)
 class RealPlan:
     """What a real-model run measures (the defaults fit ~10 minutes on 2 idle cores)."""
@@ -120,17 +147,7 @@ class RealPlan:
     timeout: float = 1800.0
 
     def scenario(self) -> Scenario:
-        return Scenario(
-            name=REAL_MODEL,
-            description=f"a forced, greedy tool loop of {self.calls} calls on {self.model}: "
-            f"{self.tool_tokens}-word tool outputs, at most {self.max_output_tokens} output "
-            "tokens a turn",
-            steps=self.calls,
-            tool_tokens=(self.tool_tokens,),
-            tool_latency_ms=0.0,
-            output_tokens=self.max_output_tokens,
-            prompt_tokens=self.prompt_tokens,
-        )
+        return tool_loop(REAL_MODEL, f"a forced, greedy tool loop on {self.model}", self)
 
     def spec(self, *, calls: int | None = None) -> RolloutSpec:
         """Each mode's rollout. `max_output_tokens` caps every turn (a rollout's too: the engine

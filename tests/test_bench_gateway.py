@@ -11,12 +11,15 @@ chat-completions model that stamps each request's arrival.
 
 from __future__ import annotations
 
+import argparse
 import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+from rollout.bench._cli import add_parser
+from rollout.bench._cli import run as bench_run
 from rollout.bench._gateway import (
     GOALS,
     MODES,
@@ -109,3 +112,21 @@ def test_bodies_differing_only_in_relayed_call_names_have_one_digest() -> None:
     b = a.replace(b"0123456789abcdef01234567", b"fedcba9876543210fedcba98")
     assert body_digest(a) == body_digest(b)
     assert body_digest(a) != body_digest(a.replace(b'"tool_call_id"', b'"tool_call"'))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--scenario", "gateway", "--scenario", "alpha-demo"], "runs alone"),
+        (["--scenario", "gateway", "--url", "http://127.0.0.1:1/v1"], "starts its own servers"),
+        (["--scenario", "gateway", "--local", "other=--workers 2"], "takes gateway=ARGS"),
+    ],
+)
+def test_command_line_refusals(argv: list[str], message: str, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", *argv, "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exc:
+        bench_run(args)
+    assert message in str(exc.value)
+    assert not (tmp_path / "out").exists()

@@ -38,20 +38,11 @@ from rollout.engine._tokenizer import O200kTokenizer
 
 from tests.client_harness import unavailable
 from tests.llama_harness import require_llama
+from tests.test_upstream_servers import TOOL
 from tests.upstream_harness import Exchange, chunk, open_fake_upstream, open_rollout
 
 DEADLINE = 60.0
 ESTIMATED = 'rollout_work_total{counter="usage_estimated"} '
-TOOL = {
-    "type": "function",
-    "name": "run",
-    "description": "Run a shell command.",
-    "parameters": {
-        "type": "object",
-        "properties": {"command": {"type": "string"}},
-        "required": ["command"],
-    },
-}
 ARGUMENTS = '{"command": "ls"}'
 
 
