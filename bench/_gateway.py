@@ -125,9 +125,9 @@ GOALS = (
 class GatewayPlan:
     sizes: tuple[int, ...] = (1_000, 100_000)  # tokens of starting history
     modes: tuple[str, ...] = MODES
-    turns: int = 12  # counted turns per conversation
+    turns: int = 16  # counted turns per conversation
     warm: int = 2  # turns before them, not counted
-    repetitions: int = 3
+    repetitions: int = 5
     output_tokens: int = 200  # each new tool output
     timeout: float = 60.0  # one turn's limit
     serve_args: tuple[str, ...] = ()  # extra `rollout serve` arguments

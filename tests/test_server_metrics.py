@@ -63,6 +63,10 @@ async def test_exposition_is_text_format_0_0_4_with_every_family() -> None:
         "rollout_render_cache_dropped": "counter",
         "rollout_render_cache_bytes": "gauge",
         "rollout_render_cache_entries": "gauge",
+        "rollout_input_memo_requests": "counter",
+        "rollout_input_memo_items_reused": "counter",
+        "rollout_input_memo_bytes_parsed": "counter",
+        "rollout_input_memo_bytes": "gauge",
     }
     assert parse_metrics(text)[("rollout_refused_connections_total", frozenset())] == 1
     # No `_created` samples: the collector reports what the engine counts, nothing more.
