@@ -99,10 +99,29 @@ class _Fallback(Exception):
 
 @attrs.define(eq=False)
 class _Entry:
+    """What an earlier message of an owner decoded to. `head` is its text up to the end of its
+    input's last item, `start` where the input's text begins in it (`text`: the input up to
+    its last item). When the input's place in the message is known, `rest` is the text after
+    the input's closing bracket and `shell` the request the message makes with an empty
+    input: a message of the same kind that starts with `head` and ends with `rest` is decoded
+    from the text between them alone (`InputMemo._match_around`)."""
+
     owner: str | None
-    raw: bytes  # the input's text up to the end of its last item (no closing bracket)
+    kind: str
+    head: bytes
+    start: int
     items: KeyedInput
     expires: float
+    rest: bytes | None = None
+    shell: ResponseCreate | None = None
+
+    @property
+    def text(self) -> memoryview:
+        return memoryview(self.head)[self.start :]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + len(self.rest or b"")
 
 
 @attrs.define(eq=False)
@@ -111,11 +130,15 @@ class Split:
     finished by `InputMemo.finish` (on the event loop, or in a worker thread)."""
 
     owner: str | None
-    fields: dict[str, msgspec.Raw]  # the top-level values but `input`
-    raw_input: bytes
+    kind: str
+    data: bytes  # the whole message
+    fields: dict[str, msgspec.Raw]  # the top-level values but `input` (none: `shell` has them)
+    raw_input: bytes  # the input's text (empty when `shell` is known)
     base: _Entry | None  # the entry whose items the input starts with
-    tail: bytes  # the input's text after the entry's (all of it without one)
+    tail: bytes  # the input's text after the entry's items (all of it without one)
     new_bytes: int
+    shell: ResponseCreate | None = None  # the request but its input, from `base`
+    close: int = -1  # where the input's closing bracket is in `data`, when known
 
 
 @attrs.define
@@ -174,6 +197,9 @@ class InputMemo:
             if len(raw) > max_size:  # the protocol's decoder words the refusal
                 self._count_fallback()
                 return None
+            around = self._match_around(owner, kind, raw)
+            if around is not None:
+                return around
             fields = _split_body.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeEncodeError, RecursionError):
             self._count_fallback()
@@ -192,11 +218,54 @@ class InputMemo:
         base, tail = self._match(owner, raw_input)
         return Split(
             owner=owner,
+            kind=kind,
+            data=raw,
             fields=fields,
             raw_input=raw_input,
             base=base,
             tail=tail,
             new_bytes=len(tail) + sum(len(v) for v in fields.values()),
+        )
+
+    def _match_around(self, owner: str | None, kind: str, raw: bytes) -> Split | None:
+        """A message that is an entry's, but for items added at the end of its input: the
+        same text up to the end of the entry's last item, the same text after the input. The
+        part between (`,` and the new items, or nothing, then `]`) is all there is to parse:
+        the rest is text an earlier message of this owner had, which decoded without error.
+        The entry with the longest such text, if any."""
+        best: _Entry | None = None
+        best_close = -1
+        now = self.clock()
+        with self._lock:
+            for entry in self._owners.get(owner, ()):
+                rest = entry.rest
+                if rest is None or entry.kind != kind or entry.expires <= now:
+                    continue
+                head = entry.head
+                close = len(raw) - len(rest) - 1
+                if (
+                    (best is None or len(head) > len(best.head))
+                    and close >= len(head)
+                    and raw[close] == 0x5D  # "]"
+                    and raw.startswith(head)
+                    and raw.endswith(rest)
+                ):
+                    best, best_close = entry, close
+            if best is None:
+                return None
+            self._entries.move_to_end(id(best))
+        middle = raw[len(best.head) : best_close]
+        return Split(
+            owner=owner,
+            kind=kind,
+            data=raw,
+            fields={},
+            raw_input=b"",
+            base=best,
+            tail=middle,
+            new_bytes=len(middle),
+            shell=best.shell,
+            close=best_close,
         )
 
     def finish(self, split: Split) -> ResponseCreate | None:
@@ -214,6 +283,13 @@ class InputMemo:
         base = split.base
         if base is None:
             values = _parse.decode(split.raw_input)
+        elif split.shell is not None:  # the text between the entry's items and its rest
+            between = split.tail.lstrip(_WHITESPACE)
+            if between and not between.startswith(b","):
+                raise _Fallback
+            values = _parse.decode(b"[" + between[1:] + b"]") if between else []
+            if between and not values:  # `[..., ]`: a trailing comma
+                raise _Fallback
         else:
             rest = split.tail.lstrip(_WHITESPACE)
             values = _parse.decode(b"[" + rest[1:]) if rest.startswith(b",") else []
@@ -238,9 +314,11 @@ class InputMemo:
                 items.last_compaction = len(items)
             items.append(item)
             keys.append(key)
-        request: ResponseCreate = from_wire({**others, "input": []}, ResponseCreate)
-        request = attrs.evolve(request, input=items)
-        self._remember(split, items, len(values))
+        shell = split.shell
+        if shell is None:
+            shell = from_wire({**others, "input": []}, ResponseCreate)
+        request = attrs.evolve(shell, input=items)
+        self._remember(split, items, len(values), shell)
         return request
 
     # --- the entries -------------------------------------------------------------------------
@@ -250,31 +328,60 @@ class InputMemo:
             self.stats.fallbacks += 1
 
     def _match(self, owner: str | None, raw_input: bytes) -> tuple[_Entry | None, bytes]:
-        """The longest live entry of `owner` whose text `raw_input` starts with, at an item
-        boundary, and the text after it."""
+        """The longest live entry of `owner` whose input text `raw_input` starts with, at an
+        item boundary, and the text after it."""
         best: _Entry | None = None
+        best_n = 0
         now = self.clock()
         with self._lock:
             for entry in self._owners.get(owner, ()):
                 if entry.expires <= now:
                     continue
-                n = len(entry.raw)
-                if n <= len(raw_input) and (best is None or n > len(best.raw)):
-                    if raw_input.startswith(entry.raw) and raw_input[n:].lstrip(
-                        _WHITESPACE
-                    ).startswith((b",", b"]")):
-                        best = entry
+                text = entry.text
+                n = len(text)
+                if best_n < n <= len(raw_input) and raw_input.startswith(text):
+                    if raw_input[n:].lstrip(_WHITESPACE).startswith((b",", b"]")):
+                        best, best_n = entry, n
             if best is not None:
                 self._entries.move_to_end(id(best))
-        if best is None:
-            return None, raw_input
-        return best, raw_input[len(best.raw) :]
+        return best, raw_input[best_n:]
 
-    def _remember(self, split: Split, items: KeyedInput, new: int) -> None:
+    def _remember(self, split: Split, items: KeyedInput, new: int, shell: ResponseCreate) -> None:
         base = split.base
-        # The input's text up to the end of its last item: without the closing bracket and the
-        # whitespace around it.
-        text = split.raw_input.rstrip(_WHITESPACE)[:-1].rstrip(_WHITESPACE)
+        data = split.data
+        close = split.close
+        if close < 0 and split.raw_input:  # the input's place: its text, once in the message
+            found = data.find(split.raw_input)
+            if found >= 0 and data.find(split.raw_input, found + 1) < 0:
+                close = found + len(split.raw_input) - 1
+        entry: _Entry | None = None
+        if items and close >= 0:
+            head = data[:close].rstrip(_WHITESPACE)  # up to the end of the last item
+            if split.raw_input:
+                start = close + 1 - len(split.raw_input)
+            else:  # decoded around an entry's text: its input starts where the entry's did
+                assert base is not None
+                start = base.start
+            entry = _Entry(
+                split.owner,
+                split.kind,
+                head,
+                start,
+                KeyedInput(items, items.keys, items.references, items.last_compaction),
+                self.clock() + self.ttl,
+                rest=data[close + 1 :],
+                shell=shell,
+            )
+        elif items:
+            text = split.raw_input.rstrip(_WHITESPACE)[:-1].rstrip(_WHITESPACE)
+            entry = _Entry(
+                split.owner,
+                split.kind,
+                text,
+                0,
+                KeyedInput(items, items.keys, items.references, items.last_compaction),
+                self.clock() + self.ttl,
+            )
         with self._lock:
             if base is not None:
                 self.stats.hits += 1
@@ -282,17 +389,14 @@ class InputMemo:
             else:
                 self.stats.misses += 1
             self.stats.bytes_parsed += len(split.tail)
-            if not items:
+            if entry is None:
                 return
             if base is not None and id(base) in self._entries:
                 self._drop(base)  # this entry's conversation now goes on in the new one
-            # (a copy: the request's input list is the engine's from here on)
-            kept = KeyedInput(items, items.keys, items.references, items.last_compaction)
-            entry = _Entry(split.owner, text, kept, self.clock() + self.ttl)
             self._entries[id(entry)] = entry
             mine = self._owners.setdefault(split.owner, [])
             mine.append(entry)
-            self._nbytes += len(text)
+            self._nbytes += entry.nbytes
             now = self.clock()
             for old in [e for e in mine if e.expires <= now]:
                 self._drop(old)
@@ -307,7 +411,7 @@ class InputMemo:
         mine.remove(entry)
         if not mine:
             del self._owners[entry.owner]
-        self._nbytes -= len(entry.raw)
+        self._nbytes -= entry.nbytes
 
     def clear(self) -> None:
         with self._lock:

@@ -117,7 +117,7 @@ def test_the_bounds_hold() -> None:
     now[0] = 11.0  # every entry expired: none serves, and the next one drops them
     decode(memo, body([{**TASK, "content": "5 " + TASK["content"]}, *turn(0), *turn(1)]))
     assert memo.stats.hits == 1 and len(memo) == 1
-    small = InputMemo(max_bytes=len(json.dumps([TASK])) + 100)
+    small = InputMemo(max_bytes=len(body([TASK])) + 100)
     decode(small, body([TASK]), owner="a")
     decode(small, body([TASK]), owner="b")
     assert len(small) == 1 and small.bytes_held <= small.max_bytes
@@ -211,3 +211,37 @@ def test_references_and_compaction_items_are_counted_as_they_are_decoded() -> No
     assert memo.stats.hits == 1
     assert (second.input.references, second.input.last_compaction) == (1, 3)
     assert second == decode_create_body(body(items), max_size=LIMIT)
+
+
+def test_other_fields_may_change_around_a_remembered_input() -> None:
+    """A message whose text around the input is the entry's is decoded from the new items
+    alone (its other fields are the entry's); one whose other fields changed is split again,
+    and its input still starts from the entry's items. Either way, the protocol's answer."""
+    memo = InputMemo()
+    items: list[Any] = [TASK, *turn(0)]
+    decode(memo, body(items, store=False))
+    items += turn(1)
+    same = body(items, store=False)
+    parsed = memo.stats.bytes_parsed
+    assert decode(memo, same) == decode_create_body(same, max_size=LIMIT)
+    assert memo.stats.hits == 1 and memo.stats.bytes_parsed - parsed < 300
+    items += turn(2)
+    changed = body(items, store=True, temperature=0.5)
+    assert decode(memo, changed) == decode_create_body(changed, max_size=LIMIT)
+    assert memo.stats.hits == 2
+    items += turn(3)
+    again = body(items, store=True, temperature=0.5)
+    assert decode(memo, again) == decode_create_body(again, max_size=LIMIT)
+    assert memo.stats.hits == 3 and memo.stats.fallbacks == 0
+
+
+def test_a_body_is_not_taken_for_an_event_around_the_same_text() -> None:
+    """HTTP bodies and WebSocket messages have their own entries: a body never reuses a
+    `response.create`'s (whose `type` a body may not carry)."""
+    memo = InputMemo()
+    event = json.dumps({"type": "response.create", "model": "m", "input": [TASK]}).encode()
+    split = memo.split(event, None, kind="event", max_size=LIMIT)
+    assert split is not None and memo.finish(split) is not None
+    longer = event[: event.rindex(b"]")] + b', {"role": "user", "content": "x"}]}'
+    assert decode(memo, longer) is None  # a body with `type`: the protocol's refusal
+    assert memo.stats.fallbacks == 1
