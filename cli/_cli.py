@@ -431,6 +431,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from .engine._browser import BrowserRules
 
+    if any(not key.strip() for key in args.api_key):
+        _serve_failed(
+            args,
+            "--api-key: an empty key would refuse every request without one and admit none; "
+            "give a key, or leave --api-key out to serve without authentication.",
+        )
+        return 2
     api_keys = tuple(args.api_key) + api_keys_from_env()
     try:
         BrowserRules.make(

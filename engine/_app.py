@@ -245,7 +245,7 @@ class RolloutApp:
         refusal = (
             refusal
             or _duplicate_authorization(scope)
-            or self._refuse_upgrade(path, allowed, holder)
+            or self._refuse_upgrade(path, allowed, holder, headers)
         )
         if refusal is not None:
             status, body = refusal
@@ -313,7 +313,7 @@ class RolloutApp:
         return max(1, min(self.config.max_connections, share))
 
     def _refuse_upgrade(
-        self, path: str, allowed: bool, holder: str
+        self, path: str, allowed: bool, holder: str, headers: Mapping[str, str]
     ) -> tuple[int, dict[str, Any]] | None:
         """The status and body refusing an upgrade, in order: no such endpoint, WebSocket mode
         off, the connection limit (counted), the key's share of it (counted), no valid key;
@@ -345,7 +345,7 @@ class RolloutApp:
                 code="too_many_connections_for_key",
             )
         if not allowed:
-            return 401, _invalid_api_key()
+            return 401, _invalid_api_key(headers)
         return None
 
     # --- HTTP ---
@@ -523,7 +523,7 @@ class RolloutApp:
             )
             return await handler(request)
         if not allowed:
-            return await send_json(send, 401, _invalid_api_key())
+            return await send_json(send, 401, _invalid_api_key(headers))
         return await send_json(
             send,
             404,
@@ -623,11 +623,23 @@ def _duplicate_authorization(scope: Scope) -> tuple[int, dict[str, Any]] | None:
     )
 
 
-def _invalid_api_key() -> dict[str, Any]:
-    return error_body(
-        "Incorrect API key provided. You can find your API key in your settings.",
-        code="invalid_api_key",
-    )
+# A request without a key, and one with a key the server was not given: both 401
+# `invalid_api_key`, each saying what to send.
+MISSING_API_KEY = (
+    "You didn't provide an API key. This server requires one: send it in the Authorization "
+    "header, as `Authorization: Bearer KEY`, with a key the server was started with "
+    "(--api-key or ROLLOUT_API_KEYS)."
+)
+INCORRECT_API_KEY = (
+    "Incorrect API key provided. Send a key this server was started with (--api-key or "
+    "ROLLOUT_API_KEYS) in the Authorization header, as `Authorization: Bearer KEY`."
+)
+
+
+def _invalid_api_key(headers: Mapping[str, str]) -> dict[str, Any]:
+    presented = headers.get("authorization", "").strip()
+    message = INCORRECT_API_KEY if presented else MISSING_API_KEY
+    return error_body(message, code="invalid_api_key")
 
 
 async def _deny_upgrade(send: Send, status: int, body: dict[str, Any]) -> None:

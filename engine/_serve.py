@@ -445,7 +445,12 @@ async def serve(
                     bound = (urls or [f"http://{config.host}:{config.port}"])[0]
                     if config.listen_fd is None:
                         websocket = "on" if config.websocket else "off"
-                        log.info("rollout serving on %s/v1 (WebSocket %s)", bound, websocket)
+                        log.info(
+                            "rollout serving on %s/v1 (WebSocket %s%s)",
+                            bound,
+                            websocket,
+                            KEYS_REQUIRED if config.api_keys else "",
+                        )
                     else:  # a worker: its parent says "serving on" once all are
                         log.info("worker pid %d accepting on %s", os.getpid(), bound)
                     task_status.started(bound + "/v1")
@@ -526,6 +531,10 @@ def _compaction_key(path: Path) -> bytes:
         with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(32))
     return path.read_bytes()
+
+
+# What the start-up line adds when API keys are configured: every request needs one.
+KEYS_REQUIRED = "; API key required: Authorization: Bearer KEY"
 
 
 def api_keys_from_env() -> tuple[str, ...]:

@@ -62,7 +62,7 @@ import trio
 
 from ._logging import LogFormat, configure_logging
 from ._metrics import forget_worker
-from ._serve import ServerConfig, _open_durable, bind_error, serve
+from ._serve import KEYS_REQUIRED, ServerConfig, _open_durable, bind_error, serve
 
 __all__ = [
     "DEFAULT_WORKERS",
@@ -241,10 +241,11 @@ class _Supervisor:
                 if len(self._ready) == self._workers and not self._announced:
                     self._announced = True
                     log.info(
-                        "rollout serving on %s with %d workers (WebSocket %s)",
+                        "rollout serving on %s with %d workers (WebSocket %s%s)",
                         self._url,
                         self._workers,
                         "on" if self._config.websocket else "off",
+                        KEYS_REQUIRED if self._config.api_keys else "",
                     )
 
         async def stop_on_request() -> None:

@@ -83,6 +83,45 @@ def test_bad_port(tmp_path: Path, port: str) -> None:
     assert not (tmp_path / "rollout-data").exists()
 
 
+def test_an_empty_api_key_is_refused(tmp_path: Path) -> None:
+    """`--api-key ""` would turn authentication on with a key no client can send: refused, one
+    line, before anything starts."""
+    done = run("serve", "--api-key", "", "--port", "0", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr == (
+        "rollout serve: --api-key: an empty key would refuse every request without one and "
+        "admit none; give a key, or leave --api-key out to serve without authentication.\n"
+    )
+    assert not (tmp_path / "rollout-data").exists()
+
+
+async def test_the_start_up_line_says_when_keys_are_required(tmp_path: Path) -> None:
+    port = free_port()
+    command = [*ROLLOUT, "serve", "--port", str(port), "--data-dir", str(tmp_path / "data")]
+    command += ["--api-key", "sk-one"]
+    err: list[str] = []
+    ready = trio.Event()
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+    try:
+        with trio.fail_after(DEADLINE):
+            async with trio.open_nursery() as nursery:
+                assert process.stderr is not None
+                nursery.start_soon(_collect, process.stderr, err, ready)
+                await ready.wait()
+                process.send_signal(signal.SIGTERM)
+                await process.wait()
+    finally:
+        await _reap(process)
+    serving = [line for line in err if "serving on" in line]
+    assert serving[0].endswith(
+        f"rollout serving on http://127.0.0.1:{port}/v1 (WebSocket on; API key required: "
+        "Authorization: Bearer KEY)"
+    )
+
+
 def test_unknown_host(tmp_path: Path) -> None:
     done = run("serve", "--host", "no-such-host.invalid", "--port", "0", cwd=tmp_path)
     assert done.returncode == 1

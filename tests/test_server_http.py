@@ -14,6 +14,7 @@ import httpx
 import pytest
 import trio
 import trio_websocket
+from rollout.engine._app import INCORRECT_API_KEY, MISSING_API_KEY
 from rollout.engine._defaults import SIM_ALIASES
 from rollout.engine._llama import llama_available
 
@@ -243,6 +244,9 @@ async def test_auth(tmp_path: Path) -> None:
             for headers in ({}, bearer("wrong"), {"authorization": f"Basic {KEY_A}"}):
                 resp = await http.post("/responses", json=body, headers=headers)
                 assert_openai_error(resp, 401, "invalid_api_key")
+                # Each refusal says what to send: no key at all, or a key the server lacks.
+                said = MISSING_API_KEY if not headers else INCORRECT_API_KEY
+                assert resp.json()["error"]["message"] == said
                 assert_openai_error(
                     await http.get("/models", headers=headers), 401, "invalid_api_key"
                 )
@@ -267,6 +271,7 @@ async def test_auth(tmp_path: Path) -> None:
                     "invalid_request_error",
                     "invalid_api_key",
                 )
+                assert error["message"] == (MISSING_API_KEY if key is None else INCORRECT_API_KEY)
 
             # Stored responses belong to the key that created them.
             resp = await http.post("/responses", json=body, headers=bearer(KEY_A))
