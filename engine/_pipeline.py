@@ -172,7 +172,7 @@ class Prepared:
 
     state: ResponseState  # the conversation with the new input committed (response: parent's)
     flags: tuple[Flag, ...]
-    cached_tokens: int  # context tokens reused from the parent without rendering
+    cached_tokens: int  # context tokens not rendered for this request (see `prepare`)
 
 
 class Pipeline:
@@ -496,7 +496,7 @@ class Pipeline:
             prerendered=prerendered,
         )
         switched: tuple[Flag, ...] = ()
-        reused_items = 0 if own_root else root.item_tokens
+        reused_items = root.item_tokens
         if root.n_items and root.lineage.render_version != self.render_version_for(route):
             root, switched = self.rerender(root, route, timings)
             reused_items = 0
@@ -524,10 +524,10 @@ class Pipeline:
                 param="input",
             )
         prefix_reused = parent is not None and prefix is parent.prefix
-        # Context reused from the conversation this request continues: a render cache hit
-        # saves the rendering but is no continuation (usage reports what it would without it),
-        # nor is a conversation rendered again for another model.
-        reused = reused_items + (len(prefix.tokens) if prefix_reused else 0)
+        # Context not rendered for this request, whoever kept it (the parent, the render
+        # cache, a compaction window); a conversation rendered again for another model is not.
+        kept = prefix_reused or (known_prefix is not None and prefix is known_prefix)
+        reused = reused_items + (len(prefix.tokens) if kept else 0)
         state = self.commit(
             root,
             staged,

@@ -141,10 +141,11 @@ class Prepared:
 
     state: ResponseState
     flags: tuple[Flag, ...]
-    cached_tokens: int  # context tokens reused from the parent without rendering
+    # Context tokens not rendered for this request: kept by this connection's cache, the
+    # render cache or the stored renderings (`Pipeline.prepare`, `Session.resolve`).
+    cached_tokens: int
     parent: ResponseState | None
     parent_stored: bool  # the conversation so far is in the store (a stored child links to it)
-    hydrated: bool  # the parent was rebuilt from the store (nothing was reused)
     generate: bool  # False: a warm-up (generate: false), pre-inference only
     compact_threshold: int | None
 
@@ -493,7 +494,7 @@ class _Run:
         """Automatic compaction (`context_management`): past the threshold the conversation
         continues from the compacted window, whose item is the response's first output."""
         prepared = self.prepared
-        cached = 0 if prepared.hydrated else prepared.cached_tokens
+        cached = prepared.cached_tokens
         threshold = prepared.compact_threshold
         if threshold is None or state.context_tokens <= threshold:
             return state, cached

@@ -112,17 +112,19 @@ class Session:
     # --- parents ---
     async def resolve(
         self, response_id: str, timings: dict[str, float], *, lane: str | None = None
-    ) -> ResponseState:
+    ) -> tuple[ResponseState, int]:
         """The state a `previous_response_id` names: this connection's cache, else the store
         (for this owner), whose answer the render cache may then spare re-rendering; a state
-        found that way joins the cache on `lane`, the lane that asked for it."""
+        found that way joins the cache on `lane`, the lane that asked for it. With it, the
+        context tokens rendered to rebuild it (none when a cache or the stored renderings
+        had it)."""
         engine = self.engine
         counters = engine.counters
         with engine.timer.measure("resolve", timings):
             state = self.cache.get(response_id)
             if state is not None:
                 counters.cache_hits += 1
-                return state
+                return state, 0
             counters.cache_misses += 1
         with engine.timer.measure("store", timings):
             # The response itself confirms the id for this owner; its ancestors are read
@@ -131,6 +133,7 @@ class Session:
             if stored is None:
                 raise previous_response_not_found(response_id)
         state = engine.render_cache.by_response(self.owner, response_id)
+        rendered = 0
         if state is None:
             chain = [stored]
             if not stored.is_root and stored.parent_id is not None:
@@ -139,14 +142,17 @@ class Session:
                         chain += await engine.stored_chain(stored.parent_id, owner=self.owner)
                     except LookupError:
                         raise previous_response_not_found(response_id) from None
-            state = self._hydrate(chain, timings)
+            state, rendered = self._hydrate(chain, timings)
         self.cache.put(state, lane=lane)
-        return state
+        return state, rendered
 
-    def _hydrate(self, chain: list[StoredResponse], timings: dict[str, float]) -> ResponseState:
+    def _hydrate(
+        self, chain: list[StoredResponse], timings: dict[str, float]
+    ) -> tuple[ResponseState, int]:
         """Rebuild a state from stored responses (newest first): from their stored renderings
         when they all have one of this renderer (nothing rendered), else what the render cache
-        holds of the conversation is reused and the rest rendered and classified."""
+        holds of the conversation is reused and the rest rendered and classified. Returns the
+        state and the context tokens rendered for it."""
         engine = self.engine
         engine.counters.hydrations += 1
         target = chain[0]
@@ -156,7 +162,7 @@ class Session:
             state = restore_segments(pipeline, engine.empty_state(), chain, route)
         if state is not None:
             engine.render_cache.put(self.owner, state)
-            return state
+            return state, 0
         items: list[Item] = []
         for stored in reversed(chain):
             items.extend(stored.items)
@@ -181,7 +187,7 @@ class Session:
             root, staged, prefix=prefix, route=route, first_new_item=own, response=target.response
         )
         engine.render_cache.put(self.owner, state)
-        return state
+        return state, staged.n_tokens + (0 if prefix is known else len(prefix.tokens))
 
     def _cached_prefix(
         self,
@@ -281,7 +287,7 @@ class Session:
         timings: dict[str, float] = {}
         parent = None
         if request.previous_response_id is not None:
-            parent = await self.resolve(request.previous_response_id, timings)
+            parent, _ = await self.resolve(request.previous_response_id, timings)
         route = self._route(request, parent, timings)
         resolved = await self._resolve_inputs(request, parent, route)
         prepared = await self._prepare_input(request, parent, resolved, timings, False, route)
@@ -429,14 +435,13 @@ class Session:
         self.last_timings = timings
         parent: ResponseState | None = None
         generate = _generates(request)
-        hydrated = False
+        rebuilt = 0  # context tokens rendered to rebuild the parent
         parent_id = request.previous_response_id
         if steers is None:
             steers = tuple(self.parked.take(parent_id)) if parent_id is not None else ()
         try:
             if parent_id is not None:
-                hydrated = parent_id not in self.cache
-                parent = await self.resolve(parent_id, timings, lane=request.stream_id)
+                parent, rebuilt = await self.resolve(parent_id, timings, lane=request.stream_id)
             threshold = _compact_threshold(request)
             route = self._route(request, parent, timings)
             resolved = await self._resolve_inputs(request, parent, route)
@@ -467,10 +472,9 @@ class Session:
         return Prepared(
             state=prepared.state,
             flags=prepared.flags,
-            cached_tokens=prepared.cached_tokens,
+            cached_tokens=max(0, prepared.cached_tokens - rebuilt),
             parent=parent,
             parent_stored=resolved.base.stored,
-            hydrated=hydrated,
             generate=generate,
             compact_threshold=threshold,
         )

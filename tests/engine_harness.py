@@ -114,6 +114,14 @@ class Run:
             totals[2] += r.usage.total_tokens
         return (totals[0], totals[1], totals[2])
 
+    def cached(self) -> int:
+        """Cached input tokens over the run's responses: context not rendered for them."""
+        total = 0
+        for r in self.responses:
+            assert r.usage is not None
+            total += r.usage.input_tokens_details.cached_tokens
+        return total
+
 
 def strip_ids(item: p.Item) -> dict[str, Any]:
     wire = p.to_wire(item)

@@ -99,6 +99,12 @@ async def check_three_modes(script: Script) -> set[str]:
     # Same usage totals (input, output, total).
     assert uncached.usage() == stateless.usage() == bare.usage() == chain.usage()
     assert chain.usage() == rollout.usage() == injected.usage()
+    # Cached tokens are context not rendered for a request: every way that keeps what it
+    # rendered (the connection's cache, the coroutine, the render cache) reports the same, and
+    # the baseline, which renders every prefix again, none.
+    assert stateless.cached() == bare.cached() == chain.cached()
+    assert chain.cached() == rollout.cached() == injected.cached()
+    assert uncached.cached() == 0
 
     # Work counters: every way but the uncached baseline renders and classifies each context
     # token exactly once (the stateless ones through the render cache); the baseline renders

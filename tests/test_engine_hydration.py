@@ -11,10 +11,11 @@ scripts, for every response of a store=true chain, on both stores:
 - the counters show one hydration, one cache miss and one store read per stored response of
   the chain.
 
-Cached tokens are context tokens reused without rendering them for this request (see
-`Prepared.cached_tokens`): a continuation of a hydrated parent rendered its whole context, so it
-reports `cached_tokens == 0`, while the same continuation on the original session reports the
-parent's whole context as cached. In both cases `cached + rendered-for-this-input == input`.
+Cached tokens are context tokens not rendered for this request (see `Prepared.cached_tokens`):
+a continuation of a parent hydrated from stored renderings, like the same continuation on the
+original session, reports the parent's whole context as cached; one whose hydration rendered the
+stored items again reports what it rendered as not cached. In every case
+`cached + rendered-for-this-input == input`.
 """
 
 from __future__ import annotations
@@ -169,7 +170,10 @@ async def check_chain_hydrates(engine: Engine, script: Script) -> None:
             w_usage.input_tokens,
             w_usage.output_tokens,
         )
-        assert cached(hydrated_cont) == 0
+        # Cached: what was not rendered for the request (the hydration's own rendering too).
+        output_tokens = hydrated_cont.context_tokens - h_usage.input_tokens
+        rendered_for_input = delta.tokens_rendered - output_tokens
+        assert cached(hydrated_cont) == h_usage.input_tokens - rendered_for_input
         assert cached(warm_cont) == original.context_tokens
 
 
@@ -244,7 +248,9 @@ async def test_hydration_counts_and_cached_tokens(store_kind: str) -> None:
     usage = first.response.usage
     assert usage is not None
     assert usage.input_tokens == tip.context_tokens + renderer_tokens
-    assert usage.input_tokens_details.cached_tokens == 0
+    cached = usage.input_tokens_details.cached_tokens
+    assert cached == (0 if store_kind.endswith("-unrendered") else tip.context_tokens)
+    assert cached + delta.tokens_rendered - output_tokens == usage.input_tokens
 
     assert second is not None
     delta2 = after_second - after_first
@@ -267,7 +273,7 @@ async def test_a_chain_through_an_unstored_response_hydrates_from_its_root() -> 
             assert not b.stored and not c.stored  # their history is not all in the store
             fresh = engine.session()
             before = engine.counters.snapshot()
-            hydrated = await fresh.resolve(c.id, {})
+            hydrated, _ = await fresh.resolve(c.id, {})
             delta = engine.counters.snapshot() - before
             with pytest.raises(p.RemoteProtocolError) as info:
                 await engine.session().resolve(a.id, {})
@@ -292,7 +298,7 @@ async def test_changed_model_and_instructions_midway_hydrate_equivalently() -> N
             )
             assert b is not None
             await engine.post.flushed()
-            hydrated = await engine.session().resolve(b.id, {})
+            hydrated, _ = await engine.session().resolve(b.id, {})
     assert hydrated.equivalent(b)
     assert hydrated.route.model == "sim:steps=3,tokens=4"
     assert hydrated.prefix.instructions == "Now be terse."
@@ -330,7 +336,7 @@ async def test_a_response_cut_off_in_a_function_call_hydrates_equivalently(
             assert cut.open_calls == ()
             await engine.post.flushed()
             fresh = engine.session()
-            hydrated = await fresh.resolve(cut.id, {})
+            hydrated, _ = await fresh.resolve(cut.id, {})
             assert hydrated.equivalent(cut)
             # Continuing needs no output for the cut-off call, however the parent is found.
             warm = await session.create(
@@ -374,7 +380,7 @@ async def test_a_stored_rollout_hydrates_equivalently(store_kind: str) -> None:
             original = session.cache.get(rollout.response.id)
             assert original is not None
             fresh = engine.session()
-            hydrated = await fresh.resolve(original.id, {})
+            hydrated, _ = await fresh.resolve(original.id, {})
             warm = await continue_from(session, SCRIPT, original)
             cold = await continue_from(fresh, SCRIPT, hydrated)
     assert any(isinstance(i, p.FunctionCallOutput) for i in original.items)
@@ -389,7 +395,7 @@ async def test_hydration_is_owner_scoped() -> None:
             a = await alice.create(SCRIPT.create(input="mine", store=True))
             assert a is not None
             await engine.post.flushed()
-            hydrated = await engine.session(owner="alice").resolve(a.id, {})
+            hydrated, _ = await engine.session(owner="alice").resolve(a.id, {})
             with pytest.raises(p.RemoteProtocolError) as bob:
                 await engine.session(owner="bob").resolve(a.id, {})
             with pytest.raises(p.RemoteProtocolError) as anonymous:
@@ -405,5 +411,5 @@ async def test_a_store_write_still_queued_is_read_back() -> None:
         async with open_engine(store=MemoryResponseStore()) as engine:
             a = await engine.session().create(SCRIPT.create(input="now", store=True))
             assert a is not None
-            hydrated = await engine.session().resolve(a.id, {})
+            hydrated, _ = await engine.session().resolve(a.id, {})
     assert hydrated.equivalent(a)

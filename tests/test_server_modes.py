@@ -11,6 +11,10 @@ position. It runs
 
 and the model's output items are identical modulo `id`/`call_id`, the usage totals are equal,
 and the server's work counters show that only the stateless mode re-renders the history.
+
+Cached tokens are the context a request did not render: for one conversation, the same in every
+mode that keeps what it rendered, whatever the transport (a `previous_response_id` chain over
+WebSocket or over HTTP, stateless HTTP through the render cache), each on a fresh server.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ def common(**fields: Any) -> dict[str, Any]:
         "store": False,
         **fields,
     }
+
+
+def cached_of(response: dict[str, Any]) -> int:
+    return int(response["usage"]["input_tokens_details"]["cached_tokens"])
 
 
 def usage_totals(responses: list[dict[str, Any]]) -> tuple[int, int, int]:
@@ -109,6 +117,30 @@ async def run_chain(client: WsClient) -> list[dict[str, Any]]:
         assert events[-1].type == "response.completed", client.raw[-1]
         assert [e.sequence_number for e in events] == list(range(len(events)))
         response = client.raw[-1]["response"]
+        responses.append(response)
+        previous = response["id"]
+        new = []
+        for call in calls_of(response["output"]):
+            new.append(tool_output(call, n))
+            n += 1
+        if not new:
+            return responses
+    raise AssertionError("the chain did not end")
+
+
+async def run_http_chain(http: httpx.AsyncClient) -> list[dict[str, Any]]:
+    """The chain over HTTP: each request names its stored parent and sends only new items."""
+    responses: list[dict[str, Any]] = []
+    new: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": USER}]
+    previous: str | None = None
+    n = 0
+    for _ in range(MAX_TURNS):
+        fields = common(input=new, store=True)
+        if previous is not None:
+            fields["previous_response_id"] = previous
+        resp = await http.post("/responses", json=fields)
+        assert resp.status_code == 200, resp.text
+        response = resp.json()
         responses.append(response)
         previous = response["id"]
         new = []
@@ -212,15 +244,25 @@ async def test_three_modes_produce_the_same_rollout() -> None:
         final["usage"]["total_tokens"],
     )
     assert rollout_usage == usage_totals(chain) == usage_totals(stateless)
-    assert final["usage"]["input_tokens_details"]["cached_tokens"] == sum(
-        r["usage"]["input_tokens_details"]["cached_tokens"] for r in chain
-    )
-    assert all(r["usage"]["input_tokens_details"]["cached_tokens"] == 0 for r in stateless)
 
     # --- the work behind it ---
     rollout_work = {k: c1[k] - c0[k] for k in c0}
     chain_work = {k: c2[k] - c1[k] for k in c0}
     stateless_work = {k: c3[k] - c2[k] for k in c0}
+    # Cached tokens are the input not rendered for the request: over the same inputs and
+    # outputs, what one mode reports cached more, it rendered less.
+    cached = {
+        "rollout": final["usage"]["input_tokens_details"]["cached_tokens"],
+        "chain": sum(cached_of(r) for r in chain),
+        "stateless": sum(cached_of(r) for r in stateless),
+    }
+    rendered = {
+        "rollout": rollout_work["tokens_rendered"],
+        "chain": chain_work["tokens_rendered"],
+        "stateless": stateless_work["tokens_rendered"],
+    }
+    assert len({cached[m] + rendered[m] for m in cached}) == 1, (cached, rendered)
+    assert cached["chain"] > 0
     assert rollout_work["samplings"] == chain_work["samplings"] == stateless_work["samplings"] == 3
     # Every mode renders each context token once: the rollout, first, renders instructions
     # and tools too; the chain and stateless find them in the render cache, and stateless
@@ -235,3 +277,31 @@ async def test_three_modes_produce_the_same_rollout() -> None:
     assert stateless_work["items_validated"] == 4
     assert rollout_work["responses_completed"] == 1
     assert chain_work["responses_completed"] == stateless_work["responses_completed"] == 3
+
+
+async def test_cached_tokens_are_the_same_over_every_transport() -> None:
+    """One conversation, each way on a fresh server: per response, the same input and cached
+    tokens. The first renders everything; each continuation renders only its new items, its
+    parent kept by the connection (WebSocket), the render cache (HTTP: the parent stored), or
+    the render cache again (stateless: the history resent)."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with trio.fail_after(DEADLINE):
+        async with open_test_server() as url:
+            async with open_ws(url) as client:
+                runs["ws chain"] = await run_chain(client)
+        async with open_test_server() as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
+            runs["http chain"] = await run_http_chain(http)
+        async with open_test_server() as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
+            runs["http stateless"] = await run_stateless(http)
+
+    counts = {
+        mode: [(r["usage"]["input_tokens"], cached_of(r)) for r in responses]
+        for mode, responses in runs.items()
+    }
+    assert counts["ws chain"] == counts["http chain"] == counts["http stateless"], counts
+    first, *later = counts["ws chain"]
+    assert first[1] == 0 and later
+    # A continuation's cached tokens are its parent's whole context: more than the parent's
+    # input (its output too), less than its own (its new items).
+    for before, after in zip(counts["ws chain"], later, strict=False):
+        assert before[0] < after[1] < after[0]
