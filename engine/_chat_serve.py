@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 from rollout.protocol import (
+    RESPONSE_END_TYPES,
     FunctionCall,
     FunctionCallOutput,
     FunctionTool,
@@ -30,8 +31,6 @@ from rollout.protocol import (
 from ._chat import dumps_json, tool_name
 
 __all__ = ["ChatCompletionEmitter", "request_from_chat"]
-
-_TERMINALS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> RemoteProtocolError:
@@ -287,7 +286,7 @@ class ChatCompletionEmitter:
             await self._out(
                 {"tool_calls": [{"index": last["index"], "function": {"arguments": delta}}]}
             )
-        elif kind in _TERMINALS and (response := response_of(event)) is not None:
+        elif kind in RESPONSE_END_TYPES and (response := response_of(event)) is not None:
             if response.usage is not None:
                 self.usage = {
                     "prompt_tokens": response.usage.input_tokens,

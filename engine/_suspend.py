@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 from rollout.protocol import (
+    TERMINAL_EVENT_TYPES,
     Item,
     RemoteProtocolError,
     Response,
@@ -44,8 +45,6 @@ __all__ = ["DEFAULT_MAX_QUEUED_INJECTS", "Rollout"]
 # it samples; it takes them when it waits): the Agents SDK sends one per pending call, and a
 # turn's parallel calls are a handful. Each is bounded by the message size.
 DEFAULT_MAX_QUEUED_INJECTS = 32
-
-_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed", "error"})
 
 
 class Rollout:
@@ -117,7 +116,7 @@ class Rollout:
             elif event.type == "response.done" and self._snapshot is not None:
                 self.response = self._snapshot()
             # (A multi-agent response answers a refused inject with an error and goes on.)
-            ends = event.type in _ENDS and not (
+            ends = event.type in TERMINAL_EVENT_TYPES and not (
                 self.multi_agent and event.type == "error" and self.response is not None
             )
             if ends:

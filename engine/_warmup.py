@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+from rollout.protocol import TERMINAL_EVENT_TYPES
 
 from ._app import AppConfig, RolloutApp
 from ._asgi import Message
@@ -50,7 +51,8 @@ _TOOLS = [
         },
     }
 ]
-_TERMINAL = frozenset({"response.completed", "response.done", "response.failed", "error"})
+# Where a warm-up step's wait ends: the response's end, an error, or a suspension.
+_TERMINAL = TERMINAL_EVENT_TYPES | {"response.done"}
 
 
 class WarmUpError(Exception):

@@ -27,6 +27,7 @@ from ._connection import (
 from ._errors import ErrorBody, LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._events import (
     CLIENT_EVENT_TYPES,
+    RESPONSE_END_TYPES,
     SERVER_EVENT_TYPES,
     TERMINAL_EVENT_TYPES,
     ClientEvent,
@@ -178,6 +179,7 @@ __all__ = [
     "MAX_STREAM_ID_CHARS",
     "MULTI_AGENT_BETA",
     "OUT_OF_STREAM",
+    "RESPONSE_END_TYPES",
     "RESPONSE_ERROR_CODES",
     "ROOT_AGENT",
     "SERVER_EVENT_TYPES",

@@ -602,6 +602,8 @@ SERVER_EVENT_TYPES: dict[str, type[Any]] = {
         ErrorEvent,
     )
 }
-TERMINAL_EVENT_TYPES = frozenset(
-    {"response.completed", "response.incomplete", "response.failed", "error"}
-)
+# The events that end a response, carrying its final object (the one set: the tracker, the
+# engine and the harness use it) ...
+RESPONSE_END_TYPES = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# ... and what ends a client's wait for a response: one of them, or an `error`.
+TERMINAL_EVENT_TYPES = RESPONSE_END_TYPES | {"error"}

@@ -38,6 +38,7 @@ import enum
 from collections.abc import Mapping, Sequence
 
 from ._errors import LocalProtocolError
+from ._events import RESPONSE_END_TYPES
 
 __all__ = [
     "PLAIN_TRANSITIONS",
@@ -70,13 +71,12 @@ class Move(enum.Enum):
     STEER = "steer"  # response.steer.accepted | response.steer.pending | response.steer.failed
 
 
-_TERMINALS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _LIFECYCLE = {
     "response.queued": Move.QUEUED,
     "response.created": Move.CREATED,
     "response.in_progress": Move.IN_PROGRESS,
     "response.done": Move.DONE,
-    **dict.fromkeys(_TERMINALS, Move.TERMINAL),
+    **dict.fromkeys(RESPONSE_END_TYPES, Move.TERMINAL),
 }
 
 _STEERS = frozenset({"response.steer.accepted", "response.steer.pending", "response.steer.failed"})

@@ -55,7 +55,6 @@ LIFECYCLE = frozenset(
         "response.done",
     }
 )
-_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _TEXT_DELTAS = frozenset({"response.output_text.delta", "response.refusal.delta"})
 _TEXT_DONES = frozenset({"response.output_text.done", "response.refusal.done"})
 
