@@ -2,7 +2,7 @@
 behind, an OpenAI-compatible `POST /v1/chat/completions` endpoint.
 
 - `ChatEncoder` turns a conversation's items into chat messages, incrementally: it is kept in
-  the conversation's lineage (`ItemsView.derived`), so a follow-up turn encodes only its new
+  the conversation's lineage (`SampleRequest.derived`), so a follow-up turn encodes only its new
   items; earlier messages stay encoded as JSON bytes and are only joined into the body.
 - `ChatToolset` presents the offered tools as chat-completions function tools (chat servers
   know only functions): a custom tool as a function taking `{"input": "..."}` (its grammar, if

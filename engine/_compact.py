@@ -45,20 +45,24 @@ import msgpack
 from rollout.protocol import (
     ApplyPatchCall,
     Compaction,
+    ContentPart,
     CustomToolCall,
     CustomToolCallOutput,
     FunctionCall,
     FunctionCallOutput,
+    InputText,
     Item,
     LocalShellCallOutput,
     Message,
     OutputText,
     Reasoning,
+    Refusal,
     RemoteProtocolError,
     ShellCallOutput,
     call_of,
     from_wire,
     output_of,
+    status_of,
     to_wire,
 )
 
@@ -96,10 +100,17 @@ def _stub_text(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + " [...]"
 
 
-def _text(content: Any) -> str:
+def _text(content: str | list[ContentPart]) -> str:
     if isinstance(content, str):
         return content
-    return "".join(getattr(p, "text", "") or getattr(p, "refusal", "") for p in content)
+    return "".join(
+        p.refusal
+        if isinstance(p, Refusal)
+        else p.text
+        if isinstance(p, InputText | OutputText)
+        else ""
+        for p in content
+    )
 
 
 def _stub(item: Item, limit: int) -> Item:
@@ -316,7 +327,7 @@ def compact_state(
         call = call_of(item)
         answer = output_of(item) if call is None else None
         if call is not None:
-            if getattr(item, "status", None) != "incomplete":
+            if status_of(item) != "incomplete":
                 # A call cut off by max_output_tokens waits for no output (as in
                 # `_validate.py`): a chain from the window accepts what the chain did.
                 open_calls[call[0]] = call[2]

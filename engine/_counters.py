@@ -119,6 +119,7 @@ class Counters:
     def __sub__(self, other: Counters) -> Counters:
         return Counters(
             **{
+                # every counter, by its attrs field (the class is all counters)
                 f.name: getattr(self, f.name) - getattr(other, f.name)
                 for f in attrs.fields(Counters)
             }

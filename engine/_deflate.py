@@ -82,6 +82,7 @@ def decline_deflate_offers() -> None:
     from hypercorn.protocol.ws_stream import WSStream
 
     original = WSStream.handle
+    # our mark on the function we patched
     if getattr(original, "_rollout_patched", False):
         return
     if "headers" not in {field.name for field in dataclasses.fields(Request)}:
@@ -91,6 +92,7 @@ def decline_deflate_offers() -> None:
         )
 
     async def handle(self: WSStream, event: Any) -> None:
+        # our setting on hypercorn's Config (a plain Config lacks it)
         if isinstance(event, Request) and not getattr(self.config, "websocket_deflate", True):
             event = dataclasses.replace(event, headers=without_deflate_offers(event.headers))
         await original(self, event)

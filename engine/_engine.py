@@ -372,7 +372,7 @@ class Engine:
         for stored in self.post.pending_items():
             if stored.owner == owner:
                 for item in stored.items:
-                    if getattr(item, "id", None) == item_id:
+                    if item.id == item_id:
                         return item
         if not isinstance(self.store, ItemLookupStore):
             return None

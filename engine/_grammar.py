@@ -312,6 +312,7 @@ def _precheck(builder: GrammarBuilder) -> None:
         if node.data == "maybe":
             return min(kids[0] + 1, cap)
         if node.data == "template_usage":
+            # lark gives the template's name as a Token (a str with `.name`) or a subtree
             params, body = templates.get(getattr(node.children[0], "name", ""), ((), None))
             if body is not None and env is not None:
                 raise GrammarError("templates used inside templates are not supported")

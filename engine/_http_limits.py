@@ -239,6 +239,7 @@ class _AcceptErrorFilter(logging.Filter):
             return False
         self._last = now
         exc = record.exc_info[1] if record.exc_info else None
+        # any exception: an OSError's errno
         reason = errno.errorcode.get(getattr(exc, "errno", 0) or 0, "an error")
         record.msg = (
             "cannot accept connections (%s: out of descriptors or memory); retrying, "
@@ -278,6 +279,7 @@ async def _refuse(stream: Any, stats: TransportStats) -> None:
     """Answer 503 and close: the request is read (and dropped) for up to `REFUSAL_LINGER`
     seconds after the answer so the close is not a reset; past `MAX_REFUSING` lingering
     refusals, the connection is reset at once."""
+    # hypercorn's private internals, typed by neither it nor us
     sock = getattr(stream, "socket", None)
     if stats.refusing >= MAX_REFUSING:
         if sock is not None:
@@ -365,6 +367,7 @@ def _bounded_h11_protocol(base: type[Any]) -> type[Any]:
     class BoundedH11Protocol(base):  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            # our setting on hypercorn's Config (a plain Config lacks it)
             limits: TransportLimits | None = getattr(self.config, "transport", None)
             self._limits = limits
             self._refused = False
@@ -398,6 +401,7 @@ def _bounded_h11_protocol(base: type[Any]) -> type[Any]:
             if self._limits is None:
                 await super()._send_error_response(status_code)
                 return
+            # ours, on the bounded h11 connection
             detail = getattr(self.connection, "refusal_detail", "") or "malformed"
             payload = _error_payload(status_code, detail, self._limits.max_header_bytes)
             headers = [
@@ -423,6 +427,7 @@ def _bounded_h2_protocol(base: type[Any]) -> type[Any]:
 
     class BoundedH2Protocol(base):  # type: ignore[misc]
         async def handle(self, event: Any) -> None:
+            # our setting on hypercorn's Config (a plain Config lacks it)
             if isinstance(event, Closed) and getattr(self.config, "transport", None) is not None:
                 for buffer in list(self.stream_buffers.values()):
                     await buffer.close()  # (wakes a writer waiting on it; refuses more)
@@ -454,6 +459,7 @@ def bound_transport() -> None:
     from hypercorn.protocol.h11 import H2ProtocolAssumedError
     from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
+    # getattr by name: hypercorn's modules are untyped (and our mark on the patched class)
     if getattr(getattr(run_module, "TCPServer"), "_rollout_bounded", False):  # noqa: B009
         return
     logging.getLogger("trio.serve_listeners").addFilter(_accept_filter)
@@ -464,6 +470,7 @@ def bound_transport() -> None:
 
     async def wrapper_handle(self: Any, event: Any) -> None:
         protocol = self.protocol
+        # hypercorn's private internals, typed by neither it nor us
         limits = getattr(protocol, "_limits", None)
         if limits is None or limits.http2:
             await original_handle(self, event)
@@ -483,6 +490,7 @@ def bound_transport() -> None:
         """hypercorn's TCP server, counted against the cap; past it, refused (503)."""
 
         async def run(self) -> None:
+            # our setting on hypercorn's Config (a plain Config lacks it)
             stats: TransportStats | None = getattr(self.config, "transport_stats", None)
             limits: TransportLimits | None = getattr(self.config, "transport", None)
             if stats is None or limits is None:
@@ -505,6 +513,7 @@ def bound_transport() -> None:
             progress and failed with `trio.BusyResourceError` in the app. Under the lock it
             waits for the EOF, then finds the stream broken (hypercorn's `Closed`). With a
             write in progress (a peer that does not read), no EOF: the close ends the write."""
+            # our setting on hypercorn's Config (a plain Config lacks it)
             if getattr(self.config, "transport", None) is None:
                 await super()._close()
                 return
@@ -529,6 +538,7 @@ def bound_transport() -> None:
             (~3 ms), so other clients are served between pieces. The pieces are cut from
             what was read, not read one by one: the read in progress as the handshake is
             accepted (which happens in the app's task) is a whole one."""
+            # our setting on hypercorn's Config (a plain Config lacks it)
             if getattr(self.config, "transport", None) is None:
                 await super()._read_data()
                 return
@@ -552,6 +562,7 @@ def bound_transport() -> None:
             """`data` to the protocol: whole, or in paced pieces once deflate is on."""
             start = 0
             while start < len(data):
+                # ours, set on connections that negotiated deflate
                 inflater = getattr(self, "rollout_inflater", None)
                 if inflater is None or not inflater.enabled():
                     await self.protocol.handle(RawData(data[start:] if start else data))
@@ -561,6 +572,7 @@ def bound_transport() -> None:
                 start += INFLATE_READ
 
         async def _idle_timeout(self) -> None:
+            # our setting on hypercorn's Config (a plain Config lacks it)
             stats: TransportStats | None = getattr(self.config, "transport_stats", None)
             with trio.move_on_after(self.config.keep_alive_timeout):
                 await self.context.terminated.wait()
@@ -581,6 +593,7 @@ LARGE_READ = 1 << 20
 def _idle_phase(server: Any) -> str:
     """`headers` when part of a request had arrived when the idle clock ran out, else
     `keep_alive`."""
+    # hypercorn's private internals, typed by neither it nor us
     protocol = getattr(getattr(server, "protocol", None), "protocol", None)
     connection = getattr(protocol, "connection", None)
     pending = getattr(connection, "trailing_data", (b"", False))[0]

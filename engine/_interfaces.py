@@ -215,6 +215,10 @@ class SampleRequest:
     # Reports a backend's own stage, in seconds, to the engine's stage timer (an upstream's
     # `upstream_encode` and `upstream_send`: `_counters.STAGES`).
     observe: Callable[[str, float], None] | None = None
+    # What a backend derives from the conversation and keeps for its next turn, by the
+    # backend's own key (an upstream's encoded chat messages): the lineage's, shared by every
+    # state of the conversation (None: nothing is kept, the backend derives it each turn).
+    derived: dict[str, Any] | None = None
 
     def context(self) -> array[int]:
         """The rendered context as one array (a copy, at memory speed)."""

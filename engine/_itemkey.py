@@ -36,6 +36,7 @@ from rollout.protocol import (
     OutputText,
     call_of,
     output_of,
+    status_of,
     to_wire,
 )
 
@@ -101,7 +102,7 @@ def item_key(item: Item) -> tuple[bytes, int]:
         answer = output_of(item)
         if answer is not None and answer[0] is not None:
             wire["\0answers"] = answer[0]  # a local shell output names its call in `id`
-        if call_of(item) is not None and getattr(item, "status", None) == "incomplete":
+        if call_of(item) is not None and status_of(item) == "incomplete":
             wire["\0incomplete"] = True
         field(canonical_json(wire))
     return h.digest()[:KEY_BYTES], size

@@ -66,7 +66,7 @@ def configure_logging(level: str, fmt: LogFormat = "text") -> None:
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    numeric = getattr(logging, level.upper(), logging.INFO)
+    numeric = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     root.setLevel(numeric)
     logging.getLogger(HTTP_LOGGER).setLevel(max(numeric, logging.WARNING))
     logging.captureWarnings(True)

@@ -87,7 +87,7 @@ class MemoryResponseStore(MemoryResource):
         for stored in self._responses.values():
             if stored.owner == owner:
                 for item in stored.items:
-                    if getattr(item, "id", None) == item_id:
+                    if item.id == item_id:
                         return item
         return None
 

@@ -215,6 +215,7 @@ class _RolloutCollector:
         models = [
             (spec.name, spec.backend)
             for spec in self._engine.registry.specs()
+            # an optional backend capability (a KV index): not in the Backend Protocol
             if isinstance(getattr(spec.backend, "kv", None), KVIndex)
         ]
         if not models:
@@ -265,6 +266,7 @@ class _RolloutCollector:
         running = [
             (name, backend, backend.runtime_stats)  # type: ignore[attr-defined]
             for name, backend in models
+            # an optional backend capability (batching statistics): not in the Protocol
             if getattr(backend, "runtime_stats", None) is not None
         ]
         if not running:

@@ -74,6 +74,7 @@ def text_chars(value: Any, cap: int) -> int:
             stack.extend(node.keys())
             stack.extend(node.values())
         elif attrs.has(type(node)):
+            # any attrs class of the wire types, field by field (a walk over every type)
             stack.extend(getattr(node, name) for name in _field_names(type(node)))
     return total
 
@@ -108,7 +109,7 @@ _ID_PREFIX = {
 
 def _with_id(item: Item) -> Item:
     prefix = _ID_PREFIX.get(item.type)
-    if prefix is None or getattr(item, "id", None) is not None:
+    if prefix is None or item.id is not None:
         return item
     return typing.cast(Item, attrs.evolve(typing.cast(Any, item), id=new_id(prefix)))
 

@@ -30,6 +30,7 @@ from rollout.protocol import (
     SummaryText,
     Usage,
     call_of,
+    status_of,
 )
 
 from ._errors import BackendError
@@ -271,7 +272,7 @@ def extend_state(
     )
     for item in outputs:
         call = call_of(item)
-        if call is not None and getattr(item, "status", None) == "completed":
+        if call is not None and status_of(item) == "completed":
             staged.open_calls[call[0]] = call[2]
     return pipeline.commit(state, staged)
 
@@ -338,4 +339,5 @@ def _sample_request(
         owner=owner,
         holders=holders,
         observe=observe,
+        derived=state.lineage.derived,
     )

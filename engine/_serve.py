@@ -207,7 +207,7 @@ def answer_peer_protocol_errors() -> None:
     from wsproto.events import CloseConnection
 
     original = Connection.events
-    if getattr(original, "_rollout_patched", False):
+    if getattr(original, "_rollout_patched", False):  # our mark on wsproto's function
         return
 
     def events(self: Connection) -> Any:

@@ -58,7 +58,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import trio
-from rollout.protocol import CustomTool, FunctionTool, RemoteProtocolError
+from rollout.protocol import CustomTool, FunctionTool, NamespaceTool, RemoteProtocolError
 
 from ._errors import BackendError
 from ._grammar import GrammarError, check_grammar, grammar_instance
@@ -287,9 +287,12 @@ class SimBackend:
 def _uses_grammars(tools: Any) -> bool:
     """Does any offered custom tool (also inside a namespace) carry a grammar?"""
     for tool in tools:
-        for member in getattr(tool, "tools", None) or [tool]:
-            fmt = getattr(member, "format", None)
-            if isinstance(member, CustomTool) and fmt is not None and fmt.type == "grammar":
+        for member in tool.tools if isinstance(tool, NamespaceTool) else [tool]:
+            if (
+                isinstance(member, CustomTool)
+                and member.format is not None
+                and member.format.type == "grammar"
+            ):
                 return True
     return False
 

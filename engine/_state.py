@@ -27,7 +27,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 import attrs
-from rollout.protocol import CallKind, Item, Message, OpaqueItem, Response, Tool, call_of
+from rollout.protocol import (
+    CallKind,
+    InputFile,
+    InputImage,
+    Item,
+    Message,
+    OpaqueItem,
+    Response,
+    Tool,
+    call_of,
+    parts_of,
+)
 
 from ._interfaces import Backend, Renderer
 from ._itemkey import ROOT_KEY, chain_key, item_key
@@ -52,6 +63,8 @@ _EMPTY_DIGEST = hashlib.blake2b(b"rollout-context", digest_size=16).digest()
 def render_version(renderer: Renderer) -> str:
     """What rendered tokens depend on: the chat template and the tokenizer (two renderers of
     one version render alike). Computed once per renderer (`ModelSpec`, `Pipeline`)."""
+    # A renderer may name its tokenizer (`tokenizer.name`); the Protocol leaves it optional,
+    # so a renderer of the embedder's own needs none.
     tokenizer = getattr(renderer, "tokenizer", None)
     return f"{renderer.template_id}/{getattr(tokenizer, 'name', '?')}"
 
@@ -162,9 +175,8 @@ class Lineage:
     def append(self, item: Item, item_tokens: array[int]) -> None:
         index = len(self.items)
         self.items.append(item)
-        item_id = getattr(item, "id", None)
-        if item_id is not None:
-            self._ids.setdefault(item_id, index)
+        if item.id is not None:
+            self._ids.setdefault(item.id, index)
         self.tokens.extend(item_tokens)
         self._ends.append(len(self.tokens))
         self._digests.append(_chain(self.digest(index), digest_tokens(item_tokens)))
@@ -224,9 +236,8 @@ class Lineage:
             if call is not None:
                 new._calls[call[0]] = CallRecord(call[1], call[2], i)
         for i, item in enumerate(items):
-            item_id = getattr(item, "id", None)
-            if item_id is not None:
-                new._ids.setdefault(item_id, i)
+            if item.id is not None:
+                new._ids.setdefault(item.id, i)
         return new
 
     def snapshot(self, n_items: int) -> dict[str, Any]:
@@ -255,13 +266,12 @@ class Lineage:
 
 
 def _parts_media(item: Item) -> tuple[int, int]:
-    parts = getattr(item, "content", None)
-    if not isinstance(parts, list):
-        parts = getattr(item, "output", None)
-    if not isinstance(parts, list):
+    found = parts_of(item)
+    if found is None:
         return (0, 0)
-    images = sum(1 for part in parts if getattr(part, "type", None) == "input_image")
-    files = sum(1 for part in parts if getattr(part, "type", None) == "input_file")
+    parts = found[1]
+    images = sum(1 for part in parts if isinstance(part, InputImage))
+    files = sum(1 for part in parts if isinstance(part, InputFile))
     return (images, files)
 
 
@@ -295,16 +305,13 @@ def _media_counts(items: Sequence[Item]) -> list[tuple[int, int]]:
 
 
 class ItemsView(Sequence[Item]):
-    """A read-only view of a state's items, without copying the history. `derived` is the
-    lineage's cache of values backends derive from items (valid for the first `len(self)`
-    items at least: later entries belong to newer states of the same chain)."""
+    """A read-only view of a state's items, without copying the history."""
 
-    __slots__ = ("_items", "_n", "derived")
+    __slots__ = ("_items", "_n")
 
-    def __init__(self, items: list[Item], n: int, derived: dict[str, Any] | None = None) -> None:
+    def __init__(self, items: list[Item], n: int) -> None:
         self._items = items
         self._n = n
-        self.derived: dict[str, Any] = derived if derived is not None else {}
 
     def __len__(self) -> int:
         return self._n
@@ -388,7 +395,7 @@ class ResponseState:
 
     @property
     def items(self) -> ItemsView:
-        return ItemsView(self.lineage.items, self.n_items, self.lineage.derived)
+        return ItemsView(self.lineage.items, self.n_items)
 
     @property
     def own_items(self) -> list[Item]:

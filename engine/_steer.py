@@ -38,6 +38,7 @@ from rollout.protocol import (
     ResponseStream,
     ServerEvent,
     SteerRef,
+    parts_of,
     steer_failed,
     steer_items,
 )
@@ -267,10 +268,11 @@ def _checked(steer: ResponseSteer) -> list[Item]:
     data URLs, sizes: what the codec does not check)."""
     items = steer_items(steer.input)
     for i, item in enumerate(items):
-        content = getattr(item, "content", None)
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                check_part(part, f"input[{i}].content[{j}]")
+        found = parts_of(item)
+        if found is not None:
+            field, parts = found
+            for j, part in enumerate(parts):
+                check_part(part, f"input[{i}].{field}[{j}]")
     return items
 
 

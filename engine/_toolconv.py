@@ -525,7 +525,7 @@ class Grammar:
         `GrammarError` when llama.cpp cannot parse the grammar."""
         import llama_cpp
 
-        raw = getattr(vocab, "vocab", vocab)
+        raw = getattr(vocab, "vocab", vocab)  # llama_cpp's LlamaVocab wraps the C pointer
         if self.triggers:
             patterns = (ctypes.c_char_p * len(self.triggers))(*(p.encode() for p in self.triggers))
             no_tokens = (llama_cpp.llama_token * 1)()

@@ -253,7 +253,13 @@ def check_tools(
         return
     declared = resolve_choice(choice, tools)
     if not declared.tools:
-        named = getattr(choice, "name", None) or getattr(choice, "server_label", None)
+        named = (
+            choice.name
+            if isinstance(choice, ToolChoiceFunction | ToolChoiceCustom)
+            else (choice.name or choice.server_label)
+            if isinstance(choice, ToolChoiceMcp)
+            else None
+        )
         raise _invalid(
             f"Tool choice '{named or choice.type}' not found in 'tools' parameter.",
             "tool_choice",

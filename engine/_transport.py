@@ -78,6 +78,7 @@ class HypercornTransport:
 
     def _socket(self) -> trio.socket.SocketType | None:
         """The trio socket under the stream (through its protocol and its TCP server)."""
+        # hypercorn's private internals, typed by neither it nor us
         protocol = getattr(getattr(self._stream, "send", None), "__self__", None)
         server = getattr(getattr(protocol, "send", None), "__self__", None)
         tcp: Any = getattr(server, "stream", None)
@@ -107,6 +108,7 @@ class HypercornTransport:
         from wsproto.events import Ping
         from wsproto.utilities import LocalProtocolError
 
+        # hypercorn's private internals, typed by neither it nor us
         connection = getattr(self._stream, "connection", None)
         if connection is None or getattr(self._stream, "closed", True):
             return False
@@ -125,6 +127,7 @@ class HypercornTransport:
         WebSocket is accepted; False before)."""
         from wsproto.events import Pong
 
+        # hypercorn's private internals, typed by neither it nor us
         connection = getattr(self._stream, "connection", None)
         if connection is None:
             return False
@@ -200,6 +203,7 @@ def offer_transport() -> None:
 
     for cls in (WSStream, HTTPStream):
         original = cls.handle
+        # our mark on the function we patched
         if getattr(original, "_rollout_transport", False):
             continue
         cls.handle = _with_transport(original, Request)  # type: ignore[method-assign]

@@ -2,7 +2,7 @@
 (vLLM, SGLang, llama.cpp's server, Ollama, a hosted endpoint, or another rollout).
 
 - The conversation's chat messages are encoded once: a `ChatEncoder` lives in the lineage
-  (`SampleRequest.items.derived`), so a follow-up encodes only its new items; earlier messages
+  (`SampleRequest.derived`), so a follow-up encodes only its new items; earlier messages
   are joined into the body as bytes (the chat protocol itself forces re-sending them).
 - Streaming (server-sent events) maps back to our sample events: text deltas, tool-call
   argument deltas, finish reasons (`length` -> incomplete), and the upstream's usage.
@@ -133,7 +133,7 @@ class UpstreamBackend:
     def _encoder(self, request: SampleRequest) -> tuple[ChatEncoder, int]:
         """The conversation's encoder, its new items encoded, and its byte count before."""
         items = request.items
-        derived = getattr(items, "derived", None)
+        derived = request.derived
         n = len(items)
         encoder = derived.get(self._key) if derived is not None else None
         if encoder is None or encoder.consumed > n:

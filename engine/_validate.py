@@ -27,6 +27,8 @@ from rollout.protocol import (
     call_of,
     check_multi_agent,
     output_of,
+    parts_of,
+    status_of,
 )
 
 from ._schemas import MAX_REQUEST_SCHEMA_NODES, count_nodes
@@ -144,7 +146,7 @@ class ConversationValidator:
                 "instructions and input themselves.",
             ),
         ):
-            if getattr(request, param) is not None:
+            if getattr(request, param) is not None:  # the fields named in this table
                 raise invalid(why, code="unsupported_parameter", param=param)
         if request.background:
             raise invalid(
@@ -181,13 +183,9 @@ class ConversationValidator:
         new_calls: dict[str, str] = {}  # call_id -> kind, calls made by these items
         for k, item in enumerate(items):
             where = f"{param}[{offset + k}]"
-            parts = getattr(item, "content", None)
-            if parts is None:
-                parts = getattr(item, "output", None)
-                field = "output"
-            else:
-                field = "content"
-            if isinstance(parts, list):
+            found = parts_of(item)
+            if found is not None:
+                field, parts = found
                 for j, part in enumerate(parts):
                     check_part(part, f"{where}.{field}[{j}]")
             call = call_of(item)
@@ -197,7 +195,7 @@ class ConversationValidator:
                 if call_id in new_calls or conversation.call(call_id) is not None:
                     raise invalid(f"Duplicate tool call id '{call_id}'.", param=f"{where}.call_id")
                 new_calls[call_id] = kind
-                if getattr(item, "status", None) != "incomplete":
+                if status_of(item) != "incomplete":
                     # A call cut off by max_output_tokens was never made and waits for no
                     # output: the same rule as for the model's own output (Session._extend),
                     # so stateless input and hydration agree with the cached state.
@@ -295,7 +293,8 @@ def _data_url(
 def check_part(part: Any, where: str) -> None:
     """Images and files in content: one source each, known URL schemes, bounded inline data."""
     if isinstance(part, InputImage):
-        sources = [k for k in ("image_url", "file_id") if getattr(part, k) is not None]
+        given = {"image_url": part.image_url, "file_id": part.file_id}
+        sources = [k for k, v in given.items() if v is not None]
         if len(sources) != 1:
             raise invalid(
                 "An input_image needs exactly one of image_url or file_id.",
@@ -319,7 +318,8 @@ def check_part(part: Any, where: str) -> None:
                     param=f"{where}.image_url",
                 )
     elif isinstance(part, InputFile):
-        sources = [k for k in ("file_data", "file_id", "file_url") if getattr(part, k) is not None]
+        given = {"file_data": part.file_data, "file_id": part.file_id, "file_url": part.file_url}
+        sources = [k for k, v in given.items() if v is not None]
         if len(sources) != 1:
             raise invalid(
                 "An input_file needs exactly one of file_data, file_id or file_url.",

@@ -64,6 +64,7 @@ def write_directly() -> None:
     from hypercorn.trio.tcp_server import TCPServer
 
     original = TCPServer.protocol_send
+    # our mark on the function we patched
     if getattr(original, "_rollout_patched", False):
         return
     if list(inspect.signature(original).parameters) != ["self", "event"]:
@@ -79,6 +80,7 @@ def write_directly() -> None:
             type(event) is not RawData
             or not isinstance(stream, trio.SocketStream)  # (final: exactly a plain socket)
             or lock.locked()
+            # our setting on hypercorn's Config (a plain Config lacks it)
             or not getattr(self.config, "direct_writes", False)
             or not _settled(self.protocol.protocol)
         ):
@@ -111,6 +113,7 @@ def write_directly() -> None:
         stream = getattr(protocol, "stream", None)  # (hypercorn's, typed by neither)
         if isinstance(stream, WSStream):
             return True
+        # hypercorn's private internals, typed by neither it nor us
         connection = getattr(protocol, "connection", None)
         return isinstance(connection, h11.Connection) and connection.their_state is h11.DONE
 

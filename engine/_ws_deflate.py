@@ -208,6 +208,7 @@ class BoundedPerMessageDeflate(PerMessageDeflate):
         """Fail the connection (`reason`: its close code): the partial message hypercorn
         buffered is dropped now (it will never be delivered), and its bytes leave the budget."""
         stream = self._stream() if self._stream is not None else None
+        # hypercorn's private internals, typed by neither it nor us
         buffer = getattr(stream, "buffer", None)
         if buffer is not None:
             buffer.clear()
@@ -285,6 +286,7 @@ def _deflate_for_handshake() -> PerMessageDeflate:
     """What hypercorn's `Handshake.accept` instantiates: the bounded extension when the
     accepting stream's server has inflate limits, else wsproto's."""
     accepting = _accepting.get(None)
+    # our setting on hypercorn's Config (a plain Config lacks it)
     limits = getattr(getattr(accepting, "config", None), "websocket_inflate", None)
     if not isinstance(limits, InflateLimits):
         return PerMessageDeflate()
@@ -296,6 +298,7 @@ def _deflate_for_handshake() -> PerMessageDeflate:
     # The TCP server reads this connection in small pieces once deflate is negotiated
     # (`_http_limits.INFLATE_READ`).
     protocol = getattr(getattr(accepting, "send", None), "__self__", None)
+    # hypercorn's private internals, typed by neither it nor us
     server = getattr(getattr(protocol, "send", None), "__self__", None)
     if server is not None:
         server.rollout_inflater = extension
@@ -308,6 +311,7 @@ def bound_inflation() -> None:
     from hypercorn.protocol import ws_stream
 
     original = ws_stream.WSStream._accept
+    # our mark on the function we patched
     if getattr(original, "_rollout_inflate", False):
         return
 

@@ -58,7 +58,12 @@ from ._events import (
     ResponseQueued,
     ServerEvent,
     SseErrorEvent,
+    lane_of,
+    named_response_of,
+    pending_calls_of,
+    previous_id_of,
     response_of,
+    steer_of,
 )
 from ._items import (
     CALL_KINDS,
@@ -100,6 +105,8 @@ from ._items import (
     as_listed,
     call_of,
     output_of,
+    parts_of,
+    status_of,
 )
 from ._lanes import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
 from ._multi_agent import (
@@ -311,13 +318,20 @@ __all__ = [
     "from_wire",
     "inject_failed",
     "iter_chunks",
+    "lane_of",
     "make_converter",
     "multi_agent_enabled",
+    "named_response_of",
     "output_of",
+    "parts_of",
+    "pending_calls_of",
+    "previous_id_of",
     "response_of",
     "sequence_problem",
+    "status_of",
     "steer_failed",
     "steer_items",
+    "steer_of",
     "to_wire",
     "valid_stream_id",
 ]

@@ -35,6 +35,11 @@ from ._events import (
     ResponseInject,
     ServerEvent,
     SseErrorEvent,
+    lane_of,
+    named_response_of,
+    pending_calls_of,
+    previous_id_of,
+    steer_of,
 )
 from ._items import output_of
 from ._lanes import DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
@@ -300,16 +305,16 @@ class ClientConnection(_Connection):
         except RemoteProtocolError:
             self._broken = True
             raise
-        response = getattr(event, "response", None)
-        steer = getattr(event, "steer", None)
+        response = named_response_of(event)
+        steer = steer_of(event)
         self._follow(
             event.type,
             event.sequence_number,
-            response.id if response is not None else steer and steer.previous_response_id,
-            getattr(event, "pending_call_ids", None),
-            getattr(event, "stream_id", None),
+            response.id if response is not None else steer.previous_response_id if steer else None,
+            pending_calls_of(event),
+            lane_of(event),
             has_sequence_number=True,
-            previous_response_id=getattr(response, "previous_response_id", None),
+            previous_response_id=previous_id_of(event),
             steer_id=steer.id if steer is not None else None,
         )
         return event

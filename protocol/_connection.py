@@ -75,6 +75,10 @@ from ._events import (
     ResponseInject,
     ResponseInjectFailed,
     ServerEvent,
+    named_response_of,
+    pending_calls_of,
+    previous_id_of,
+    steer_of,
 )
 from ._lanes import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
 from ._multi_agent import MULTI_AGENT_BETA, multi_agent_enabled
@@ -553,7 +557,7 @@ class ServerConnection(_Connection):
         response grammar of its lane's response."""
         if self._broken:
             self._usable()
-        own = getattr(event, "stream_id", None)
+        own = event.stream_id
         if stream_id is None:
             stream_id = own
         elif own is not None and own != stream_id:
@@ -566,7 +570,7 @@ class ServerConnection(_Connection):
         return encode_json(event, extra={"stream_id": stream_id} if own != stream_id else None)
 
     def _advance(self, event: ServerEvent, lane: _ServerLane) -> None:
-        steer = getattr(event, "steer", None)
+        steer = steer_of(event)
         if steer is not None:  # a steering answer in the stream of the response it names
             self._guard(
                 lambda: lane.tracker.advance(
@@ -574,15 +578,15 @@ class ServerConnection(_Connection):
                 )
             )
             return
-        response = getattr(event, "response", None)
+        response = named_response_of(event)
         response_id = response.id if response is not None else None
         move = self._guard(
             lambda: lane.tracker.advance(
                 event.type,
                 event.sequence_number,
                 response_id,
-                getattr(event, "pending_call_ids", None),
-                previous_response_id=getattr(response, "previous_response_id", None),
+                pending_calls_of(event),
+                previous_response_id=previous_id_of(event),
             )
         )
         if response_id is None:  # an item, part or delta event
@@ -591,7 +595,8 @@ class ServerConnection(_Connection):
             self._in_flight[response_id] = lane
         elif move is Move.TERMINAL:
             self._in_flight.pop(response_id, None)
-            self._ended.add(response_id, lane.stream_id, getattr(response, "status", "completed"))
+            status = response.status if response is not None else "completed"
+            self._ended.add(response_id, lane.stream_id, status)
 
     def _lane_for(self, stream_id: str | None) -> _ServerLane:
         lane = self._lanes.get(stream_id)

@@ -26,8 +26,10 @@ from ._steer import (
     ResponseSteerAccepted,
     ResponseSteerFailed,
     ResponseSteerPending,
+    SteerRef,
+    SteerSubmission,
 )
-from ._tools import Tool, ToolChoice, check_tool
+from ._tools import NamespaceTool, Tool, ToolChoice, ToolChoiceAllowed, check_tool
 from ._validate import InvalidField
 
 __all__ = [
@@ -193,7 +195,7 @@ def _max_items(limit: int) -> Any:
 def _check_tools(_inst: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None:
         return
-    declared = len(value) + sum(len(getattr(tool, "tools", None) or ()) for tool in value)
+    declared = len(value) + sum(len(t.tools) for t in value if isinstance(t, NamespaceTool))
     if declared > MAX_TOOLS:
         raise _too_long("tools", MAX_TOOLS, declared)
     for i, tool in enumerate(value):
@@ -201,9 +203,8 @@ def _check_tools(_inst: Any, _attribute: attrs.Attribute[Any], value: Any) -> No
 
 
 def _check_tool_choice(_inst: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
-    entries = getattr(value, "tools", None)
-    if isinstance(entries, list) and len(entries) > MAX_TOOLS:
-        raise _too_long("tool_choice.tools", MAX_TOOLS, len(entries))
+    if isinstance(value, ToolChoiceAllowed) and len(value.tools) > MAX_TOOLS:
+        raise _too_long("tool_choice.tools", MAX_TOOLS, len(value.tools))
 
 
 # --- client events ---------------------------------------------------------------------------
@@ -566,6 +567,35 @@ def response_of(event: ServerEvent) -> Response | None:
     if isinstance(event, _RESPONSE_EVENTS) and isinstance(event.response, Response):
         return event.response
     return None
+
+
+# Typed accessors: what the connection objects' trackers read off any server event.
+def named_response_of(event: ServerEvent | SseErrorEvent) -> Response | ResponseRef | None:
+    """The response a lifecycle event carries or, for a rollout's suspension, names."""
+    return event.response if isinstance(event, _RESPONSE_EVENTS) else None
+
+
+def previous_id_of(event: ServerEvent | SseErrorEvent) -> str | None:
+    """The `previous_response_id` of the response a lifecycle event carries."""
+    response = named_response_of(event)
+    return response.previous_response_id if isinstance(response, Response) else None
+
+
+def pending_calls_of(event: ServerEvent | SseErrorEvent) -> list[str] | None:
+    """The calls a suspension (`response.done`) waits for; None for any other event."""
+    return event.pending_call_ids if isinstance(event, ResponseDone) else None
+
+
+def steer_of(event: ServerEvent | SseErrorEvent) -> SteerRef | SteerSubmission | None:
+    """The steer a steering answer names (its id, the response it steers)."""
+    if isinstance(event, ResponseSteerAccepted | ResponseSteerPending | ResponseSteerFailed):
+        return event.steer
+    return None
+
+
+def lane_of(event: ServerEvent | SseErrorEvent) -> str | None:
+    """The lane (`stream_id`) an event names; None on the default lane and over SSE."""
+    return None if isinstance(event, SseErrorEvent) else event.stream_id
 
 
 # The WebSocket union; the SSE `error` shape shares the tag and is decoded separately.

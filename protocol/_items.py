@@ -530,11 +530,26 @@ def as_listed(item: Item) -> Item:
             else InputText(text=item.content)
         )
         item = attrs.evolve(item, content=[part])
-    if isinstance(item, OpaqueItem) or getattr(item, "status", "") is not None:
+    if isinstance(item, ItemReference | Compaction | OpaqueItem) or item.status is not None:
         return item
-    if "status" in attrs.fields_dict(type(item)):
-        return typing.cast(Item, attrs.evolve(typing.cast(Any, item), status="completed"))
-    return item
+    return typing.cast(Item, attrs.evolve(typing.cast(Any, item), status="completed"))
+
+
+def status_of(item: Item) -> str | None:
+    """An item's `status`: None when none was given, or its type has none (an item reference,
+    a compaction)."""
+    return None if isinstance(item, ItemReference | Compaction) else item.status
+
+
+def parts_of(item: Item) -> tuple[str, list[ContentPart]] | None:
+    """The content parts an item carries and the field that holds them: a message's
+    `content`, a function or custom tool output's `output`; None when that is a string, or the
+    item carries none."""
+    if isinstance(item, Message):
+        return ("content", item.content) if isinstance(item.content, list) else None
+    if isinstance(item, FunctionCallOutput | CustomToolCallOutput):
+        return ("output", item.output) if isinstance(item.output, list) else None
+    return None
 
 
 def call_of(item: Any) -> tuple[str, CallKind, str] | None:

@@ -143,11 +143,22 @@ async def test_stateless_turns_render_only_their_new_items(fresh_sessions: bool)
     assert [w.items_validated for w in work[1:]] == [
         len(answers(s, 0)) for s in states[:-1]
     ]  # the new tool outputs only
-    # The same responses as without the cache, which renders the whole history every turn.
-    for state, twin in zip(states, plain, strict=True):
+    # The same responses as without the cache, which renders the whole history every turn;
+    # the same usage but cached tokens: with the cache, what it did not render (the turn's
+    # input less the part of its new work that was input), without, none.
+    for state, twin, (new_tokens, _) in zip(states, plain, did(work), strict=True):
         assert same_items(state.response.output, twin.response.output)
         assert state.context() == twin.context()
-        assert state.response.usage == twin.response.usage
+        usage, plain_usage = state.response.usage, twin.response.usage
+        assert usage is not None and plain_usage is not None
+        assert attrs.evolve(usage, input_tokens_details=plain_usage.input_tokens_details) == (
+            plain_usage
+        )
+        assert plain_usage.input_tokens_details.cached_tokens == 0
+        output_tokens = rendered(engine, list(state.response.output))
+        assert usage.input_tokens_details.cached_tokens == usage.input_tokens - (
+            new_tokens - output_tokens
+        )
     assert [w.tokens_rendered for w in plain_work[1:]] > [w.tokens_rendered for w in work[1:]]
     assert plain_work[-1].tokens_rendered >= states[-1].context_tokens - rendered(
         engine, list(states[-1].response.output)
