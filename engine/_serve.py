@@ -4,8 +4,9 @@
 opens the store and usage ledger (SQLite files in `data_dir`, or the PostgreSQL database at
 `store_url`, which several instances share), the engine, and the ASGI app, and serves until
 SIGINT/SIGTERM (or `shutdown_trigger`). Shutdown is graceful: stop accepting, let in-flight
-responses finish within `graceful_timeout` (then cancel them; their usage is still recorded),
-close idle WebSocket connections with 1001, and flush the ledger; a second SIGINT/SIGTERM
+responses finish within `graceful_timeout` (then interrupt them: each ends `incomplete`,
+reason `server_shutdown`, with the output that streamed and the usage recorded, stored like any
+response), close idle WebSocket connections with 1001, and flush the ledger; a second SIGINT/SIGTERM
 (Ctrl-C again) ends the grace period at once. Each step is one log line: the signal, how many
 responses it waits for and how long (`stopping_message`), and the interruption
 (`interrupting_message`). `open_server(config)` does the same in the background for tests and

@@ -384,7 +384,7 @@ async def test_ctrl_c_twice_stops_at_once_and_cleanly(tmp_path: Path) -> None:
     finally:
         await _reap(process)
     assert code == 0, err[-20:]
-    assert events[-1] == "response.failed"  # interrupted, with its terminal event
+    assert events[-1] == "response.incomplete"  # interrupted, with its terminal event
     server = [line.split(" rollout.server: ", 1)[1] for line in err if " rollout.server: " in line]
     first = server.index(
         "received SIGINT: waiting up to 60 s (--graceful-timeout) for 1 response in flight; "
