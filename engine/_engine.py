@@ -172,6 +172,12 @@ class Engine:
             finally:
                 self._interruptible.discard(scope)
 
+    @property
+    def in_flight(self) -> int:
+        """Responses running now (sampling, or a rollout suspended at its tool calls): what a
+        shutdown waits for, and what `interrupt_all` would end."""
+        return len(self._interruptible)
+
     def interrupt_all(self) -> None:
         """Shutdown past the grace period: every response still running ends now (with a
         terminal event), and new ones are refused."""

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 from rollout.protocol import (
+    BuilderState,
     ReasoningConfig,
     RemoteProtocolError,
     Response,
@@ -107,6 +108,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_HOSTED_ROUNDS",
     "SERVER_ERROR",
+    "SHUTDOWN_REASON",
     "Emit",
     "Prepared",
     "Rollout",
@@ -128,7 +130,10 @@ SERVER_ERROR = ResponseError(
     code="server_error",
     message="The server had an error while processing your request. Sorry about that!",
 )
-# What a response interrupted by a shutdown past the grace period says.
+# What a response interrupted by a shutdown (past the grace period, or a second signal) says:
+# it ends `incomplete` with this reason, its output so far and its usage as recorded.
+SHUTDOWN_REASON = "server_shutdown"
+# ... unless it was cut off while its own end was going out (its stream already ended).
 _SHUTDOWN_ERROR = ResponseError(
     code="server_error",
     message="The server is shutting down; this response was interrupted. Retry it.",
@@ -208,6 +213,10 @@ class _Run:
         self.records: list[UsageRecord] = []  # one per sampling step
         self.total = Usage()
         self.progress = Progress()  # of the step being sampled
+        # The state the step being sampled (or the suspension) started from, and the output
+        # count then: what a shutdown extends with the step's items so far (`interrupted`).
+        self.state = prepared.state
+        self.step_first = 0
         self.committed = False
         # What the backend keeps for this response between its turns (a model's KV sequence,
         # through suspensions), released when it ends; and the lane's, kept past its end.
@@ -244,9 +253,7 @@ class _Run:
         except _Fail as failure:
             return await self.fail(failure.error, failure.usage, evict=failure.evict)
         if interrupted.cancelled_caught:  # a shutdown past its grace period
-            self._close_step()
-            await self.abort(_SHUTDOWN_ERROR)
-            return None
+            return await self.interrupted()
         return await self.finish(state, terminal)
 
     async def loop(self, state: ResponseState, cached: int) -> tuple[ResponseState, _Terminal]:
@@ -257,6 +264,7 @@ class _Run:
             if self.steering.requested:  # the boundary between sampling steps
                 return state, await self._incomplete("steered")
             before = state.context_tokens
+            self._at(state)
             step = await self.sample(state, cached)
             state = step.state
             if step.finish in ("max_output_tokens", "steered"):
@@ -267,6 +275,7 @@ class _Run:
                 continue
             if self.rollout is not None and state.open_calls:
                 cached = state.context_tokens
+                self._at(state)
                 resumed = await self.suspend(state)
                 if resumed is None:
                     return state, await self._incomplete("rollout_timeout")
@@ -368,6 +377,22 @@ class _Run:
             self._evict_parent()
         return await self._end(self.stream.fail(error=error, usage=usage), "failed", None)
 
+    async def interrupted(self) -> ResponseState | None:
+        """Ended by a shutdown (`Engine.interrupt_all`) while sampling or suspended: the open
+        item closes `incomplete`, and the response ends `incomplete` (`server_shutdown`) with
+        the output that streamed and the usage the ledger records for it (the step cut off
+        counts what it sampled), committed (and stored) like any other end."""
+        if self.stream.state not in _RUNNING:  # cut off while its own end went out
+            self._close_step()
+            await self.abort(_SHUTDOWN_ERROR)
+            return None
+        self.total = self.total + usage_of(self.progress)
+        self._close_step()
+        terminal = await self._incomplete(SHUTDOWN_REASON)
+        outputs = self.stream.output_since(self.step_first)
+        state = extend_state(self.engine.pipeline, self.state, outputs) if outputs else self.state
+        return await self.finish(state, terminal)
+
     async def abort(self, error: ResponseError) -> None:
         """Ended from outside the loop (a shutdown): the stream may be in any state."""
         self.steering.close()
@@ -450,6 +475,11 @@ class _Run:
 
     # --- helpers -----------------------------------------------------------------------------
 
+    def _at(self, state: ResponseState) -> None:
+        """A step (or a suspension) starts from `state`."""
+        self.state = state
+        self.step_first = self.stream.output_count
+
     def _close_step(self, *, complete: bool = False) -> None:
         """Record the usage of the step being sampled, if it started (once)."""
         if not self.progress.started:
@@ -516,6 +546,12 @@ class _Run:
             self.session.cache.discard_failed_parent(
                 self.prepared.parent.id, self.request.stream_id
             )
+
+
+# The stream states of a response that has not ended (a shutdown can end it as incomplete).
+_RUNNING = frozenset(
+    {BuilderState.ACTIVE, BuilderState.IN_MESSAGE, BuilderState.IN_CALL, BuilderState.SUSPENDED}
+)
 
 
 def steering_unsupported(request: ResponseCreate) -> str | None:

@@ -4,12 +4,15 @@
 opens the store and usage ledger (SQLite files in `data_dir`, or the PostgreSQL database at
 `store_url`, which several instances share), the engine, and the ASGI app, and serves until
 SIGINT/SIGTERM (or `shutdown_trigger`). Shutdown is graceful: stop accepting, let in-flight
-responses finish within `graceful_timeout` (then cancel them; their usage is still recorded),
-close idle WebSocket connections with 1001, and flush the ledger; a second SIGINT/SIGTERM
-(Ctrl-C again) ends the grace period at once. `open_server(config)` does the same in the
-background for tests and embedding, and yields the
-base URL (`http://host:port/v1`). One process of `rollout serve --workers N` is a `serve` on a
-socket it bound with `SO_REUSEPORT` (`listen_fd`; see `_workers.py`).
+responses finish within `graceful_timeout` (then interrupt them: each ends `incomplete`,
+reason `server_shutdown`, with the output that streamed and the usage recorded, stored like any
+response), close idle WebSocket connections with 1001, and flush the ledger; a second SIGINT/SIGTERM
+(Ctrl-C again) ends the grace period at once. Each step is one log line: the signal, how many
+responses it waits for and how long (`stopping_message`), and the interruption
+(`interrupting_message`). `open_server(config)` does the same in the background for tests and
+embedding, and yields the base URL (`http://host:port/v1`). One process of `rollout serve
+--workers N` is a `serve` on a socket it bound with `SO_REUSEPORT` (`listen_fd`; see
+`_workers.py`).
 """
 
 from __future__ import annotations
@@ -233,14 +236,45 @@ async def _open_stop_signals(enabled: bool) -> AsyncIterator[AsyncIterator[int] 
         yield received
 
 
-async def _next_signal(signals: AsyncIterator[int] | None, message: str) -> None:
-    """Until the next stop signal, logged as `message` % its name; forever without."""
+async def _next_signal(signals: AsyncIterator[int] | None) -> str:
+    """The name of the next stop signal (`SIGINT`, `SIGTERM`); waits forever without."""
     if signals is None:
         await trio.sleep_forever()
-    else:
-        async for signum in signals:
-            log.info(message, signal.Signals(signum).name)
-            return
+    signum = await anext(aiter(signals))
+    return signal.Signals(signum).name
+
+
+def _responses(n: int) -> str:
+    return f"{n} response{'' if n == 1 else 's'}"
+
+
+def stopping_message(signame: str | None, in_flight: int, grace: float) -> str | None:
+    """The line a shutdown starts with: the signal that asked for it (None: the embedder's
+    trigger, or a worker's parent), what it waits for and for how long, and how to stop at
+    once. None when there is nothing to say (a trigger with nothing in flight)."""
+    if in_flight == 0 and signame is None:
+        return None
+    if in_flight == 0:
+        return f"received {signame}: no responses in flight, stopping now"
+    responses = _responses(in_flight)
+    waiting = f"waiting up to {grace:g} s (--graceful-timeout) for {responses} in flight"
+    if signame is None:
+        return f"stopping: {waiting}"
+    again = "press Ctrl-C again" if signame == "SIGINT" else f"send {signame} again"
+    return f"received {signame}: {waiting}; {again} to stop now"
+
+
+def interrupting_message(signame: str | None, in_flight: int, grace: float) -> str | None:
+    """The line when the responses still running are interrupted: by a second signal
+    (`signame`), or at the end of the grace period (None; nothing to say if none runs)."""
+    if signame is not None:
+        if in_flight == 0:
+            return f"received {signame} again: stopping now"
+        responses = _responses(in_flight)
+        return f"received {signame} again: interrupting {responses} in flight, stopping now"
+    if in_flight == 0:
+        return None
+    return f"grace period of {grace:g} s over: interrupting {_responses(in_flight)} still running"
 
 
 class StartupError(EngineError):
@@ -419,25 +453,30 @@ async def serve(
             app = RolloutApp(engine, app_config, transport=stats)
             watch_accept_errors(stats)
             interrupter = trio.CancelScope()
-
-            async def first_signal() -> None:
-                await _next_signal(signals, "received %s, shutting down")
-
-            trigger = shutdown_trigger or first_signal
+            grace = config.graceful_timeout
 
             async def interrupt_after_grace() -> None:
                 with interrupter:
-                    with trio.move_on_after(config.graceful_timeout) as grace:
-                        await _next_signal(signals, "received %s again: stopping now")
-                    if grace.cancelled_caught:
-                        log.info("grace period over: interrupting the responses still running")
-                    else:
-                        log.info("interrupting the responses still running")
+                    again: str | None = None
+                    with trio.move_on_after(grace):
+                        again = await _next_signal(signals)
+                    message = interrupting_message(again, engine.in_flight, grace)
+                    if message is not None:
+                        log.info(message)
                     engine.interrupt_all()
 
             async def shutdown() -> None:
-                await trigger()
+                signame: str | None = None
+                if shutdown_trigger is None:
+                    signame = await _next_signal(signals)
+                else:
+                    await shutdown_trigger()
                 app.shutting_down.set()
+                message = stopping_message(signame, engine.in_flight, grace)
+                if message is not None:
+                    if config.listen_fd is not None:  # a worker: its parent logs the signal
+                        message = f"worker pid {os.getpid()} {message}"
+                    log.info(message)
                 background.start_soon(interrupt_after_grace)
 
             class _Status:

@@ -185,10 +185,24 @@ class _Supervisor:
         # second signal never kills the parent while its workers drain.
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
             task_status.started()
+            grace = self._config.graceful_timeout
             async for signum in received:
+                name = signal.Signals(signum).name
                 if not self._stopping.is_set():
-                    name = signal.Signals(signum).name
-                    log.info("received %s, stopping %d workers", name, self._workers)
+                    log.info(
+                        "received %s: stopping %d workers, each waiting up to %g s "
+                        "(--graceful-timeout) for its responses in flight",
+                        name,
+                        self._workers,
+                        grace,
+                    )
+                else:
+                    log.info(
+                        "received %s again: already stopping (the workers end what still "
+                        "runs %g s after the first signal)",
+                        name,
+                        grace,
+                    )
                 self._stop()
 
     async def _slot(self, spec: _WorkerSpec, index: int) -> None:

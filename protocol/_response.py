@@ -123,10 +123,12 @@ class ResponseError:
 
 @attrs.frozen(kw_only=True)
 class IncompleteDetails:
-    """Why a response ended early: one of the standard reasons, or (rollout extension only)
-    `rollout_timeout` when a suspended rollout waited longer than the server's limit."""
+    """Why a response ended early: one of the standard reasons, or a rollout extension:
+    `rollout_timeout` when a suspended rollout waited longer than the server's limit,
+    `server_shutdown` when the server stopped while the response ran (its output so far and
+    its usage are kept)."""
 
-    reason: IncompleteReason | Literal["rollout_timeout"] | None = None
+    reason: IncompleteReason | Literal["rollout_timeout", "server_shutdown"] | None = None
 
 
 Effort: TypeAlias = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]

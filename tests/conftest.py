@@ -136,6 +136,10 @@ class Recorder:
 # --- checking ------------------------------------------------------------------------------------
 
 
+# `incomplete_details.reason` values of rollout's own (the SDK's type knows neither).
+ROLLOUT_INCOMPLETE_REASONS = frozenset({"rollout_timeout", "server_shutdown"})
+
+
 def sdk_problems(exc: pydantic.ValidationError, tag: Any = None) -> list[str]:
     out = []
     for error in exc.errors()[:10]:
@@ -151,8 +155,8 @@ def sdk_response(obj: Any) -> list[str]:
     if not isinstance(obj, dict):
         return []
     details = obj.get("incomplete_details")
-    if isinstance(details, dict) and details.get("reason") == "rollout_timeout":
-        # rollout's extension reason, unknown to the SDK: checked as a reason-less response.
+    if isinstance(details, dict) and details.get("reason") in ROLLOUT_INCOMPLETE_REASONS:
+        # rollout's extension reasons, unknown to the SDK: checked as a reason-less response.
         obj = {**obj, "incomplete_details": {**details, "reason": None}}
     try:
         SdkResponse.model_validate(obj)
@@ -184,7 +188,7 @@ def sdk_event(obj: Any, adapter: pydantic.TypeAdapter[Any]) -> list[str]:
             # was, which the SDK's input type need not admit (the schema checks the rest).
             obj = {**obj, "steer": {**steer, "input": ""}}
     details = (obj.get("response") or {}).get("incomplete_details") if kind else None
-    if isinstance(details, dict) and details.get("reason") == "rollout_timeout":
+    if isinstance(details, dict) and details.get("reason") in ROLLOUT_INCOMPLETE_REASONS:
         obj = {**obj, "response": {**obj["response"], "incomplete_details": {"reason": None}}}
     try:
         adapter.validate_python(obj)

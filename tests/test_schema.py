@@ -365,9 +365,10 @@ def test_a_full_response_is_valid() -> None:
     assert response_problems(forced) == []
 
 
-def test_rollout_timeout_is_a_valid_incomplete_reason() -> None:
+@pytest.mark.parametrize("reason", ["rollout_timeout", "server_shutdown"])
+def test_rollouts_own_incomplete_reasons_are_valid(reason: str) -> None:
     body = response(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
-    body["incomplete_details"]["reason"] = "rollout_timeout"  # not a reason the SDK knows
+    body["incomplete_details"]["reason"] = reason  # not a reason the SDK knows
     assert response_problems(body) == []
 
 

@@ -97,7 +97,8 @@ async def test_serve_process_sigterm_and_ledger(tmp_path: Path) -> None:
             with trio.CancelScope(shield=True):
                 await process.wait()
 
-    assert any("shutting down" in line for line in lines), lines[-10:]
+    stopping = "received SIGTERM: no responses in flight, stopping now"
+    assert any(stopping in line for line in lines), lines[-10:]
     with sqlite3.connect(data / "usage.sqlite3") as db:
         rows = db.execute("SELECT response_id, step, complete FROM usage").fetchall()
     steps: dict[str, list[int]] = {}

@@ -209,9 +209,18 @@ async def test_sigterm_drains_every_worker(
                     assert events[-1].type == "response.completed", events[-1]
                     seen.append(p.to_wire(events[-1].response)["usage"])
                     assert events[-1].response.usage.output_tokens == 80
-        assert any("received SIGTERM, stopping 2 workers" in line for line in server.lines)
+        stopping = (
+            "received SIGTERM: stopping 2 workers, each waiting up to 2 s (--graceful-timeout) "
+            "for its responses in flight"
+        )
+        assert any(stopping in line for line in server.lines), server.tail()
         for number, pid in pids.items():
             assert any(f"worker {number} (pid {pid}) stopped" in line for line in server.lines)
+            waiting = (
+                f"worker pid {pid} stopping: waiting up to 2 s (--graceful-timeout) for 1 "
+                "response in flight"
+            )
+            assert any(waiting in line for line in server.lines), server.tail()
     rows, inp, out = shared_store.totals()
     assert rows == 2
     assert (inp, out) == (
