@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NoReturn, cast
 
 from . import __version__
 
@@ -37,12 +38,58 @@ _NON_NEGATIVE_INT = _number(int, zero=True)
 _NON_NEGATIVE = _number(float, zero=True)
 
 
+def _port(text: str) -> int:
+    """An argparse type: a port number, 0-65535 (0: any free port); `abc` and `99999` get the
+    same one-line error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     """An argparse type: a fraction in (0, 1]."""
     value = float(_POSITIVE(text))
     if value > 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
     return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser; with `one_line_errors` (serve's), a mistake in the arguments is one
+    line on stderr, as serve's other start-up errors are (`rollout serve: --port: ...`), and
+    exit status 2."""
+
+    def __init__(self, *args: Any, one_line_errors: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.one_line_errors = one_line_errors
+
+    def error(self, message: str) -> NoReturn:
+        if not self.one_line_errors:
+            super().error(message)
+        self.exit(2, f"{self.prog}: {_one_line_error(self.prog, message)}\n")
+
+
+def _one_line_error(prog: str, message: str) -> str:
+    """argparse's `message` for one line: `--port: ...` for its `argument --port: ...`; an
+    unknown option says where the options are listed."""
+    message = message.removeprefix("argument ")
+    if message.startswith("unrecognized arguments:"):
+        message += f" ({prog} --help lists the options)"
+    return message
+
+
+_SERVE_EPILOG = """\
+exit status:
+  0    stopped (SIGINT or SIGTERM) after a graceful shutdown
+  1    could not start: the port, the host, the data folder, or the --store
+       database (unreachable, or refusing the connection)
+  2    a bad argument or models file (nothing was started)
+  130  interrupted before the server was up
+"""
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -74,21 +121,30 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     p = sub.add_parser(
         "serve",
-        # Short, so that a mistake's message stays two lines; --help lists every option.
-        usage="rollout serve [options] (rollout serve --help lists them)",
+        usage="rollout serve [options]",
+        one_line_errors=True,
         help="serve the Responses API (HTTP, SSE and WebSocket mode) on one port",
-        description="Serve the Responses API over HTTP (with server-sent events) and WebSocket "
-        "mode on one port, with the built-in simulated models, a SQLite response store and a "
-        "SQLite usage ledger.",
+        description="Serve the Responses API over HTTP (with server-sent events) and WebSocket\n"
+        "mode on one port, with the built-in simulated models, a SQLite response store\n"
+        "and a SQLite usage ledger.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument(
-        "--port", type=int, default=8000, help="port to bind, 0 for any free one (default 8000)"
+        "--host", default="127.0.0.1", metavar="HOST", help="address to bind (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--port",
+        type=_port,
+        default=8000,
+        metavar="PORT",
+        help="port to bind, 0 for any free one (default 8000)",
     )
     p.add_argument(
         "--data-dir",
         type=Path,
         default=Path("rollout-data"),
+        metavar="DIR",
         help="folder of the SQLite store and usage ledger (default ./rollout-data)",
     )
     p.add_argument(
@@ -119,13 +175,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--allow-host",
         action="append",
         default=[],
-        metavar="NAME",
+        metavar="HOST",
         help="answer requests whose Host header names this host (repeatable; * for any): bound "
         "to a loopback address only localhost, 127.0.0.1 and [::1] are answered (against DNS "
         "rebinding); bound elsewhere every Host unless names are listed",
     )
     p.add_argument("--no-websocket", action="store_true", help="refuse WebSocket upgrades (426)")
-    default = "on" if DEFAULT_WEBSOCKET_DEFLATE else "off"
+    # Which of the pair is the default is said plainly, once each: "(default off)" on the
+    # switch that turns it off read as a contradiction.
+    on_default, off_default = (
+        ("the default", "permessage-deflate is on by default; this turns it off")
+        if DEFAULT_WEBSOCKET_DEFLATE
+        else ("permessage-deflate is off by default; this turns it on", "the default")
+    )
     deflate = p.add_mutually_exclusive_group()
     deflate.add_argument(
         "--websocket-deflate",
@@ -134,14 +196,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=DEFAULT_WEBSOCKET_DEFLATE,
         help="accept permessage-deflate when a WebSocket client offers it (the openai SDK and "
         "Codex do): fewer bytes on the wire for more CPU per frame; for slow or metered "
-        f"links (default {default})",
+        f"links ({on_default})",
     )
     deflate.add_argument(
         "--no-websocket-deflate",
         dest="websocket_deflate",
         action="store_false",
         help="decline permessage-deflate: frames go uncompressed, the faster choice on "
-        f"loopback, LAN and datacenter networks (default {default})",
+        f"loopback, LAN and datacenter networks ({off_default})",
     )
     p.add_argument(
         "--websocket-inflate-budget-mb",
@@ -172,13 +234,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
-        help="the least severe log lines written to stderr; info includes one access line per "
+        metavar="LEVEL",
+        help="the least severe log lines written to stderr: debug, info, warning or error; "
+        "info includes one access line per "
         "HTTP request and per closed WebSocket (default info)",
     )
     p.add_argument(
         "--log-format",
         default="text",
         choices=["text", "json"],
+        metavar="FORMAT",
         help="text: one readable line per record; json: one JSON object per line, every line "
         "(timestamp, level, logger, message and the record's fields) (default text)",
     )
@@ -191,6 +256,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-message-size",
         type=_POSITIVE_INT,
         default=DEFAULT_MAX_MESSAGE_SIZE,
+        metavar="BYTES",
         help="largest request body / WebSocket message in bytes "
         f"(default {DEFAULT_MAX_MESSAGE_SIZE})",
     )
@@ -198,12 +264,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--connection-age-limit",
         type=_POSITIVE,
         default=DEFAULT_CONNECTION_AGE_LIMIT,
+        metavar="SECONDS",
         help="seconds before a WebSocket connection must reconnect (default 3600)",
     )
     p.add_argument(
         "--max-queued-creates",
         type=_NON_NEGATIVE_INT,
         default=DEFAULT_MAX_QUEUED_CREATES,
+        metavar="N",
         help=f"response.create events waiting per connection, across its lanes (default "
         f"{DEFAULT_MAX_QUEUED_CREATES})",
     )
@@ -211,6 +279,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-connections",
         type=_POSITIVE_INT,
         default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
         help=f"open WebSocket connections at most; more are refused with 503 "
         f"(default {DEFAULT_MAX_CONNECTIONS})",
     )
@@ -218,6 +287,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-buffered-bytes",
         type=_POSITIVE_INT,
         default=DEFAULT_MAX_BUFFERED_BYTES,
+        metavar="BYTES",
         help="bytes of outgoing frames a WebSocket holds for a slow reader "
         f"(default {DEFAULT_MAX_BUFFERED_BYTES})",
     )
@@ -225,6 +295,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--send-stall-limit",
         type=_POSITIVE,
         default=DEFAULT_SEND_STALL_LIMIT,
+        metavar="SECONDS",
         help="seconds a response may wait on a client that does not read before both end "
         f"(default {DEFAULT_SEND_STALL_LIMIT:g})",
     )
@@ -291,8 +362,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--body-min-rate",
         type=_POSITIVE,
         default=DEFAULT_BODY_MIN_RATE,
-        metavar="BYTES_PER_SECOND",
-        help=f"see --body-timeout (default {DEFAULT_BODY_MIN_RATE})",
+        metavar="BYTES",
+        help=f"bytes a second; see --body-timeout (default {DEFAULT_BODY_MIN_RATE})",
     )
     p.add_argument(
         "--max-header-bytes",
@@ -319,6 +390,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--rollout-suspend-limit",
         type=_POSITIVE,
         default=DEFAULT_ROLLOUT_SUSPEND_LIMIT,
+        metavar="SECONDS",
         help="seconds a suspended rollout waits for tool outputs (default 600)",
     )
     p.add_argument(
@@ -365,6 +437,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--graceful-timeout",
         type=_NON_NEGATIVE,
         default=10.0,
+        metavar="SECONDS",
         help="seconds in-flight responses get to finish at shutdown (default 10)",
     )
 
@@ -378,7 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"rollout {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Each command's parser a `_Parser` (serve's says a mistake in one line), typed as what
+    # the commands' `add_parser` functions take.
+    sub = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser),
+    )
     _add_serve(sub)
     from .bench._cli import add_parser as add_bench
     from .spec._cli import add_parser as add_conform
@@ -399,20 +477,39 @@ def _serve_failed(args: argparse.Namespace, message: str) -> None:
         print(f"rollout serve: {message}", file=sys.stderr)
 
 
+def _store_url_problem(url: str) -> str | None:
+    """What makes `url` no PostgreSQL URL (a bad argument, before anything starts; the URL
+    itself is not repeated unless it is no postgresql:// URL at all, as it may hold a
+    password); None for one to connect to."""
+    from .engine._pg import is_postgres_url
+
+    if not is_postgres_url(url):
+        return f"expected a postgresql:// URL, got {url!r}"
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.Error as exc:
+        return str(exc).strip().splitlines()[0]
+    port = str(params.get("port") or "5432")
+    if not all(p.isdigit() for p in port.split(",") if p):
+        return f"expected a port number in the URL, got {port!r}"
+    return None
+
+
 def _serve(args: argparse.Namespace) -> int:
-    """Exit status: 0 after a clean shutdown; 2 for arguments or a models file that cannot
-    work (nothing was opened); 1 when the server could not start (port, host, data folder)."""
+    """Exit status (`_SERVE_EPILOG`): 0 after a clean shutdown; 2 for arguments or a models
+    file that cannot work (nothing was opened); 1 when the server could not start (port, host,
+    data folder, a --store database it cannot reach)."""
     import attrs
     import trio
 
     from .engine._logging import configure_logging
-    from .engine._pg import StoreError, is_postgres_url
+    from .engine._pg import StoreError
     from .engine._serve import ServerConfig, StartupError, api_keys_from_env, serve
 
     configure_logging(args.log_level, args.log_format)
-    if not 0 <= args.port <= 65535:
-        _serve_failed(args, f"--port {args.port} is not a port number; use 0-65535.")
-        return 2
     registry = None
     if args.models is not None:
         import logging
@@ -426,9 +523,11 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         for warning in missing_api_keys(registry):
             logging.getLogger("rollout.server").warning(warning)
-    if args.store is not None and not is_postgres_url(args.store):
-        _serve_failed(args, f"--store: expected a postgresql:// URL, got {args.store!r}")
-        return 2
+    if args.store is not None:
+        problem = _store_url_problem(args.store)
+        if problem is not None:
+            _serve_failed(args, f"--store: {problem}")
+            return 2
     from .engine._browser import BrowserRules
 
     if any(not key.strip() for key in args.api_key):
@@ -498,12 +597,7 @@ def _serve(args: argparse.Namespace) -> int:
                 log_format=args.log_format,
             )
         trio.run(serve, config)
-    except StoreError as exc:
-        if args.debug:
-            raise
-        _serve_failed(args, str(exc))
-        return 2
-    except StartupError as exc:
+    except (StoreError, StartupError) as exc:
         if args.debug:
             raise
         _serve_failed(args, str(exc))
@@ -519,7 +613,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's own check, but serve's parser says it (one line)
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        if args.command == "serve":
+            print(f"rollout serve: {_one_line_error('rollout serve', message)}", file=sys.stderr)
+            return 2
+        parser.error(message)
     if args.command is None:  # a usage error, as argparse's own: usage on stderr, status 2
         parser.print_usage(sys.stderr)
         print(

@@ -144,6 +144,19 @@ class AppConfig:
     allow_origins: tuple[str, ...] = ()
 
 
+def _near_miss(path: str) -> str | None:
+    """The path a client probably meant: `path` under /v1, `response` made `responses`
+    (`/response/x` -> `/v1/responses/x`); None when that changes nothing."""
+    near = path if path.startswith("/v1/") else "/v1" + path
+    near = re.sub(r"\A/v1/response(?=/|\Z)", "/v1/responses", near)
+    return None if near == path else near
+
+
+def _base_url_note(path: str) -> str:
+    """Said of a path without the /v1 prefix: where a client's base URL went wrong."""
+    return "" if path.startswith("/v1/") else " (The base URL ends in /v1.)"
+
+
 @attrs.frozen
 class Route:
     """Paths matching `pattern` (from the start; its groups become `HttpRequest.params`),
@@ -319,8 +332,10 @@ class RolloutApp:
         off, the connection limit (counted), the key's share of it (counted), no valid key;
         None to accept it."""
         if path != _WEBSOCKET_PATH:
-            hint = " Did you mean /v1/responses? (The base URL ends in /v1.)"
-            hint = hint if path == _WEBSOCKET_PATH.removeprefix("/v1") else ""
+            near = _near_miss(path)
+            hint = ""
+            if near is not None and near.rstrip("/") == _WEBSOCKET_PATH:
+                hint = f" Did you mean {_WEBSOCKET_PATH}?{_base_url_note(path)}"
             return 404, error_body(f"No WebSocket endpoint at {path}.{hint}", code="not_found")
         if not self.config.websocket:
             return 426, error_body(
@@ -533,16 +548,18 @@ class RolloutApp:
         )
 
     def _did_you_mean(self, path: str) -> str:
-        """For a path of the API without its /v1 prefix, a hint naming the path with it; for
-        the root (a browser's first try), where the API is."""
+        """For a path of the API without its /v1 prefix, or with `response` for `responses`
+        (`/v1/response`, `/response/ID`), a hint naming the route's path; for the root (a
+        browser's first try), where the API is."""
         if path.rstrip("/") in ("", "/v1"):
             return (
                 " The API is under /v1: GET /v1/models lists the models, POST /v1/responses "
                 "creates a response."
             )
-        if path.startswith("/v1/") or not any(r.pattern.match("/v1" + path) for r in self._routes):
+        near = _near_miss(path)
+        if near is None or not any(r.pattern.match(near) for r in self._routes):
             return ""
-        return f" Did you mean /v1{path}? (The base URL ends in /v1.)"
+        return f" Did you mean {near}?{_base_url_note(path)}"
 
     # --- small routes ---
     async def _health(self, req: HttpRequest) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -526,10 +527,16 @@ async def _open_postgres(url: str) -> tuple[ResponseStore, UsageLedger, bytes]:
     from ._pg_ledger import open_postgres_ledger
     from ._pg_store import open_postgres_store
 
+    def failed(what: str, exc: psycopg.Error) -> StoreError:
+        return StoreError(
+            f"cannot open {what} at {describe(url)}: {_libpq_cause(exc)}; check --store and "
+            "that PostgreSQL is running there."
+        )
+
     try:
         store = await open_postgres_store(url)
     except psycopg.Error as exc:
-        raise StoreError(f"cannot open the store at {describe(url)}: {exc}") from exc
+        raise failed("the store", exc) from exc
     try:
         ledger = await open_postgres_ledger(url)
         key = await store.shared_secret("compaction_key")
@@ -537,10 +544,26 @@ async def _open_postgres(url: str) -> tuple[ResponseStore, UsageLedger, bytes]:
         with trio.CancelScope(shield=True):
             await store.aclose()
         if isinstance(exc, psycopg.Error):
-            raise StoreError(f"cannot open the usage ledger at {describe(url)}: {exc}") from exc
+            raise failed("the usage ledger", exc) from exc
         raise
     log.info("store and usage ledger: %s", store.where)
     return store, ledger, key
+
+
+# libpq's "connection to server at "HOST", port PORT failed: " before the cause, which the
+# message names already (without the URL's user and password), and a server's severity.
+_LIBPQ_PREFIX = re.compile(
+    r"^(?:connection failed: )?(?:connection to server (?:at|on) .*? failed: )?(?:FATAL: +)?"
+)
+
+
+def _libpq_cause(exc: Exception) -> str:
+    """The cause of a failed connection in short: the first line of libpq's message (its next
+    are hints: "Is the server running on that host and accepting TCP/IP connections?"), without
+    the server's address."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    return _LIBPQ_PREFIX.sub("", first).rstrip(".") or first
 
 
 def _close(sockets: Sockets) -> None:

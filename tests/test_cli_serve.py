@@ -8,7 +8,9 @@ data folder is made.
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +28,16 @@ from tests.test_server_process import free_port
 ROLLOUT = [sys.executable, "-m", "rollout"]
 TIMEOUT = 60  # seconds for a command that fails at start (an import of the engine)
 DEADLINE = 60
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from rollout._cli import build_parser
+
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            serve: argparse.ArgumentParser = action.choices["serve"]
+            return serve
+    raise AssertionError("no serve command")
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -74,13 +86,81 @@ def test_port_in_use_with_debug_shows_the_traceback(tmp_path: Path, listening: i
     assert not (tmp_path / "rollout-data").exists()
 
 
-@pytest.mark.parametrize("port", ["99999", "-1"])
+@pytest.mark.parametrize("port", ["99999", "-1", "abc", "80.5"])
 def test_bad_port(tmp_path: Path, port: str) -> None:
+    """Out of range or not a number: the same one line, as every mistake in the arguments."""
     done = run("serve", "--port", port, cwd=tmp_path)
     assert done.returncode == 2
     assert done.stdout == ""
-    assert done.stderr == f"rollout serve: --port {port} is not a port number; use 0-65535.\n"
+    assert done.stderr == f"rollout serve: --port: expected a port number 0-65535, got {port!r}\n"
     assert not (tmp_path / "rollout-data").exists()
+
+
+def test_an_unknown_option_is_one_line(tmp_path: Path) -> None:
+    done = run("serve", "--prot", "8000", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "rollout serve: unrecognized arguments: --prot 8000 (rollout serve --help lists the "
+        "options)\n"
+    )
+
+
+# --- serve --help ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def serve_help(tmp_path_factory: pytest.TempPathFactory) -> str:
+    done = run("serve", "--help", cwd=tmp_path_factory.mktemp("help"))
+    assert (done.returncode, done.stderr) == (0, "")
+    return done.stdout
+
+
+def test_the_help_starts_with_a_usage_line_without_a_hint_to_itself(serve_help: str) -> None:
+    assert serve_help.startswith("usage: rollout serve [options]\n\n")
+    assert "--help lists" not in serve_help
+
+
+def test_the_help_lists_the_exit_statuses(serve_help: str) -> None:
+    assert serve_help.endswith(
+        "exit status:\n"
+        "  0    stopped (SIGINT or SIGTERM) after a graceful shutdown\n"
+        "  1    could not start: the port, the host, the data folder, or the --store\n"
+        "       database (unreachable, or refusing the connection)\n"
+        "  2    a bad argument or models file (nothing was started)\n"
+        "  130  interrupted before the server was up\n"
+    )
+
+
+def test_the_deflate_switches_say_plainly_which_is_the_default(serve_help: str) -> None:
+    text = " ".join(serve_help.split())
+    assert (
+        "--websocket-deflate accept permessage-deflate when a WebSocket client offers it (the "
+        "openai SDK and Codex do): fewer bytes on the wire for more CPU per frame; for slow or "
+        "metered links (permessage-deflate is off by default; this turns it on) "
+    ) in text
+    assert (
+        "--no-websocket-deflate decline permessage-deflate: frames go uncompressed, the faster "
+        "choice on loopback, LAN and datacenter networks (the default) "
+    ) in text
+    assert "(default off)" not in text[text.index("--websocket-deflate") : text.index("--models")]
+
+
+# The metavariables of serve's options: a unit or a short noun, one style.
+METAVARS = {"HOST", "PORT", "DIR", "FILE", "URL", "KEY", "ORIGIN", "LEVEL", "FORMAT"}
+METAVARS |= {"N", "BYTES", "MB", "SECONDS", "FRACTION"}
+
+
+def test_every_metavariable_is_a_unit_or_a_short_noun(serve_help: str) -> None:
+    shown = re.findall(r"^  (--[a-z0-9-]+)(?: (\S+))?", serve_help, flags=re.MULTILINE)
+    odd = {option: metavar for option, metavar in shown if metavar and metavar not in METAVARS}
+    assert odd == {}
+    # The help was read whole: every option is in it, each that takes a value with its
+    # metavariable.
+    actions = [a for a in _serve_parser()._actions if a.option_strings != ["-h", "--help"]]
+    assert {option for option, _ in shown} == {a.option_strings[-1] for a in actions}
+    assert {option for option, metavar in shown if metavar} == {
+        a.option_strings[-1] for a in actions if a.nargs != 0
+    }
 
 
 def test_an_empty_api_key_is_refused(tmp_path: Path) -> None:
@@ -152,6 +232,34 @@ def test_a_store_that_is_not_a_database(tmp_path: Path) -> None:
         "rollout serve: cannot open data/responses.sqlite3: file is not a database; move the "
         "file away or pick another --data-dir.\n"
     )
+
+
+def test_a_store_that_refuses_the_connection(tmp_path: Path) -> None:
+    """A real refused port (1: nothing listens there): one line naming the database without
+    the URL's credentials and libpq's cause in short (not its second, hint line), and the
+    status of a server that could not start."""
+    url = "postgresql://someone:s3cret@127.0.0.1:1/rollout"
+    done = run("serve", "--port", "0", "--store", url, cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        "rollout serve: cannot open the store at postgresql://127.0.0.1:1/rollout: Connection "
+        "refused; check --store and that PostgreSQL is running there.\n"
+    )
+    assert not (tmp_path / "rollout-data").exists()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite:///x.db", "expected a postgresql:// URL, got 'sqlite:///x.db'"),
+        ("postgresql://u:pw@db:abc/x", "expected a port number in the URL, got 'abc'"),
+        ("postgresql://db/x?colour=blue", 'invalid URI query parameter: "colour"'),
+    ],
+)
+def test_a_store_url_that_cannot_work(tmp_path: Path, url: str, message: str) -> None:
+    done = run("serve", "--port", "0", "--store", url, cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"rollout serve: --store: {message}\n"
 
 
 def test_port_in_use_in_json_mode_is_one_json_line(tmp_path: Path, listening: int) -> None:
@@ -286,21 +394,20 @@ async def test_text_logs_are_clean_lines(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--max-connections", "-5"], "argument --max-connections: expected a number > 0, got -5"),
+        (["--max-connections", "-5"], "--max-connections: expected a number > 0, got -5"),
+        (["--graceful-timeout", "soon"], "--graceful-timeout: expected a number, got 'soon'"),
+        (["--render-cache-ttl", "0"], "--render-cache-ttl: expected a number > 0, got 0"),
+        (["--workers"], "--workers: expected one argument"),
         (
-            ["--graceful-timeout", "soon"],
-            "argument --graceful-timeout: expected a number, got 'soon'",
+            ["--log-level", "loud"],
+            "--log-level: invalid choice: 'loud' (choose from 'debug', 'info', 'warning', 'error')",
         ),
-        (["--render-cache-ttl", "0"], "argument --render-cache-ttl: expected a number > 0, got 0"),
     ],
 )
-def test_bad_numbers_are_two_lines(tmp_path: Path, args: list[str], message: str) -> None:
+def test_bad_numbers_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     done = run("serve", *args, cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stderr == (
-        "usage: rollout serve [options] (rollout serve --help lists them)\n"
-        f"rollout serve: error: {message}\n"
-    )
+    assert done.stderr == f"rollout serve: {message}\n"
     assert not (tmp_path / "rollout-data").exists()
 
 

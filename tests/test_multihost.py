@@ -60,6 +60,15 @@ def nginx_binary() -> str:
     return found
 
 
+@pytest.fixture
+def nginx() -> str:
+    """nginx's binary, looked up before a test starts anything: the test is skipped (or fails
+    under ROLLOUT_REQUIRE_ALL) without it, with the reason. (A `pytest.skip` inside an async
+    test's trio run is reported without its reason, as `python.py:187: Skipped`: pytest-trio
+    0.8 skips again without one.)"""
+    return nginx_binary()
+
+
 def proxy_config(example: str, a: str, b: str, port: int) -> str:
     """The example with the instances' addresses and the proxy's port put in (each
     replacement checked, so the example and this test cannot drift apart)."""
@@ -202,9 +211,8 @@ def served(server: RolloutProcess) -> tuple[int, int]:
 
 
 async def test_a_chain_alternates_between_instances_behind_nginx(
-    tmp_path: Path, shared_store: Store
+    nginx: str, tmp_path: Path, shared_store: Store
 ) -> None:
-    nginx_binary()  # skip (or fail under ROLLOUT_REQUIRE_ALL) before starting anything
     with trio.fail_after(DEADLINE):
         async with (
             open_rollout_process(data_dir=tmp_path / "a", extra_args=shared_store.args) as a,
@@ -254,12 +262,11 @@ def open_websockets(server: RolloutProcess) -> int:
 
 
 async def test_the_sdk_reconnects_through_the_proxy_when_its_instance_goes_away(
-    tmp_path: Path, shared_store: Store
+    nginx: str, tmp_path: Path, shared_store: Store
 ) -> None:
     """One `client.responses.connect()` through the proxy's pool (no pin): its instance stops
     (SIGTERM: the idle socket closes with 1001, going away); the SDK reconnects by itself
     through the proxy, lands on the other instance, and the stored chain continues there."""
-    nginx_binary()
     closes: list[int] = []
 
     def on_reconnecting(event: ReconnectingEvent) -> None:

@@ -140,6 +140,52 @@ async def test_malformed_upgrade_over_http_is_a_bad_request(http: httpx.AsyncCli
         assert_openai_error(resp, 400, "invalid_request")
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "hint"),
+    [
+        ("POST", "/v1/response", " Did you mean /v1/responses?"),
+        ("POST", "/v1/response/", " Did you mean /v1/responses/?"),
+        ("GET", "/v1/response/resp_x", " Did you mean /v1/responses/resp_x?"),
+        ("POST", "/response", " Did you mean /v1/responses? (The base URL ends in /v1.)"),
+        ("POST", "/responses", " Did you mean /v1/responses? (The base URL ends in /v1.)"),
+        ("POST", "/v1/responsex", ""),
+    ],
+)
+async def test_a_near_miss_of_the_responses_path_says_which_it_is(
+    http: httpx.AsyncClient, method: str, path: str, hint: str
+) -> None:
+    """`/v1/response` (singular), with or without /v1, a trailing slash or an id, is answered
+    404 naming the path of /v1/responses that was meant."""
+    root = str(http.base_url).removesuffix("/v1/")
+    with trio.fail_after(DEADLINE):
+        resp = await http.request(method, root + path, json={"model": "sim", "input": "hi"})
+    error = assert_openai_error(resp, 404, "not_found")
+    assert error["message"] == f"No route for {method} {path}.{hint}"
+
+
+@pytest.mark.parametrize(
+    ("path", "hint"),
+    [
+        ("/v1/response", " Did you mean /v1/responses?"),
+        ("/response", " Did you mean /v1/responses? (The base URL ends in /v1.)"),
+    ],
+)
+async def test_a_websocket_to_a_near_miss_says_which_endpoint(
+    http: httpx.AsyncClient, path: str, hint: str
+) -> None:
+    root = str(http.base_url).removesuffix("/v1/").replace("http", "ws", 1)
+    with trio.fail_after(DEADLINE), pytest.raises(trio_websocket.ConnectionRejected) as rejected:
+        async with trio_websocket.open_websocket_url(root + path, connect_timeout=10):
+            pass  # pragma: no cover
+    assert rejected.value.status_code == 404
+    assert rejected.value.body is not None
+    error = json.loads(rejected.value.body)["error"]
+    assert (error["code"], error["message"]) == (
+        "not_found",
+        f"No WebSocket endpoint at {path}.{hint}",
+    )
+
+
 # --- models, health, metrics, timing ----------------------------------------------------------
 
 
