@@ -25,9 +25,9 @@ run one turn at a time, so each delta is the turn's own).
 Then a memory phase on a third, fresh server: `memory_rollouts` rollouts whose prompts are about
 `memory_context_tokens` tokens, each suspended at its tool call (`response.done`) at the same
 time; the server's resident memory before and after, against the documented budget (23,040
-bytes of KV per SmolLM2 token, README: A real model inside).
+bytes of KV per SmolLM2 token, docs/serving.md: A real model inside).
 
-Goals (README: the bench section): ws-rollout at least 40% faster end to end than
+Goals (docs/benchmarking.md): ws-rollout at least 40% faster end to end than
 http-stateless on `nokv`; on `kv` every mode's time per turn within 1.3x of ws-rollout's at the
 same turn; the suspended rollouts' memory within the documented bytes per token.
 """
@@ -74,15 +74,16 @@ DEFAULT_SERVERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nokv", ("--kv-cache-mb", "0")),
 )
 # Bytes of KV per token of SmolLM2-135M-Instruct (f16 keys and values, 30 layers x 3 KV heads x
-# 64), as README's "A real model inside" documents it.
+# 64), as docs/serving.md's "A real model inside" documents it.
 SMOLLM2_KV_BYTES_PER_TOKEN = 23_040
-# Goals of the scenario (README: the bench section; issue 28).
+# Goals of the scenario (docs/benchmarking.md; issue 28).
 GOAL_E2E_SPEEDUP = 0.40  # ws-rollout vs http-stateless, KV index off
 GOAL_TURN_RATIO = 1.3  # each mode's time per turn vs ws-rollout's, KV index on
 # The memory budget of a real-model server over its memory before the model loads: the KV
-# pool (`kv_memory_mb`, allocated whole when the model first runs: README, A real model
-# inside), the weights (the GGUF file), and this allowance for llama.cpp's compute buffers
-# (a 512-token batch), the sampler and what the suspended rollouts hold besides their KV.
+# pool (`kv_memory_mb`, allocated whole when the model first runs: docs/serving.md, A real
+# model inside), the weights (the GGUF file), and this allowance for llama.cpp's compute
+# buffers (a 512-token batch), the sampler and what the suspended rollouts hold besides their
+# KV.
 COMPUTE_ALLOWANCE_MB = 256
 # How long a real-model server gets to start (it loads its vocabulary, not the model).
 WARMUP_TIMEOUT = 300.0

@@ -215,7 +215,7 @@ class ResponseCreate:
     """`response.create`: the whole body of `POST /v1/responses` plus WebSocket-only fields.
 
     Every field of the `openai` SDK's `ResponseCreateParams` and WebSocket `response.create`
-    event is accepted (README.md's request-field table says what rollout does with each).
+    event is accepted (docs/protocol.md's request-field table says what rollout does with each).
     Fields rollout does not act on are kept as opaque JSON so a request round-trips.
     Extensions: `client_metadata` (string pairs Codex sends, stored with the response),
     `presence_penalty` / `frequency_penalty` (passed to chat-completions upstreams), and

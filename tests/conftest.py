@@ -392,7 +392,7 @@ class SchemaViolationWarning(UserWarning):
     """What the schema hook reports with ROLLOUT_SCHEMA_HOOK=warn."""
 
 
-# Hypothesis profiles (README: testing). `default` (a plain `pytest`) and `ci` (`.ci/run`) are
+# Hypothesis profiles (docs/testing.md). `default` (a plain `pytest`) and `ci` (`.ci/run`) are
 # derandomized: every run draws the same examples, so the suite and CI are deterministic; `ci`
 # draws more where it matters (the equivalence tests read the profile's name:
 # `tests.wire_scripts.examples`). `deep` draws fresh random examples each run, and many more,

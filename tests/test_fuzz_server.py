@@ -18,7 +18,7 @@ What must never happen: an `error` with a 5xx status or a `response.failed` with
 example runs under a deadline). Every event is also checked by the schema hook (conftest).
 
 `ROLLOUT_FUZZ_EXAMPLES` sets the number of examples: CI runs the short default; a longer run
-(README: `ROLLOUT_FUZZ_EXAMPLES=2000 HYPOTHESIS_PROFILE=thorough pytest
+(docs/testing.md: `ROLLOUT_FUZZ_EXAMPLES=2000 HYPOTHESIS_PROFILE=thorough pytest
 tests/test_fuzz_server.py`) searches deeper.
 """
 

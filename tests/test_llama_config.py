@@ -1,6 +1,6 @@
 """The llama extra's configuration and plumbing: the built-in `smollm2`, `gguf` tables of the
-models file (the README's example), the `calls=N` parameter, `--kv-cache-mb`, the KV metrics,
-and the model's own spelling of what it generated.
+models file (the docs' example, docs/serving.md), the `calls=N` parameter, `--kv-cache-mb`,
+the KV metrics, and the model's own spelling of what it generated.
 
 Tests that need llama-cpp-python and the packaged model skip without the extra (and fail
 under `ROLLOUT_REQUIRE_ALL`)."""
@@ -57,8 +57,8 @@ def test_the_readme_example_of_gguf_files_parses() -> None:
     text = readme_toml("gguf")
     data = tomllib.loads(text)
     (name, table), *_ = data["models"].items()
-    table["gguf"] = str(path)  # the README's path is an example: the packaged file here
-    registry = registry_from_mapping(data, source="README.md")
+    table["gguf"] = str(path)  # the docs' path is an example: the packaged file here
+    registry = registry_from_mapping(data, source="docs/serving.md")
     route = registry.resolve(name)
     backend = route.backend
     assert isinstance(backend, LlamaBackend)

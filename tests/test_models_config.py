@@ -1,4 +1,4 @@
-"""The model registry file (`rollout serve --models FILE`): the README's example parses into
+"""The model registry file (`rollout serve --models FILE`): the docs' example parses into
 the registry it describes, every mistake is a `ConfigError` naming the key, `rollout serve`
 refuses a bad file with exit status 2, and a loaded file routes requests (aliases included)
 to a real upstream.
@@ -22,6 +22,7 @@ from rollout.engine._defaults import default_registry
 from rollout.engine._upstream import UpstreamBackend
 from rollout.protocol import RemoteProtocolError
 
+from tests.doc_blocks import blocks
 from tests.upstream_harness import SIM_MODEL, open_rollout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,11 +30,10 @@ DEADLINE = 20
 
 
 def readme_toml(kind: str = "upstream") -> str:
-    """The README's models-file example of upstream models (or of `gguf` files)."""
-    blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
-    found = [b for b in blocks if f"\n{kind} = " in b]
-    assert len(found) == 1, f"the README has one TOML example of {kind} models"
-    return str(found[0])
+    """The docs' models-file example of upstream models (or of `gguf` files): docs/serving.md."""
+    found = [b.code for b in blocks("toml") if f"\n{kind} = " in b.code]
+    assert len(found) == 1, f"the docs have one TOML example of {kind} models"
+    return found[0]
 
 
 def upstream(registry: Any, model: str) -> UpstreamBackend:
@@ -43,7 +43,7 @@ def upstream(registry: Any, model: str) -> UpstreamBackend:
 
 
 def test_readme_example_parses_into_the_registry_it_describes() -> None:
-    registry = registry_from_mapping(tomllib.loads(readme_toml()), source="README.md")
+    registry = registry_from_mapping(tomllib.loads(readme_toml()), source="docs/serving.md")
     names = registry.names()
     for name in ("qwen", "llama", "ollama-qwen", "hosted", "llama3", "gpt-5"):
         assert name in names

@@ -7,7 +7,7 @@ from a hand-written list, so a new SDK field shows up here as a failing test.
   the same value after encoding.
 - Serving: each create field, sent to a real server over HTTP and over WebSocket, gives a
   completed response, except the few rollout refuses by design with `unsupported_parameter`
-  naming the field (README's request-field table says why).
+  naming the field (docs/protocol.md's request-field table says why).
 - Conversations: a representative of each input item type (a call together with its output)
   goes through a two-turn conversation over HTTP (stored, listed back by `input_items`,
   continued on a WebSocket) and over WebSocket (cached on the socket); each tool type is
@@ -48,7 +48,7 @@ DEADLINE = 30
 MODEL = "sim:tokens=8"
 
 # Create fields rollout refuses by design, each with `unsupported_parameter` naming it: it
-# cannot honour them, and ignoring them would mislead (README: request fields).
+# cannot honour them, and ignoring them would mislead (docs/protocol.md: request fields).
 REFUSED = {
     "conversation": "no Conversations API; use previous_response_id",
     "prompt": "no stored prompt templates",

@@ -2,24 +2,24 @@
 `client.responses.connect()` sends `stream_id` on `response.create`, every frame validates as
 the SDK's `ResponsesServerEvent` union (the SDK is the oracle: its `*Ws*` event types carry
 `stream_id`), two lanes interleave on one socket, a fork crosses lanes, and the lane errors are
-the SDK's `ResponseWsError` with their codes. The README's lanes example runs as written."""
+the SDK's `ResponseWsError` with their codes. The docs' lanes example (docs/protocol.md) runs
+as written."""
 
 from __future__ import annotations
 
 import contextlib
 import io
-import re
 from pathlib import Path
 from typing import Any
 
 import trio
 from openai.types.responses.responses_server_event import ResponseWsError
 
+from tests.doc_blocks import blocks
 from tests.server_harness import WEATHER_TOOLS, open_test_server, run_in_thread
 from tests.test_server_sdk import TERMINAL, WS_EVENT, sync_client
 
 DEADLINE = 30
-README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def sdk_lanes(url: str) -> dict[str, Any]:
@@ -103,15 +103,11 @@ async def test_the_sdk_drives_lanes(tmp_path: Path) -> None:
 
 
 def run_readme_lanes_example(url: str) -> str:
-    (block,) = [
-        b
-        for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
-        if "stream_id=" in b
-    ]
-    code = block.replace("http://127.0.0.1:8000/v1", url)
+    (block,) = [b for b in blocks("python") if "stream_id=" in b.code]
+    code = block.code.replace("http://127.0.0.1:8000/v1", url)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, block.id, "exec"), {})
     return printed.getvalue()
 
 
