@@ -160,14 +160,17 @@ def _literal_values(t: Any) -> list[Any] | None:
 
 
 def _is_literal(t: Any) -> bool:
+    """A `Literal`, or a union of `Literal`s."""
     return _literal_values(t) is not None
 
 
 def _is_list(t: Any) -> bool:
+    """`list[X]`."""
     return get_origin(t) is list
 
 
 def _is_dict(t: Any) -> bool:
+    """`dict[K, V]`."""
     return get_origin(t) is dict
 
 
@@ -503,12 +506,14 @@ def make_converter(*, strict: bool = True) -> cattrs.Converter:
 
 
 def _as_list(value: Any) -> list[Any]:
+    """`value` if it is an array, else the refusal."""
     if not isinstance(value, list):
         raise InvalidField.wrong_type("an array", value)
     return value
 
 
 def _join(path: str, sub: str) -> str:
+    """Two parts of a param path joined: `input` and `[2]`, `input[2]` and `content`."""
     if not path:
         return sub
     if not sub:
@@ -530,6 +535,7 @@ def _leaf(exc: BaseException, path: str) -> tuple[BaseException, str]:
 
 
 def _to_remote(exc: BaseException) -> RemoteProtocolError:
+    """The OpenAI error for a structuring failure: its first leaf error, at its path."""
     leaf, path = _leaf(exc, "")
     if isinstance(leaf, InvalidField):
         param = _join(path, leaf.subpath)
