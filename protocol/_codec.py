@@ -1,4 +1,12 @@
-"""The codec: one cattrs converter per direction, made once, for JSON and msgpack.
+"""The codec: wire messages as bytes in and typed values out, typed values in and bytes out,
+for JSON and msgpack, with the exact OpenAI error for anything a peer gets wrong.
+
+It is long because it holds every check a message meets outside its fields: the bytes (size,
+UTF-8, JSON or msgpack syntax, numbers and strings we could not send on), the message (an
+object with a known `type`), a create's lane, and `response.steer`, whose input is checked by
+its own rules and answered with an event rather than an error; and the fast path that writes
+the delta events, most of what a stream sends. How each wire type's fields are read and written
+is `_converter.py`'s table of hooks.
 
 Decoding is strict where a peer feeds us (client events, request bodies): unknown keys,
 wrong JSON types, bad enum values and out-of-range numbers are refused with the exact OpenAI
@@ -9,10 +17,6 @@ numbers, integers beyond 64 bits, bytes or extension types, even in opaque field
 
 Decoding server events (what a client of some other server receives) is lenient about unknown
 keys, so the conformance harness and the benchmark can talk to servers that add fields.
-
-`None` means absent: explicit JSON `null`s are dropped before an object is structured.
-Encoding drops absent optional fields of items, tools and client events, and keeps `null`s in
-responses, errors and server events, where clients expect every field to be present.
 """
 
 from __future__ import annotations
@@ -20,25 +24,16 @@ from __future__ import annotations
 import json
 import math
 import re
-import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, Literal, TypeVar
 
 import attrs
 import cattrs
 import msgpack
-from cattrs.cols import list_structure_factory
-from cattrs.errors import (
-    AttributeValidationNote,
-    ForbiddenExtraKeysError,
-    IterableValidationError,
-    IterableValidationNote,
-    StructureHandlerNotFoundError,
-)
-from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
-from ._errors import ErrorBody, LocalProtocolError, RemoteProtocolError
+from ._converter import make_converter, structure
+from ._errors import RemoteProtocolError
 from ._events import (
     CLIENT_EVENT_TYPES,
     MAX_INPUT_ITEMS,
@@ -51,41 +46,10 @@ from ._events import (
     ServerEvent,
     SseErrorEvent,
 )
-from ._items import (
-    CONTENT_PART_TYPES,
-    ITEM_TYPES,
-    KEEP_NULL,
-    WIRE_NAME,
-    ContentPart,
-    Item,
-    Message,
-    OpaqueItem,
-)
+from ._items import Item, Message
 from ._lanes import valid_stream_id
-from ._response import (
-    OMIT_IF_NONE,
-    IncompleteDetails,
-    InputTokensDetails,
-    OutputTokensDetails,
-    ReasoningConfig,
-    Response,
-    ResponseError,
-    ResponseRef,
-    TextConfig,
-    Usage,
-)
-from ._shapes import BUILTIN_TOOL_SHAPES, NESTED_TOOL_SHAPES, OPAQUE_ITEM_SHAPES, check_shape
 from ._steer import InvalidSteer, ResponseSteer
-from ._tools import (
-    TOOL_CHOICE_TYPES,
-    TOOL_TYPES,
-    BuiltinTool,
-    CustomTool,
-    FunctionTool,
-    Tool,
-    ToolChoice,
-)
-from ._validate import MAX_QUOTED_CHARS, InvalidField, clip, describe
+from ._validate import MAX_QUOTED_CHARS, clip, describe
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE",
@@ -106,403 +70,11 @@ T = TypeVar("T")
 # escaping), so the default is generous; servers can lower it per deployment.
 DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 
-# Objects whose absent fields are encoded as explicit `null` (the Response object and its
-# parts, error bodies, and every server event): clients and the SDK types expect them present.
-_KEEP_NULLS: frozenset[type[Any]] = frozenset(
-    {
-        Response,
-        ResponseError,
-        IncompleteDetails,
-        ReasoningConfig,
-        TextConfig,
-        Usage,
-        InputTokensDetails,
-        OutputTokensDetails,
-        ErrorBody,
-        SseErrorEvent,
-        *SERVER_EVENT_TYPES.values(),
-    }
-)
-
-
-# --- structuring hooks -----------------------------------------------------------------------
-
-
-def _strict_str(value: Any, _: Any) -> str:
-    if not isinstance(value, str):
-        raise InvalidField.wrong_type("a string", value)
-    return value
-
-
-def _strict_bool(value: Any, _: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidField.wrong_type("a boolean", value)
-    return value
-
-
-# Integers on the wire are 64-bit (what msgpack and most JSON peers carry); a float is taken
-# as an integer only while it is exact.
+# Integers on the wire are 64-bit (what msgpack and most JSON peers carry).
 _MIN_INT, _MAX_INT = -(2**63), 2**64 - 1
-_MAX_EXACT_FLOAT = 2**53
-
-
-def _strict_int(value: Any, _: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer() and abs(value) <= _MAX_EXACT_FLOAT:
-            return int(value)
-        raise InvalidField.wrong_type("an integer", value)
-    return value
-
-
-def _strict_float(value: Any, _: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidField.wrong_type("a number", value)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidField.wrong_type("a finite number", value)
-    return float(value)
-
-
-def _is_list(t: Any) -> bool:
-    return get_origin(t) is list
-
-
-def _is_dict(t: Any) -> bool:
-    return get_origin(t) is dict
-
-
-def _literal_values(t: Any) -> list[Any] | None:
-    """The values of a `Literal`, or of a union of `Literal`s (e.g. a standard set plus an
-    extension's `Literal["x"]`, optionally `| None`), flattened; `None` for any other type."""
-    if get_origin(t) is Literal:
-        return list(get_args(t))
-    if get_origin(t) not in (typing.Union, types.UnionType):
-        return None
-    args = [a for a in get_args(t) if a is not type(None)]
-    if not args or any(get_origin(a) is not Literal for a in args):
-        return None
-    return [v for a in args for v in get_args(a)]
-
-
-def _is_literal(t: Any) -> bool:
-    return _literal_values(t) is not None
-
-
-def _make_converter(strict: bool) -> cattrs.Converter:
-    conv = cattrs.Converter(detailed_validation=True)
-
-    conv.register_structure_hook(str, _strict_str)
-    conv.register_structure_hook(bool, _strict_bool)
-    conv.register_structure_hook(int, _strict_int)
-    conv.register_structure_hook(float, _strict_float)
-
-    def literal_factory(t: Any) -> Callable[[Any, Any], Any]:
-        allowed = _literal_values(t) or []
-
-        def hook(value: Any, _: Any) -> Any:
-            if any(value == a and type(value) is type(a) for a in allowed):
-                return value
-            if not isinstance(value, str):
-                raise InvalidField.wrong_type("a string", value)
-            raise InvalidField.bad_value(value, allowed)
-
-        return hook
-
-    conv.register_structure_hook_factory(_is_literal, literal_factory)
-
-    def list_factory(t: Any) -> Callable[[Any, Any], Any]:
-        (elem_t,) = get_args(t) or (Any,)
-        if elem_t is Any:
-            inner = list_structure_factory(t, conv)
-            return lambda value, _: _as_list(value) and inner(value, t)
-        elem = conv.get_structure_hook(elem_t)
-
-        def hook(value: Any, _: Any) -> Any:
-            # Element by element, stopping at the first bad one: the cost of a bad body is
-            # independent of how many elements follow (cattrs' own list hook would try them
-            # all and build an exception for each).
-            out = []
-            for i, item in enumerate(_as_list(value)):
-                try:
-                    out.append(elem(item, elem_t))
-                except Exception as exc:
-                    exc.add_note(IterableValidationNote(f"Structuring {t} @ index {i}", i, elem_t))
-                    raise IterableValidationError("While structuring a list", [exc], t) from None
-            return out
-
-        return hook
-
-    conv.register_structure_hook_factory(_is_list, list_factory)
-
-    def dict_factory(t: Any) -> Callable[[Any, Any], Any]:
-        _key_t, val_t = get_args(t) or (str, Any)
-        plain = val_t is Any
-
-        def hook(value: Any, _: Any) -> Any:
-            if not isinstance(value, dict):
-                raise InvalidField.wrong_type("an object", value)
-            out = {}
-            for key, val in value.items():
-                if not isinstance(key, str):
-                    raise InvalidField.wrong_type("string keys", key)
-                if plain:
-                    out[key] = val
-                    continue
-                try:
-                    out[key] = conv.structure(val, val_t)
-                except InvalidField as exc:  # name the entry: `metadata.key`
-                    raise InvalidField(exc.code, exc.template, _join(key, exc.subpath)) from None
-            return out
-
-        return hook
-
-    conv.register_structure_hook_factory(_is_dict, dict_factory)
-
-    def attrs_factory(cls: type[Any]) -> Callable[[Any, Any], Any]:
-        inner = make_dict_structure_fn(
-            cls,
-            conv,
-            _cattrs_forbid_extra_keys=strict,
-            _cattrs_detailed_validation=True,
-            **_renames(cls),
-        )
-
-        def hook(value: Any, _: Any) -> Any:
-            if not isinstance(value, dict):
-                raise InvalidField.wrong_type("an object", value)
-            return inner({k: v for k, v in value.items() if v is not None}, cls)
-
-        return hook
-
-    conv.register_structure_hook_factory(attrs.has, attrs_factory)
-
-    def tagged(
-        table: dict[str, type[Any]], *, default: Callable[[dict[str, Any]], str | None]
-    ) -> Callable[[Any, Any], Any]:
-        supported = list(table)
-
-        def hook(value: Any, _: Any) -> Any:
-            if not isinstance(value, dict):
-                raise InvalidField.wrong_type("an object", value)
-            tag = value.get("type")
-            if tag is None:
-                tag = default(value)
-                if tag is None:
-                    raise InvalidField.missing("type")
-                value = {**value, "type": tag}
-            if not isinstance(tag, str):
-                raise InvalidField.wrong_type("a string", tag, "type")
-            cls = table.get(tag)
-            if cls is None:
-                raise InvalidField.bad_value(tag, supported, "type")
-            return conv.structure(value, cls)
-
-        return hook
-
-    def no_default(_: dict[str, Any]) -> None:
-        return None
-
-    def untyped_item(value: dict[str, Any]) -> str | None:
-        # The SDK's short forms: a message without `type`, and `{"id": ...}` for a reference.
-        if "role" in value:
-            return "message"
-        return "item_reference" if "id" in value else None
-
-    def opaque(
-        cls: type[Any],
-        shapes: dict[str, Any],
-        field: str,
-        nested: Mapping[str, Mapping[str, Mapping[str, Any]]],
-    ) -> Callable[[Any, Any], Any]:
-        """OpaqueItem / BuiltinTool: `type` plus the other keys, checked against their shape
-        (nulls kept: they are carried exactly as given)."""
-
-        def hook(value: Any, _: Any) -> Any:
-            if not isinstance(value, dict):
-                raise InvalidField.wrong_type("an object", value)
-            kind = value.get("type")
-            shape = shapes.get(kind) if isinstance(kind, str) else None
-            if shape is None:
-                raise InvalidField.bad_value(kind, list(shapes), "type")
-            rest = {k: v for k, v in value.items() if k != "type"}
-            if strict:
-                check_shape(shape, rest, nested.get(str(kind)))
-            return cls(**{"type": kind, field: rest})
-
-        return hook
-
-    conv.register_structure_hook(OpaqueItem, opaque(OpaqueItem, OPAQUE_ITEM_SHAPES, "data", {}))
-    conv.register_structure_hook(
-        BuiltinTool, opaque(BuiltinTool, BUILTIN_TOOL_SHAPES, "settings", NESTED_TOOL_SHAPES)
-    )
-    conv.register_unstructure_hook(OpaqueItem, lambda obj: {"type": obj.type, **obj.data})
-    conv.register_unstructure_hook(BuiltinTool, lambda obj: {"type": obj.type, **obj.settings})
-
-    conv.register_structure_hook(Item, tagged(ITEM_TYPES, default=untyped_item))
-    conv.register_structure_hook(ContentPart, tagged(CONTENT_PART_TYPES, default=no_default))
-    conv.register_structure_hook(Tool, tagged(TOOL_TYPES, default=no_default))
-    conv.register_structure_hook(
-        FunctionTool | CustomTool,
-        tagged({"function": FunctionTool, "custom": CustomTool}, default=no_default),
-    )
-
-    def response_or_ref(value: Any, _: Any) -> Response | ResponseRef:
-        # A rollout's resumed `response.in_progress` names its response (`ResponseRef`); any
-        # other carries the whole response, which always has `created_at`.
-        if isinstance(value, dict) and "created_at" not in value:
-            return conv.structure(value, ResponseRef)
-        return conv.structure(value, Response)
-
-    conv.register_structure_hook(Response | ResponseRef, response_or_ref)
-
-    def text_or(expected: str, items_t: Any) -> Callable[[Any, Any], Any]:
-        def hook(value: Any, _: Any) -> Any:
-            if isinstance(value, str):
-                return value
-            if isinstance(value, list):
-                return conv.structure(value, items_t)
-            raise InvalidField.wrong_type(expected, value)
-
-        return hook
-
-    conv.register_structure_hook(
-        str | list[ContentPart], text_or("a string or an array of content parts", list[ContentPart])
-    )
-    conv.register_structure_hook(
-        str | list[Item] | None, text_or("a string or an array of input items", list[Item])
-    )
-
-    modes = ["none", "auto", "required"]
-    choices = tagged(TOOL_CHOICE_TYPES, default=no_default)
-
-    def tool_choice(value: Any, _: Any) -> ToolChoice:
-        if isinstance(value, str):
-            if value in modes:
-                return typing.cast(ToolChoice, value)
-            raise InvalidField.bad_value(value, modes)
-        if isinstance(value, dict):
-            return typing.cast(ToolChoice, choices(value, None))
-        raise InvalidField.wrong_type("a string or an object", value)
-
-    conv.register_structure_hook(ToolChoice, tool_choice)
-    conv.register_structure_hook(ToolChoice | None, tool_choice)
-
-    def id_or_object(value: Any, _: Any) -> Any:  # `conversation`: an id or {"id": ...}
-        if isinstance(value, str | dict):
-            return value
-        raise InvalidField.wrong_type("a string or an object", value)
-
-    conv.register_structure_hook(str | dict[str, Any] | None, id_or_object)
-
-    # --- unstructuring: drop absent optionals except where clients expect nulls ---
-    def unstructure_factory(cls: type[Any]) -> Callable[[Any], Any]:
-        inner = make_dict_unstructure_fn(cls, conv, **_renames(cls))
-        fields = attrs.fields(cls)
-        if cls in _KEEP_NULLS:
-            optional = frozenset(a.name for a in fields if a.metadata.get(OMIT_IF_NONE))
-        else:
-            optional = frozenset(
-                a.metadata.get(WIRE_NAME, a.name)
-                for a in fields
-                if a.default is None and not a.metadata.get(KEEP_NULL)
-            )
-        if not optional:
-            return inner
-
-        def hook(obj: Any) -> dict[str, Any]:
-            out: dict[str, Any] = inner(obj)
-            for name in optional:
-                if out.get(name, 0) is None:
-                    del out[name]
-            return out
-
-        return hook
-
-    conv.register_unstructure_hook_factory(attrs.has, unstructure_factory)
-    return conv
-
-
-def _renames(cls: type[Any]) -> dict[str, Any]:
-    """cattrs overrides for fields whose wire key differs from their name (`async_`)."""
-    return {
-        a.name: override(rename=a.metadata[WIRE_NAME])
-        for a in attrs.fields(cls)
-        if WIRE_NAME in a.metadata
-    }
-
-
-def make_converter(*, strict: bool = True) -> cattrs.Converter:
-    """A converter for rollout's wire types. `strict` forbids unknown keys."""
-    return _make_converter(strict)
-
 
 _STRICT = make_converter(strict=True)
 _LENIENT = make_converter(strict=False)
-
-
-# --- error translation -----------------------------------------------------------------------
-
-
-def _as_list(value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise InvalidField.wrong_type("an array", value)
-    return value
-
-
-def _join(path: str, sub: str) -> str:
-    if not path:
-        return sub
-    if not sub:
-        return path
-    return path + sub if sub.startswith("[") else f"{path}.{sub}"
-
-
-def _leaf(exc: BaseException, path: str) -> tuple[BaseException, str]:
-    """The first leaf error of a cattrs validation error group, and the path to it."""
-    while isinstance(exc, BaseExceptionGroup):
-        sub = exc.exceptions[0]
-        for note in getattr(sub, "__notes__", ()):
-            if isinstance(note, AttributeValidationNote):
-                path = _join(path, note.name)
-            elif isinstance(note, IterableValidationNote):
-                path = _join(path, f"[{note.index}]")
-        exc = sub
-    return exc, path
-
-
-def _to_remote(exc: BaseException) -> RemoteProtocolError:
-    leaf, path = _leaf(exc, "")
-    if isinstance(leaf, InvalidField):
-        param = _join(path, leaf.subpath)
-        return RemoteProtocolError.invalid(
-            leaf.template.replace("{param}", param), code=leaf.code, param=param or None
-        )
-    if isinstance(leaf, ForbiddenExtraKeysError):
-        param = _join(path, min(map(str, leaf.extra_fields)))[:MAX_QUOTED_CHARS]
-        return RemoteProtocolError.invalid(
-            f"Unknown parameter: '{param}'.", code="unknown_parameter", param=param
-        )
-    if isinstance(leaf, KeyError):
-        return RemoteProtocolError.invalid(
-            f"Missing required parameter: '{path}'.",
-            code="missing_required_parameter",
-            param=path or None,
-        )
-    if isinstance(leaf, StructureHandlerNotFoundError):
-        raise LocalProtocolError(f"no codec rule for the field at {path!r}: {leaf}") from exc
-    return RemoteProtocolError.invalid(
-        f"Invalid value for '{path}': {clip(str(leaf))}.", code="invalid_value", param=path or None
-    )
-
-
-def _structure(conv: cattrs.Converter, data: Any, cls: Any) -> Any:
-    try:
-        return conv.structure(data, cls)
-    except RecursionError:
-        raise RemoteProtocolError.invalid(
-            "The message is nested too deeply.", code="invalid_value"
-        ) from None
-    except Exception as exc:
-        raise _to_remote(exc) from None
 
 
 # --- bytes <-> values ------------------------------------------------------------------------
@@ -633,7 +205,7 @@ def _as_event(value: Any, table: dict[str, type[Any]], conv: cattrs.Converter) -
             code="invalid_value",
             param="type",
         )
-    return _structure(conv, value, cls)
+    return structure(conv, value, cls)
 
 
 def decode_client_event(
@@ -743,7 +315,7 @@ def _steer_message_problem(item: Any, where: str) -> str | None:
                     "input_text, input_image or input_file."
                 )
     try:
-        _structure(_STRICT, item, Item)
+        structure(_STRICT, item, Item)
     except RemoteProtocolError as exc:
         return f"Invalid '{where}': {exc.body.message}"
     return None
@@ -760,7 +332,7 @@ def steer_items(raw: Any) -> list[Item]:
             code="invalid_input",
             param="input",
         )
-    return [typing.cast(Item, _structure(_STRICT, item, Item)) for item in raw]
+    return [typing.cast(Item, structure(_STRICT, item, Item)) for item in raw]
 
 
 def decode_create_body(
@@ -789,7 +361,7 @@ def decode_create_body(
         raise RemoteProtocolError.invalid(
             "Unknown parameter: 'type'.", code="unknown_parameter", param="type"
         )
-    return typing.cast(ResponseCreate, _structure(_STRICT, value, ResponseCreate))
+    return typing.cast(ResponseCreate, structure(_STRICT, value, ResponseCreate))
 
 
 def decode_server_event(
@@ -812,7 +384,7 @@ def decode_server_event(
 
 def from_wire(value: Any, cls: type[T] | Any, *, strict: bool = True) -> T:
     """Structure an already-parsed JSON value as `cls`, raising `RemoteProtocolError`."""
-    return typing.cast(T, _structure(_STRICT if strict else _LENIENT, value, cls))
+    return typing.cast(T, structure(_STRICT if strict else _LENIENT, value, cls))
 
 
 def to_wire(obj: Any) -> Any:
