@@ -489,7 +489,6 @@ async def test_postgres_migrates_items_to_owner_keys(
     postgres_urls: Callable[[], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Tables of schema version 1 (items keyed by id) are upgraded in place on open."""
-    from rollout.engine import _pg_store
     from rollout.engine._pg import open_pool
     from rollout.engine._pg_store import POSTGRES_RESPONSES_SCHEMA_VERSION
 
@@ -503,10 +502,13 @@ async def test_postgres_migrates_items_to_owner_keys(
         )
         with monkeypatch.context() as patch:  # the version 1 store's statement
             patch.setattr(
-                _pg_store,
-                "_PUT_ITEM",
-                "INSERT INTO items (id, response_id, owner, body) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT (id) DO NOTHING",
+                PostgresResponseStore,
+                "_sql",
+                attrs.evolve(
+                    PostgresResponseStore._sql,
+                    put_item="INSERT INTO items (id, response_id, owner, body) "
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
+                ),
             )
             async with PostgresResponseStore(pool, conninfo) as old:
                 await put_squatted(old)
