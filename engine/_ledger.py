@@ -115,7 +115,7 @@ _ORDER = " ORDER BY response_id, step"
 
 @attrs.frozen
 class UsageSQL:
-    """The ledger's statements in one dialect."""
+    """The ledger's statements (templates, or in one dialect: `Dialect.render`)."""
 
     record: str
     totals: str
@@ -123,18 +123,16 @@ class UsageSQL:
     rows: str
     rows_of: str
 
-    @classmethod
-    def of(cls, dialect: Dialect) -> UsageSQL:
-        sql = dialect.sql
-        return cls(
-            # The idempotency rule, in SQL: replace a stored row only by a complete record over
-            # an incomplete row.
-            record=sql(upsert("usage", _COLUMNS, _KEY, where="excluded.complete > usage.complete")),
-            totals=_TOTALS,
-            totals_of=sql(f"{_TOTALS} WHERE owner = ?"),
-            rows=_ROWS + _ORDER,
-            rows_of=sql(f"{_ROWS} WHERE response_id = ?{_ORDER}"),
-        )
+
+USAGE_SQL = UsageSQL(
+    # The idempotency rule, in SQL: replace a stored row only by a complete record over an
+    # incomplete row.
+    record=upsert("usage", _COLUMNS, _KEY, where="excluded.complete > usage.complete"),
+    totals=_TOTALS,
+    totals_of=f"{_TOTALS} WHERE owner = ?",
+    rows=_ROWS + _ORDER,
+    rows_of=f"{_ROWS} WHERE response_id = ?{_ORDER}",
+)
 
 
 _Row: TypeAlias = tuple[str, int, str | None, str, int, int, int, int, float]
@@ -260,7 +258,7 @@ def _in_transaction(write: Callable[[Connection], None], conn: sqlite3.Connectio
 class SQLiteUsageLedger(_SQLiteResource, SQLUsageLedger):
     """A `UsageLedger` in one SQLite file. Make one with `open_sqlite_ledger()`."""
 
-    _sql = UsageSQL.of(SQLITE)
+    _sql = SQLITE.render(USAGE_SQL)
 
     def __init__(
         self,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ._ledger import SQLUsageLedger, UsageSQL, usage_schema
+from ._ledger import USAGE_SQL, SQLUsageLedger, usage_schema
 from ._pg import DEFAULT_POOL_SIZE, PostgresResource, connect, open_pool, retrying
 from ._sql import POSTGRES, Connection
 
@@ -44,7 +44,7 @@ POSTGRES_USAGE_MIGRATIONS: dict[int, tuple[str, ...]] = {}
 class PostgresUsageLedger(PostgresResource, SQLUsageLedger):
     """A `UsageLedger` in a PostgreSQL database. Make one with `open_postgres_ledger()`."""
 
-    _sql = UsageSQL.of(POSTGRES)
+    _sql = POSTGRES.render(USAGE_SQL)
 
     async def _write_batch(self, write: Callable[[Connection], None]) -> None:
         await self._run(write)  # a call is one transaction (statements pipelined: one round trip)

@@ -30,7 +30,7 @@ import trio
 
 from ._pg import DEFAULT_POOL_SIZE, Conn, PostgresResource, open_pool
 from ._sql import POSTGRES
-from ._store import ITEMS_BY_ID, ResponseSQL, SQLResponseStore, backfilled_items, responses_schema
+from ._store import ITEMS_BY_ID, RESPONSE_SQL, SQLResponseStore, backfilled_items, responses_schema
 
 __all__ = [
     "POSTGRES_RESPONSES_SCHEMA",
@@ -78,7 +78,7 @@ _SECRET_GET = "SELECT value FROM secrets WHERE name = %s"
 class PostgresResponseStore(PostgresResource, SQLResponseStore):
     """A `ResponseStore` in a PostgreSQL database. Make one with `open_postgres_store()`."""
 
-    _sql = ResponseSQL.of(POSTGRES)
+    _sql = POSTGRES.render(RESPONSE_SQL)
 
     async def shared_secret(self, name: str, *, size: int = 32) -> bytes:
         """A random secret of `size` bytes made by the first process to ask for `name`; every

@@ -26,9 +26,10 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import attrs
+from attrs import AttrsInstance
 
 __all__ = [
     "POSTGRES",
@@ -70,27 +71,31 @@ class Connection(Protocol):
 _TOKEN = re.compile(r"'(?:[^']|'')*'|::|:(\w+)|\?")
 
 
+A = TypeVar("A", bound=AttrsInstance)
+
+
 @attrs.frozen
 class Dialect:
-    """What one database spells its own way."""
+    """What one database spells its own way; the defaults are SQLite's spelling, the one the
+    templates are written in."""
 
     name: str
     # Parameters: the positional one, and a named one with `{}` for the name.
-    placeholder: str
-    named_placeholder: str
+    placeholder: str = "?"
+    named_placeholder: str = ":{}"
     # Column types.
-    blob: str
-    small_int: str
-    big_int: str
-    double: str
+    blob: str = "BLOB"
+    small_int: str = "INTEGER"
+    big_int: str = "INTEGER"
+    double: str = "REAL"
     # After a `CREATE TABLE`'s parentheses: a table stored in its primary key's order.
-    clustered: str
+    clustered: str = " WITHOUT ROWID"
     # NULL-safe equality.
-    is_: str
+    is_: str = "IS"
     # Whether a unique key can treat NULLs as equal (`UNIQUE NULLS NOT DISTINCT`).
-    unique_nulls_not_distinct: bool
+    unique_nulls_not_distinct: bool = False
     # Run (with a key) first in the transaction that creates or upgrades a component's tables.
-    schema_lock: str | None
+    schema_lock: str | None = None
 
     def sql(self, template: str) -> str:
         """`template` (sqlite3's parameter styles, slots `{blob}`, `{small_int}`, `{big_int}`,
@@ -119,20 +124,13 @@ class Dialect:
 
         return _TOKEN.sub(replace, text)
 
+    def render(self, statements: A) -> A:
+        """`statements` (attrs fields of templates) with each field in this dialect."""
+        templates: dict[str, str] = attrs.asdict(statements, recurse=False)
+        return type(statements)(**{k: self.sql(v) for k, v in templates.items()})
 
-SQLITE = Dialect(
-    name="sqlite",
-    placeholder="?",
-    named_placeholder=":{}",
-    blob="BLOB",
-    small_int="INTEGER",
-    big_int="INTEGER",
-    double="REAL",
-    clustered=" WITHOUT ROWID",
-    is_="IS",
-    unique_nulls_not_distinct=False,
-    schema_lock=None,
-)
+
+SQLITE = Dialect(name="sqlite")
 
 POSTGRES = Dialect(
     name="postgresql",

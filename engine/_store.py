@@ -198,7 +198,7 @@ SELECT id, owner, parent_id, is_root, body, rendered FROM chain ORDER BY depth
 
 @attrs.frozen
 class ResponseSQL:
-    """The store's statements in one dialect."""
+    """The store's statements (templates, or in one dialect: `Dialect.render`)."""
 
     put: str
     put_item: str
@@ -208,30 +208,24 @@ class ResponseSQL:
     get_item: str
     chain: str
 
-    @classmethod
-    def of(cls, dialect: Dialect) -> ResponseSQL:
-        sql = dialect.sql
-        return cls(
-            put=sql(
-                upsert(
-                    "responses",
-                    _COLUMNS,
-                    ("id",),
-                    where="responses.owner {is} excluded.owner",
-                    keep=("owner",),
-                )
-            ),
-            # The first response of an owner to store an item id keeps it.
-            put_item=sql(
-                "INSERT INTO items (id, response_id, owner, body) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT DO NOTHING"
-            ),
-            get=sql(f"{_SELECT} responses WHERE id = ? AND owner {{is}} ?"),
-            delete=sql("DELETE FROM responses WHERE id = ? AND owner {is} ?"),
-            delete_items=sql("DELETE FROM items WHERE response_id = ? AND owner {is} ?"),
-            get_item=sql("SELECT body FROM items WHERE id = ? AND owner {is} ?"),
-            chain=sql(_CHAIN),
-        )
+
+RESPONSE_SQL = ResponseSQL(
+    put=upsert(
+        "responses",
+        _COLUMNS,
+        ("id",),
+        where="responses.owner {is} excluded.owner",
+        keep=("owner",),
+    ),
+    # The first response of an owner to store an item id keeps it.
+    put_item="INSERT INTO items (id, response_id, owner, body) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT DO NOTHING",
+    get=f"{_SELECT} responses WHERE id = ? AND owner {{is}} ?",
+    delete="DELETE FROM responses WHERE id = ? AND owner {is} ?",
+    delete_items="DELETE FROM items WHERE response_id = ? AND owner {is} ?",
+    get_item="SELECT body FROM items WHERE id = ? AND owner {is} ?",
+    chain=_CHAIN,
+)
 
 
 _Row: TypeAlias = tuple[str, str | None, str | None, int, bytes, bytes | None]
@@ -543,7 +537,7 @@ def _schema_version(conn: sqlite3.Connection, component: str) -> int | None:
 class SQLiteResponseStore(_SQLiteResource, SQLResponseStore):
     """A `ResponseStore` in one SQLite file. Make one with `open_sqlite_store()`."""
 
-    _sql = ResponseSQL.of(SQLITE)
+    _sql = SQLITE.render(RESPONSE_SQL)
 
 
 def _backfill_items(conn: sqlite3.Connection) -> None:
