@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +128,19 @@ def test_dialect_renders_parameters_and_slots() -> None:
         POSTGRES.sql("SELECT 5 % ?")
 
 
-async def use(store: Store, ledger: Ledger) -> None:
-    """The store and the ledger work on the tables they opened."""
+async def use(
+    where: tuple[str, ...],
+    open_store: Callable[[str], Awaitable[Store]],
+    open_ledger: Callable[[str], Awaitable[Ledger]],
+) -> None:
+    """In each database, the store and the ledger open and work on the tables they find."""
+    with trio.fail_after(DEADLINE):
+        for place in where:
+            async with await open_store(place) as store, await open_ledger(place) as ledger:
+                await use_one(store, ledger)
+
+
+async def use_one(store: Store, ledger: Ledger) -> None:
     await store.put(make("r1", owner="alice"))
     await store.put(make("r2", parent_id="r1", owner="alice"))
     await store.put(make("r3"))
@@ -163,13 +174,7 @@ async def test_sqlite_file_of_the_code_before_opens(tmp_path: Path) -> None:
         conn.execute(statement)
     conn.commit()
     conn.close()
-    with trio.fail_after(DEADLINE):
-        for path in (before, fresh):
-            async with (
-                await open_sqlite_store(path) as store,
-                await open_sqlite_ledger(path) as ledger,
-            ):
-                await use(store, ledger)
+    await use((str(before), str(fresh)), open_sqlite_store, open_sqlite_ledger)
     assert _sqlite_tables(fresh) == _sqlite_tables(before)
 
 
@@ -207,13 +212,7 @@ async def test_postgres_database_of_the_code_before_opens(
     with psycopg.connect(before) as conn:
         for statement in POSTGRES_BEFORE:
             conn.execute(statement)
-    with trio.fail_after(DEADLINE):
-        for url in (before, fresh):
-            async with (
-                await open_postgres_store(url) as store,
-                await open_postgres_ledger(url) as ledger,
-            ):
-                await use(store, ledger)
+    await use((before, fresh), open_postgres_store, open_postgres_ledger)
     made = _postgres_tables(fresh)
     assert made == _postgres_tables(before)
     assert len(made["indexes"]) == 8 and len(made["constraints"]) == 7, made
