@@ -1,12 +1,14 @@
-"""Usage ledgers: `SQLiteUsageLedger` (embedded, durable) and `MemoryUsageLedger`.
+"""Usage ledgers: the ledger's table and statements written once over a `_sql.Dialect`, run on
+SQLite here (`SQLiteUsageLedger`, embedded and durable) and on PostgreSQL in `_pg_ledger.py`;
+and `MemoryUsageLedger`.
 
 The ledger records one `UsageRecord` per sampling step, keyed by `(response_id, step)`. Work
 that was done counts even if the client never saw it, so an interrupted step (disconnect,
 cancellation) is recorded with `complete=False` from a shielded cleanup through the blocking
 `record_sync`; if the step is later recorded again as complete, that record wins.
 
-Idempotency, the same for both implementations (and any shared one, e.g. PostgreSQL with the
-same `INSERT ... ON CONFLICT ... DO UPDATE ... WHERE` statement):
+Idempotency, the same for every implementation (the SQL ones by one `INSERT ... ON CONFLICT
+... DO UPDATE ... WHERE` statement):
 
 - one row per `(response_id, step)`, whatever the number of times it is recorded;
 - a `complete=True` record replaces a stored `complete=False` one;
@@ -26,20 +28,24 @@ is in flight (it waits at most `busy_timeout` seconds for SQLite's write lock).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import ClassVar, TypeAlias, TypeVar
 
+import attrs
 import trio
 
 from ._interfaces import UsageRecord
 from ._memory import MemoryResource
+from ._sql import SQLITE, Connection, Dialect, count_rows, upsert
 from ._store import (
     DEFAULT_BUSY_TIMEOUT,
     Synchronous,
     _SQLiteResource,
     connect,
     ensure_schema,
+    transaction,
 )
 
 __all__ = [
@@ -50,51 +56,84 @@ __all__ = [
     "open_sqlite_ledger",
 ]
 
-USAGE_SCHEMA_VERSION = 1
+T = TypeVar("T")
 
-# The usage ledger's schema (version `USAGE_SCHEMA_VERSION`), one statement per entry. One row
-# per sampling step; `owner` is NULL when auth is off; `complete` is 0 for an interrupted step;
+# The usage ledger's table, one statement per entry (slots: `_sql.Dialect.sql`). One row per
+# sampling step; `owner` is NULL when auth is off; `complete` is 0 for an interrupted step;
 # `created_at` is unix seconds. The (owner, created_at) index serves billing queries ("usage of
-# owner X this month"); rows are small, so the table is clustered on its key (WITHOUT ROWID).
-USAGE_SCHEMA: tuple[str, ...] = (
+# owner X this month"); rows are small, so the table is clustered on its key where the database
+# can (SQLite's WITHOUT ROWID).
+_USAGE_SCHEMA: tuple[str, ...] = (
     """
     CREATE TABLE usage (
         response_id   TEXT NOT NULL,
         step          INTEGER NOT NULL,
         owner         TEXT,
         model         TEXT NOT NULL,
-        input_tokens  INTEGER NOT NULL,
-        cached_tokens INTEGER NOT NULL,
-        output_tokens INTEGER NOT NULL,
-        complete      INTEGER NOT NULL CHECK (complete IN (0, 1)),
-        created_at    REAL NOT NULL,
+        input_tokens  {big_int} NOT NULL,
+        cached_tokens {big_int} NOT NULL,
+        output_tokens {big_int} NOT NULL,
+        complete      {small_int} NOT NULL CHECK (complete IN (0, 1)),
+        created_at    {double} NOT NULL,
         PRIMARY KEY (response_id, step)
-    ) WITHOUT ROWID""",
+    ){clustered}""",
     "CREATE INDEX usage_owner_created ON usage (owner, created_at)",
 )
+
+
+def usage_schema(dialect: Dialect) -> tuple[str, ...]:
+    """The usage ledger's table and index in `dialect`."""
+    return tuple(dialect.sql(statement) for statement in _USAGE_SCHEMA)
+
+
+USAGE_SCHEMA_VERSION = 1
+
+# The SQLite ledger's schema (version `USAGE_SCHEMA_VERSION`).
+USAGE_SCHEMA = usage_schema(SQLITE)
 
 # Upgrades from an older schema version: {from_version: statements to reach from_version + 1}.
 USAGE_MIGRATIONS: dict[int, tuple[str, ...]] = {}
 
+_KEY = ("response_id", "step")
 _COLUMNS = (
-    "response_id, step, owner, model, input_tokens, cached_tokens, output_tokens, complete, "
-    "created_at"
+    *_KEY,
+    "owner",
+    "model",
+    "input_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "complete",
+    "created_at",
+)
+_TOTALS = (
+    "SELECT count(*), coalesce(sum(1 - complete), 0), coalesce(sum(input_tokens), 0), "
+    "coalesce(sum(cached_tokens), 0), coalesce(sum(output_tokens), 0) FROM usage"
+)
+_ROWS = f"SELECT {', '.join(_COLUMNS)} FROM usage"
+_ORDER = " ORDER BY response_id, step"
+
+
+@attrs.frozen
+class UsageSQL:
+    """The ledger's statements (templates, or in one dialect: `Dialect.render`)."""
+
+    record: str
+    totals: str
+    totals_of: str
+    rows: str
+    rows_of: str
+
+
+USAGE_SQL = UsageSQL(
+    # The idempotency rule, in SQL: replace a stored row only by a complete record over an
+    # incomplete row.
+    record=upsert("usage", _COLUMNS, _KEY, where="excluded.complete > usage.complete"),
+    totals=_TOTALS,
+    totals_of=f"{_TOTALS} WHERE owner = ?",
+    rows=_ROWS + _ORDER,
+    rows_of=f"{_ROWS} WHERE response_id = ?{_ORDER}",
 )
 
-# The idempotency rule, in SQL: replace a stored row only by a complete record over an
-# incomplete row.
-_RECORD = f"""
-INSERT INTO usage ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (response_id, step) DO UPDATE SET
-    owner = excluded.owner,
-    model = excluded.model,
-    input_tokens = excluded.input_tokens,
-    cached_tokens = excluded.cached_tokens,
-    output_tokens = excluded.output_tokens,
-    complete = excluded.complete,
-    created_at = excluded.created_at
-WHERE excluded.complete > usage.complete
-"""
 
 _Row: TypeAlias = tuple[str, int, str | None, str, int, int, int, int, float]
 
@@ -128,14 +167,16 @@ def _record(row: _Row) -> UsageRecord:
     )
 
 
-def _write(conn: sqlite3.Connection, records: Sequence[UsageRecord]) -> None:
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        conn.executemany(_RECORD, [_params(r) for r in records])
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
+def _key(record: UsageRecord) -> tuple[str, int]:
+    return record.response_id, record.step
+
+
+def _write(sql: UsageSQL, records: Sequence[UsageRecord], conn: Connection) -> None:
+    """In the caller's transaction, in key order: every writer locks rows in the same order, so
+    two batches over the same rows never deadlock (PostgreSQL). The sort is stable, so the
+    records of one key keep their order, which is all the outcome depends on (records of
+    different keys are independent)."""
+    conn.cursor().executemany(sql.record, [_params(r) for r in sorted(records, key=_key)])
 
 
 def _supersedes(new: UsageRecord, old: UsageRecord | None) -> bool:
@@ -146,10 +187,78 @@ def _supersedes(new: UsageRecord, old: UsageRecord | None) -> bool:
 _TOTAL_KEYS = ("records", "incomplete", "input_tokens", "cached_tokens", "output_tokens")
 
 
-class SQLiteUsageLedger(_SQLiteResource):
-    """A `UsageLedger` in one SQLite file. Make one with `open_sqlite_ledger()`."""
+class SQLUsageLedger:
+    """The `UsageLedger` operations over `_sql`'s statements, each one call of the resource's
+    `_run` (a worker thread with a connection); writes go through `_write_batch` (one
+    transaction, async) and `_write_batch_now` (one transaction on a connection of its own, in
+    the calling thread), the resource's."""
 
     _what = "usage ledger"
+    _sql: ClassVar[UsageSQL]
+
+    async def _run(self, fn: Callable[[Connection], T]) -> T:
+        raise NotImplementedError  # pragma: no cover (the resource's)
+
+    def _check_open(self) -> object:
+        raise NotImplementedError  # pragma: no cover (the resource's)
+
+    async def _write_batch(self, write: Callable[[Connection], None]) -> None:
+        raise NotImplementedError  # pragma: no cover (the backend's)
+
+    def _write_batch_now(self, write: Callable[[Connection], None]) -> None:
+        raise NotImplementedError  # pragma: no cover (the backend's)
+
+    async def record(self, records: Sequence[UsageRecord]) -> None:
+        """Record a batch in one transaction; committed when this returns."""
+        if not records:
+            return
+        await self._write_batch(partial(_write, self._sql, list(records)))
+
+    def record_sync(self, records: Sequence[UsageRecord]) -> None:
+        """Record a batch, blocking the calling thread, on a connection of its own (so it never
+        waits for the async path's lock or pool; SQLite: only for its write lock, up to
+        `busy_timeout`). For the last word of a cancelled rollout, from a shielded cleanup."""
+        self._check_open()
+        if not records:
+            return
+        self._write_batch_now(partial(_write, self._sql, records))
+
+    async def totals(self, owner: str | None = None) -> dict[str, int]:
+        """Sums over the ledger: `records`, `incomplete` (rows with complete=0),
+        `input_tokens`, `cached_tokens`, `output_tokens`. `owner=None` sums every row (with
+        auth off, every row has owner None); otherwise only that owner's."""
+        query, params = (self._sql.totals, ()) if owner is None else (self._sql.totals_of, (owner,))
+
+        def run(conn: Connection) -> dict[str, int]:
+            row = conn.execute(query, params).fetchone()
+            return {key: int(value) for key, value in zip(_TOTAL_KEYS, row, strict=True)}
+
+        return await self._run(run)
+
+    async def rows(self, response_id: str | None = None) -> list[UsageRecord]:
+        """Every row (or one response's), ordered by `(response_id, step)`."""
+        query, params = (
+            (self._sql.rows, ()) if response_id is None else (self._sql.rows_of, (response_id,))
+        )
+
+        def run(conn: Connection) -> list[UsageRecord]:
+            return [_record(row) for row in conn.execute(query, params)]
+
+        return await self._run(run)
+
+    async def count(self) -> int:
+        return await self._run(lambda conn: count_rows(conn, "usage"))
+
+
+def _in_transaction(write: Callable[[Connection], None], conn: sqlite3.Connection) -> None:
+    with transaction(conn):
+        write(conn)
+
+
+class SQLiteUsageLedger(_SQLiteResource, SQLUsageLedger):
+    """A `UsageLedger` in one SQLite file. Make one with `open_sqlite_ledger()`."""
+
+    _sql = SQLITE.render(USAGE_SQL)
 
     def __init__(
         self,
@@ -163,61 +272,15 @@ class SQLiteUsageLedger(_SQLiteResource):
         self._synchronous: Synchronous = synchronous
         self._busy_timeout = busy_timeout
 
-    async def record(self, records: Sequence[UsageRecord]) -> None:
-        """Record a batch in one transaction; committed when this returns."""
-        if not records:
-            return
-        batch = list(records)
-        await self._run(lambda conn: _write(conn, batch))
+    async def _write_batch(self, write: Callable[[Connection], None]) -> None:
+        await self._run(partial(_in_transaction, write))
 
-    def record_sync(self, records: Sequence[UsageRecord]) -> None:
-        """Record a batch, blocking the calling thread, on a fresh connection (so it never
-        waits for the async path's lock, only for SQLite's write lock, up to `busy_timeout`).
-        For the last word of a cancelled rollout, from a shielded cleanup."""
-        self._check_open()
-        if not records:
-            return
+    def _write_batch_now(self, write: Callable[[Connection], None]) -> None:
         conn = connect(self.path, synchronous=self._synchronous, busy_timeout=self._busy_timeout)
         try:
-            _write(conn, records)
+            _in_transaction(write, conn)
         finally:
             conn.close()
-
-    async def totals(self, owner: str | None = None) -> dict[str, int]:
-        """Sums over the ledger: `records`, `incomplete` (rows with complete=0),
-        `input_tokens`, `cached_tokens`, `output_tokens`. `owner=None` sums every row (with
-        auth off, every row has owner None); otherwise only that owner's."""
-        query = (
-            "SELECT count(*), coalesce(sum(1 - complete), 0), coalesce(sum(input_tokens), 0), "
-            "coalesce(sum(cached_tokens), 0), coalesce(sum(output_tokens), 0) FROM usage"
-        )
-        params: tuple[Any, ...] = ()
-        if owner is not None:
-            query += " WHERE owner = ?"
-            params = (owner,)
-
-        def run(conn: sqlite3.Connection) -> dict[str, int]:
-            row = conn.execute(query, params).fetchone()
-            return {key: int(value) for key, value in zip(_TOTAL_KEYS, row, strict=True)}
-
-        return await self._run(run)
-
-    async def rows(self, response_id: str | None = None) -> list[UsageRecord]:
-        """Every row (or one response's), ordered by `(response_id, step)`."""
-        query = f"SELECT {_COLUMNS} FROM usage"
-        params: tuple[Any, ...] = ()
-        if response_id is not None:
-            query += " WHERE response_id = ?"
-            params = (response_id,)
-        query += " ORDER BY response_id, step"
-
-        def run(conn: sqlite3.Connection) -> list[UsageRecord]:
-            return [_record(row) for row in conn.execute(query, params)]
-
-        return await self._run(run)
-
-    async def count(self) -> int:
-        return await self._count_rows("usage")
 
 
 async def open_sqlite_ledger(

@@ -22,14 +22,12 @@ advisory lock first, so exactly one of them does it.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import trio
 
-from ._store import schema_steps
+from ._sql import POSTGRES, migrate
 
 # psycopg is imported where it is used: `import rollout.engine` stays as fast without it.
 if TYPE_CHECKING:
@@ -78,12 +76,6 @@ TCP_USER_TIMEOUT = 30_000
 MAX_TRANSACTION_TRIES = 3
 # Seconds `aclose` waits for the pool's background workers to stop.
 POOL_CLOSE_TIMEOUT = 5.0
-
-SCHEMA_VERSIONS_DDL = """
-CREATE TABLE IF NOT EXISTS schema_versions (
-    component TEXT PRIMARY KEY,
-    version   INTEGER NOT NULL
-)"""
 
 
 class StoreError(RuntimeError):
@@ -154,26 +146,14 @@ def ensure_schema(
     """Create `component`'s tables, or upgrade them to `version`, in one transaction; processes
     starting together wait for each other (an advisory lock keyed by the component)."""
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (zlib.crc32(component.encode()),))
-        conn.execute(SCHEMA_VERSIONS_DDL)
-        row = conn.execute(
-            "SELECT version FROM schema_versions WHERE component = %s", (component,)
-        ).fetchone()
-        steps = schema_steps(
-            component, None if row is None else int(row[0]), version, schema, migrations
+        migrate(
+            conn,
+            POSTGRES,
+            component=component,
+            version=version,
+            schema=schema,
+            migrations=migrations,
         )
-        for statement in steps:
-            conn.execute(statement)
-        if row is None:
-            conn.execute(
-                "INSERT INTO schema_versions (component, version) VALUES (%s, %s)",
-                (component, version),
-            )
-        else:
-            conn.execute(
-                "UPDATE schema_versions SET version = %s WHERE component = %s",
-                (version, component),
-            )
 
 
 def retrying(fn: Callable[[Conn], T], conn: Conn) -> T:
@@ -233,7 +213,7 @@ async def open_pool(
     return await trio.to_thread.run_sync(run), conninfo
 
 
-class PostgresResource:
+class PostgresResource(trio.abc.AsyncResource):
     """A connection pool used from trio's worker threads, one transaction per call."""
 
     _what = "resource"
@@ -263,28 +243,9 @@ class PostgresResource:
         self._check_open()
         return await trio.to_thread.run_sync(self._call, fn, limiter=self._limiter)
 
-    async def _count_rows(self, table: str) -> int:
-        def run(conn: Conn) -> int:
-            row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
-            assert row is not None
-            return int(row[0])
-
-        return await self._run(run)
-
     async def aclose(self) -> None:
         """Close the pool. Calls not yet running fail with `ClosedResourceError`; a call in
         flight finishes first (its connection is closed when it is returned). Idempotent."""
         self._closed = True
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(self._pool.close, POOL_CLOSE_TIMEOUT)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()

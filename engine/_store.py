@@ -1,14 +1,15 @@
-"""Response stores: `SQLiteResponseStore` (embedded, durable); `MemoryResponseStore` is in
-`_memory.py`.
+"""Response stores in SQL: the store's tables and queries written once over a `_sql.Dialect`,
+run on SQLite here (`SQLiteResponseStore`, embedded and durable) and on PostgreSQL in
+`_pg_store.py`; `MemoryResponseStore` is in `_memory.py`.
 
 A store keeps the responses created with `store=true` so that a later request can name one as
 `previous_response_id` and the engine can rebuild (hydrate) its context by walking parents up to
-a root (`get_chain`). Stores are injected as the `ResponseStore` Protocol; the Protocol exists
-so that a shared PostgreSQL implementation can serve several rollout processes behind a load
-balancer, where a follow-up request may land on a process that never saw the parent.
+a root (`get_chain`). Stores are injected as the `ResponseStore` Protocol; the PostgreSQL one
+serves several rollout processes behind a load balancer, where a follow-up request may land on
+a process that never saw the parent.
 
-A PostgreSQL implementation should keep the same table shape (`RESPONSES_SCHEMA`, with `BYTEA`
-for the body) and must preserve what the tests check for both implementations here:
+Both SQL stores run the same statements (`ResponseSQL`) and operations (`SQLResponseStore`) on
+the same table shape (`responses_schema`), and keep what the tests check for every store:
 
 - **Idempotent put, last write wins**: `put` is an upsert on the response id
   (`INSERT ... ON CONFLICT (id) DO UPDATE ... WHERE` the owner is unchanged), so the
@@ -17,13 +18,13 @@ for the body) and must preserve what the tests check for both implementations he
 - **Owner isolation**: a response stored by owner A is invisible to owner B for `get`,
   `get_chain` (a parent owned by someone else is a missing parent) and `delete`, and a `put`
   never moves an id to another owner. Owner `None` means "auth off" and matches only rows
-  stored with owner `None`: compare with `IS NOT DISTINCT FROM` in PostgreSQL (`IS` here),
+  stored with owner `None`: owners are compared NULL-safely (`IS`, `IS NOT DISTINCT FROM`),
   never with `=`, which is never true for NULLs.
 - **Items per owner**: the items table (`item_reference` lookups) is keyed by (owner, id):
   item ids may be chosen by the client, and another owner storing an id first changes
-  nothing for this owner (in PostgreSQL, `UNIQUE NULLS NOT DISTINCT (owner, id)`).
-- **One round trip per chain**: `get_chain` is one recursive CTE (`WITH RECURSIVE` works
-  unchanged), bounded by `max_depth`, so a deep history is not N queries across a network.
+  nothing for this owner.
+- **One round trip per chain**: `get_chain` is one recursive CTE, bounded by `max_depth`, so a
+  deep history is not N queries across a network.
 
 SQLite access: one dedicated connection in WAL mode, used from trio's worker threads
 (`trio.to_thread.run_sync`) one call at a time under a `trio.Lock`; encoding and decoding run in
@@ -42,15 +43,17 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Literal, Self, TypeAlias, TypeVar
+from typing import Any, ClassVar, Literal, TypeAlias, TypeVar
 
+import attrs
 import msgpack
 import trio
 from rollout.protocol import Item, RemoteProtocolError, Response, Tool, from_wire, to_wire
 
 from ._interfaces import StoredResponse
+from ._sql import SQLITE, Connection, Dialect, count_rows, migrate, upsert
 
 __all__ = [
     "DEFAULT_BUSY_TIMEOUT",
@@ -77,17 +80,9 @@ MAX_CHAIN_DEPTH = 10_000
 # queue behind them. Five seconds rides out a burst without hanging a caller forever.
 DEFAULT_BUSY_TIMEOUT = 5.0
 
-# Bookkeeping shared by every component that keeps tables in a rollout SQLite file (the store
-# and the usage ledger may share one file): one row per component with its schema version.
-SCHEMA_VERSIONS_DDL = """
-CREATE TABLE IF NOT EXISTS schema_versions (
-    component TEXT PRIMARY KEY,
-    version   INTEGER NOT NULL
-)"""
+# --- the tables, for both databases ----------------------------------------------------------
 
-RESPONSES_SCHEMA_VERSION = 4
-
-# The response store's schema (version `RESPONSES_SCHEMA_VERSION`), one statement per entry.
+# The response store's tables, one statement per entry (slots: `_sql.Dialect.sql`).
 #   id          the response id (`resp_...`), the only lookup key.
 #   owner       who stored it (the authenticated principal); NULL when auth is off.
 #   parent_id   `previous_response_id` of the response, NULL for a conversation's first.
@@ -97,40 +92,66 @@ RESPONSES_SCHEMA_VERSION = 4
 #               (`protocol.to_wire`) form of each; decoded leniently (unknown keys ignored) so
 #               that a file written by a newer rollout that added fields still reads.
 #   rendered    the rendering of the items (`_segments.py`: msgpack, versioned by template
-#               and tokenizer), NULL when not kept; read only to hydrate (version 3).
+#               and tokenizer), NULL when not kept; read only to hydrate.
 # Hydration follows parent pointers through the primary key, so no other index is needed.
-RESPONSES_SCHEMA: tuple[str, ...] = (
-    """
+_RESPONSES_TABLE = """
     CREATE TABLE responses (
         id         TEXT PRIMARY KEY,
         owner      TEXT,
         parent_id  TEXT,
-        is_root    INTEGER NOT NULL CHECK (is_root IN (0, 1)),
-        created_at INTEGER NOT NULL,
-        body       BLOB NOT NULL,
-        rendered   BLOB
-    )""",
-    _ITEMS_TABLE := """
+        is_root    {small_int} NOT NULL CHECK (is_root IN (0, 1)),
+        created_at {big_int} NOT NULL,
+        body       {blob} NOT NULL,
+        rendered   {blob}
+    )"""
+# items: every item with an id that a stored response added (its input and output), for
+# `item_reference`, keyed by owner and id: item ids may be chosen by the client, so an owner's
+# first response to store an id keeps it, and another owner's item with the same id is another
+# row (keyed by the id alone, one key storing an id first made another key's item silently
+# unstored). With NULL owners (auth off) one owner: `UNIQUE NULLS NOT DISTINCT` where the
+# database has it, else a unique index of the NULL owner's ids beside the (owner, id) one.
+_ITEMS_TABLE = """
     CREATE TABLE items (
         owner       TEXT,
         id          TEXT NOT NULL,
         response_id TEXT NOT NULL,
-        body        BLOB NOT NULL
-    )""",
-    # One item per (owner, id): NULL owners (auth off) are distinct in a UNIQUE index, so they
-    # get their own one on the id.
-    _ITEMS_KEY := "CREATE UNIQUE INDEX items_key ON items (owner, id)",
-    _ITEMS_KEY_ANONYMOUS
-    := "CREATE UNIQUE INDEX items_key_anonymous ON items (id) WHERE owner IS NULL",
-    _ITEMS_INDEX := "CREATE INDEX items_by_response ON items (response_id)",
+        body        {blob} NOT NULL{key}
+    )"""
+_ITEMS_KEY_CONSTRAINT = (
+    ",\n        CONSTRAINT items_owner_id_key UNIQUE NULLS NOT DISTINCT (owner, id)"
 )
-# items: every item with an id that a stored response added (its input and output), for
-# `item_reference` (version 2), keyed by owner and id (version 4): item ids may be chosen by
-# the client, so an owner's first response to store an id keeps it, and another owner's item
-# with the same id is another row (keyed by the id alone, one key storing an id first made
-# another key's item silently unstored).
+ITEMS_KEY = "CREATE UNIQUE INDEX items_key ON items (owner, id)"
+ITEMS_KEY_ANONYMOUS = "CREATE UNIQUE INDEX items_key_anonymous ON items (id) WHERE owner IS NULL"
+# A NULL-safe comparison (`IS NOT DISTINCT FROM`) is served by no index in PostgreSQL: lookups
+# find the id through this one (one row per owner that stored it), then the owner.
+ITEMS_BY_ID = "CREATE INDEX items_by_id ON items (id)"
+ITEMS_BY_RESPONSE = "CREATE INDEX items_by_response ON items (response_id)"
 
-# Upgrades from an older schema version: {from_version: statements to reach from_version + 1}.
+
+def responses_schema(dialect: Dialect) -> tuple[str, ...]:
+    """The response store's tables and indexes in `dialect`: responses, items, the items' key
+    indexes, items by response."""
+    keys: tuple[str, ...]
+    if dialect.unique_nulls_not_distinct:
+        key, keys = _ITEMS_KEY_CONSTRAINT, (ITEMS_BY_ID,)
+    else:
+        key, keys = "", (ITEMS_KEY, ITEMS_KEY_ANONYMOUS)
+    return (
+        dialect.sql(_RESPONSES_TABLE),
+        dialect.sql(_ITEMS_TABLE.replace("{key}", key)),
+        *keys,
+        ITEMS_BY_RESPONSE,
+    )
+
+
+RESPONSES_SCHEMA_VERSION = 4
+
+# The SQLite store's schema (version `RESPONSES_SCHEMA_VERSION`).
+RESPONSES_SCHEMA = responses_schema(SQLITE)
+
+# Upgrades from an older SQLite schema version: {from_version: statements to reach
+# from_version + 1}. Version 2 added the items table, 3 the rendered column, 4 the items' key
+# by owner.
 RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
         """
@@ -147,51 +168,65 @@ RESPONSES_MIGRATIONS: dict[int, tuple[str, ...]] = {
     # Rows keep their ids (unique before, so unique per owner now).
     3: (
         "ALTER TABLE items RENAME TO items_v3",
-        _ITEMS_TABLE,
+        RESPONSES_SCHEMA[1],
         "INSERT INTO items (owner, id, response_id, body) "
         "SELECT owner, id, response_id, body FROM items_v3",
         "DROP TABLE items_v3",
-        _ITEMS_KEY,
-        _ITEMS_KEY_ANONYMOUS,
-        _ITEMS_INDEX,
+        *RESPONSES_SCHEMA[2:],
     ),
 }
 
-_PUT = """
-INSERT INTO responses (id, owner, parent_id, is_root, created_at, body, rendered)
-VALUES (?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (id) DO UPDATE SET
-    parent_id = excluded.parent_id,
-    is_root = excluded.is_root,
-    created_at = excluded.created_at,
-    body = excluded.body,
-    rendered = excluded.rendered
-WHERE responses.owner IS excluded.owner
-"""
+# --- the queries, for both databases ---------------------------------------------------------
 
-_GET = (
-    "SELECT id, owner, parent_id, is_root, body, rendered FROM responses "
-    "WHERE id = ? AND owner IS ?"
-)
-
-_DELETE = "DELETE FROM responses WHERE id = ? AND owner IS ?"
-_PUT_ITEM = "INSERT OR IGNORE INTO items (id, response_id, owner, body) VALUES (?, ?, ?, ?)"
-_GET_ITEM = "SELECT body FROM items WHERE owner IS ? AND id = ?"
-_DELETE_ITEMS = "DELETE FROM items WHERE response_id = ? AND owner IS ?"
+_COLUMNS = ("id", "owner", "parent_id", "is_root", "created_at", "body", "rendered")
+_SELECT = "SELECT id, owner, parent_id, is_root, body, rendered FROM"
 
 # The response, then each parent, while the previous row is not a root, up to `max_depth` rows.
 # A parent owned by someone else is not joined, so it looks missing (owner isolation).
 _CHAIN = """
 WITH RECURSIVE chain (depth, id, owner, parent_id, is_root, body, rendered) AS (
     SELECT 0, id, owner, parent_id, is_root, body, rendered
-    FROM responses WHERE id = :id AND owner IS :owner
+    FROM responses WHERE id = :id AND owner {is} :owner
     UNION ALL
     SELECT chain.depth + 1, r.id, r.owner, r.parent_id, r.is_root, r.body, r.rendered
-    FROM chain JOIN responses AS r ON r.id = chain.parent_id AND r.owner IS :owner
+    FROM chain JOIN responses AS r ON r.id = chain.parent_id AND r.owner {is} :owner
     WHERE chain.is_root = 0 AND chain.depth + 1 < :max_depth
 )
 SELECT id, owner, parent_id, is_root, body, rendered FROM chain ORDER BY depth
 """
+
+
+@attrs.frozen
+class ResponseSQL:
+    """The store's statements (templates, or in one dialect: `Dialect.render`)."""
+
+    put: str
+    put_item: str
+    get: str
+    delete: str
+    delete_items: str
+    get_item: str
+    chain: str
+
+
+RESPONSE_SQL = ResponseSQL(
+    put=upsert(
+        "responses",
+        _COLUMNS,
+        ("id",),
+        where="responses.owner {is} excluded.owner",
+        keep=("owner",),
+    ),
+    # The first response of an owner to store an item id keeps it.
+    put_item="INSERT INTO items (id, response_id, owner, body) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT DO NOTHING",
+    get=f"{_SELECT} responses WHERE id = ? AND owner {{is}} ?",
+    delete="DELETE FROM responses WHERE id = ? AND owner {is} ?",
+    delete_items="DELETE FROM items WHERE response_id = ? AND owner {is} ?",
+    get_item="SELECT body FROM items WHERE id = ? AND owner {is} ?",
+    chain=_CHAIN,
+)
+
 
 _Row: TypeAlias = tuple[str, str | None, str | None, int, bytes, bytes | None]
 
@@ -218,30 +253,17 @@ def connect(
     return conn
 
 
-def schema_steps(
-    component: str,
-    found: int | None,
-    version: int,
-    schema: Sequence[str],
-    migrations: dict[int, tuple[str, ...]],
-) -> list[str]:
-    """The statements that bring `component`'s tables from schema version `found` (None: no
-    tables yet) to `version`: the whole schema, or the migrations in order. Raises
-    `RuntimeError` for tables newer than this rollout or a missing migration. Shared by the
-    SQLite and PostgreSQL stores (the statements are the backend's own)."""
-    if found is None:
-        return list(schema)
-    if found > version:
-        raise RuntimeError(
-            f"the {component} tables have schema version {found}, newer than this "
-            f"rollout's {version}: upgrade rollout to use them"
-        )
-    steps: list[str] = []
-    for step in range(found, version):
-        if step not in migrations:
-            raise RuntimeError(f"no migration of the {component} tables from schema version {step}")
-        steps.extend(migrations[step])
-    return steps
+@contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction (`BEGIN IMMEDIATE`: the write lock first), committed at the end
+    of the block, rolled back if it raises."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 def ensure_schema(
@@ -253,33 +275,18 @@ def ensure_schema(
     migrations: dict[int, tuple[str, ...]],
 ) -> None:
     """Create `component`'s tables in an empty file, or upgrade them to `version`, atomically."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        conn.execute(SCHEMA_VERSIONS_DDL)
-        row = conn.execute(
-            "SELECT version FROM schema_versions WHERE component = ?", (component,)
-        ).fetchone()
-        steps = schema_steps(
-            component, None if row is None else int(row[0]), version, schema, migrations
+    with transaction(conn):
+        migrate(
+            conn,
+            SQLITE,
+            component=component,
+            version=version,
+            schema=schema,
+            migrations=migrations,
         )
-        for statement in steps:
-            conn.execute(statement)
-        if row is None:
-            conn.execute(
-                "INSERT INTO schema_versions (component, version) VALUES (?, ?)",
-                (component, version),
-            )
-        else:
-            conn.execute(
-                "UPDATE schema_versions SET version = ? WHERE component = ?", (version, component)
-            )
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
 
 
-class _SQLiteResource:
+class _SQLiteResource(trio.abc.AsyncResource):
     """One connection, used from worker threads one call at a time."""
 
     _what = "resource"
@@ -295,13 +302,6 @@ class _SQLiteResource:
             raise trio.ClosedResourceError(f"the {self._what} at {self.path} is closed")
         return self._conn
 
-    async def _count_rows(self, table: str) -> int:
-        def run(conn: sqlite3.Connection) -> int:
-            (n,) = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
-            return int(n)
-
-        return await self._run(run)
-
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         self._check_open()
         async with self._lock:
@@ -316,17 +316,6 @@ class _SQLiteResource:
                 conn, self._conn = self._conn, None
                 if conn is not None:
                     await trio.to_thread.run_sync(conn.close)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 # --- encoding --------------------------------------------------------------------------------
@@ -426,45 +415,29 @@ def backfilled_items(
                 yield item["id"], response_id, owner, packed
 
 
-def _schema_version(conn: sqlite3.Connection, component: str) -> int | None:
-    """`component`'s schema version in this file, None before its tables exist."""
-    try:
-        row = conn.execute(
-            "SELECT version FROM schema_versions WHERE component = ?", (component,)
-        ).fetchone()
-    except sqlite3.OperationalError:  # no schema_versions table: a new file
-        return None
-    return None if row is None else int(row[0])
+# --- the store's operations, for both databases ----------------------------------------------
 
 
-def _backfill_items(conn: sqlite3.Connection) -> None:
-    """Put back the items an older schema left out (see `ITEMS_BY_OWNER_SINCE`)."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        rows = conn.execute("SELECT id, owner, body FROM responses ORDER BY created_at, rowid")
-        conn.executemany(_PUT_ITEM, backfilled_items(rows))
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-
-
-# --- SQLite ----------------------------------------------------------------------------------
-
-
-class SQLiteResponseStore(_SQLiteResource):
-    """A `ResponseStore` in one SQLite file. Make one with `open_sqlite_store()`."""
+class SQLResponseStore:
+    """The `ResponseStore` operations over `_sql`'s statements: each one `_run` call, the
+    resource's (a worker thread with a connection; in PostgreSQL also one transaction), with
+    encoding and decoding in that thread."""
 
     _what = "response store"
+    _sql: ClassVar[ResponseSQL]
+
+    async def _run(self, fn: Callable[[Connection], T]) -> T:
+        raise NotImplementedError  # pragma: no cover (the resource's)
 
     async def put(self, stored: StoredResponse) -> None:
-        """Store (or replace: last write wins) a response. Raises `ValueError` if the id is
-        already stored under another owner."""
+        """Store (or replace: last write wins) a response and its items. Raises `ValueError`
+        if the id is already stored under another owner."""
         response_id = stored.response.id
+        sql = self._sql
 
-        def run(conn: sqlite3.Connection) -> int:
+        def run(conn: Connection) -> int:
             cursor = conn.execute(
-                _PUT,
+                sql.put,
                 (
                     response_id,
                     stored.owner,
@@ -476,40 +449,44 @@ class SQLiteResponseStore(_SQLiteResource):
                 ),
             )
             if cursor.rowcount:
-                conn.executemany(
-                    _PUT_ITEM,
-                    [
-                        (item.id, response_id, stored.owner, _encode_item(item))
-                        for item in stored.items
-                        if getattr(item, "id", None) is not None
-                    ],
-                )
+                items = [
+                    (item.id, response_id, stored.owner, _encode_item(item))
+                    for item in stored.items
+                    if getattr(item, "id", None) is not None
+                ]
+                if items:
+                    conn.cursor().executemany(sql.put_item, items)
             return cursor.rowcount
 
         if await self._run(run) == 0:
             raise ValueError(f"response {response_id!r} is already stored under another owner")
 
     async def get(self, response_id: str, *, owner: str | None) -> StoredResponse | None:
-        def run(conn: sqlite3.Connection) -> StoredResponse | None:
-            row: _Row | None = conn.execute(_GET, (response_id, owner)).fetchone()
+        sql = self._sql
+
+        def run(conn: Connection) -> StoredResponse | None:
+            row: _Row | None = conn.execute(sql.get, (response_id, owner)).fetchone()
             return None if row is None else _decode(row)
 
         return await self._run(run)
 
     async def delete(self, response_id: str, *, owner: str | None) -> bool:
-        def run(conn: sqlite3.Connection) -> bool:
-            deleted = conn.execute(_DELETE, (response_id, owner)).rowcount > 0
+        sql = self._sql
+
+        def run(conn: Connection) -> bool:
+            deleted = conn.execute(sql.delete, (response_id, owner)).rowcount > 0
             if deleted:
-                conn.execute(_DELETE_ITEMS, (response_id, owner))
+                conn.execute(sql.delete_items, (response_id, owner))
             return deleted
 
         return await self._run(run)
 
     async def get_item(self, item_id: str, *, owner: str | None) -> Item | None:
         """An item a stored response added, by its id (owner isolation as for responses)."""
+        sql = self._sql
 
-        def run(conn: sqlite3.Connection) -> Item | None:
-            row = conn.execute(_GET_ITEM, (owner, item_id)).fetchone()
+        def run(conn: Connection) -> Item | None:
+            row = conn.execute(sql.get_item, (item_id, owner)).fetchone()
             return None if row is None else _decode_item(row[0])
 
         return await self._run(run)
@@ -522,10 +499,11 @@ class SQLiteResponseStore(_SQLiteResource):
         `LookupError` if the response or a parent is missing (or owned by someone else), or
         if no root is reached within `max_depth` responses. One query."""
         _check_depth(max_depth)
+        sql = self._sql
 
-        def run(conn: sqlite3.Connection) -> list[StoredResponse]:
+        def run(conn: Connection) -> list[StoredResponse]:
             rows: list[_Row] = conn.execute(
-                _CHAIN, {"id": response_id, "owner": owner, "max_depth": max_depth}
+                sql.chain, {"id": response_id, "owner": owner, "max_depth": max_depth}
             ).fetchall()
             if not rows:
                 raise _not_stored(response_id)
@@ -539,7 +517,34 @@ class SQLiteResponseStore(_SQLiteResource):
 
     async def count(self) -> int:
         """How many responses are stored (all owners); for tests and metrics."""
-        return await self._count_rows("responses")
+        return await self._run(lambda conn: count_rows(conn, "responses"))
+
+
+# --- SQLite ----------------------------------------------------------------------------------
+
+
+def _schema_version(conn: sqlite3.Connection, component: str) -> int | None:
+    """`component`'s schema version in this file, None before its tables exist."""
+    try:
+        row = conn.execute(
+            "SELECT version FROM schema_versions WHERE component = ?", (component,)
+        ).fetchone()
+    except sqlite3.OperationalError:  # no schema_versions table: a new file
+        return None
+    return None if row is None else int(row[0])
+
+
+class SQLiteResponseStore(_SQLiteResource, SQLResponseStore):
+    """A `ResponseStore` in one SQLite file. Make one with `open_sqlite_store()`."""
+
+    _sql = SQLITE.render(RESPONSE_SQL)
+
+
+def _backfill_items(conn: sqlite3.Connection) -> None:
+    """Put back the items an older schema left out (see `ITEMS_BY_OWNER_SINCE`)."""
+    with transaction(conn):
+        rows = conn.execute("SELECT id, owner, body FROM responses ORDER BY created_at, rowid")
+        conn.executemany(SQLiteResponseStore._sql.put_item, backfilled_items(rows))
 
 
 async def open_sqlite_store(

@@ -19,15 +19,18 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from rollout import protocol as p
 
 from tests.client_harness import RolloutProcess, open_rollout_process
-from tests.server_harness import open_ws
+from tests.store_harness import (
+    ChainLoad,
+    check_acknowledged,
+    check_acknowledged_usage,
+    usage_by_response,
+)
 
 DEADLINE = 60
 WS_CLIENTS = 12
 HTTP_CLIENTS = 4
-MODEL = "sim:tokens=6"
 
 
 async def load_until_kill(server: RolloutProcess, kill_after: int) -> list[dict[str, Any]]:
@@ -40,66 +43,23 @@ async def load_until_kill(server: RolloutProcess, kill_after: int) -> list[dict[
         if len(acked) == kill_after:
             server.kill()
 
-    async def ws_client(n: int) -> None:
-        previous: str | None = None
-        with _quiet():
-            async with open_ws(server.url) as ws:
-                for turn in range(1_000):
-                    events = await ws.create(
-                        model=MODEL,
-                        input=f"client {n} turn {turn}",
-                        previous_response_id=previous,
-                        store=True,
-                    )
-                    final = events[-1]
-                    if final.type != "response.completed":
-                        return
-                    acknowledge(p.to_wire(final.response))
-                    previous = final.response.id
-
-    async def http_client(n: int) -> None:
-        previous: str | None = None
-        with _quiet():
-            async with httpx.AsyncClient(timeout=DEADLINE) as client:
-                for turn in range(1_000):
-                    body: dict[str, Any] = {"model": MODEL, "input": f"http {n} turn {turn}"}
-                    if previous is not None:
-                        body["previous_response_id"] = previous
-                    resp = await client.post(f"{server.url}/responses", json=body)
-                    if resp.status_code != 200:
-                        return
-                    acknowledge(resp.json())
-                    previous = resp.json()["id"]
-
     async with trio.open_nursery() as nursery:
-        for n in range(WS_CLIENTS):
-            nursery.start_soon(ws_client, n)
-        for n in range(HTTP_CLIENTS):
-            nursery.start_soon(http_client, n)
+        ChainLoad(server, acknowledge, DEADLINE).start(
+            nursery, ws_clients=WS_CLIENTS, http_clients=HTTP_CLIENTS
+        )
     return acked
-
-
-class _quiet:
-    """Swallow the errors a client sees when the server dies under it."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
-        return kind is not None and issubclass(kind, Exception)
 
 
 def ledger_rows(data_dir: Path) -> dict[str, list[tuple[int, int, int, int]]]:
     """response_id -> [(step, complete, input_tokens, output_tokens)] from the ledger file."""
     conn = sqlite3.connect(data_dir / "usage.sqlite3")
     try:
-        rows: dict[str, list[tuple[int, int, int, int]]] = {}
-        for rid, step, complete, inp, out in conn.execute(
-            "SELECT response_id, step, complete, input_tokens, output_tokens FROM usage"
-            " ORDER BY response_id, step"
-        ):
-            rows.setdefault(rid, []).append((step, complete, inp, out))
-        return rows
+        return usage_by_response(
+            conn.execute(
+                "SELECT response_id, step, complete, input_tokens, output_tokens FROM usage"
+                " ORDER BY response_id, step"
+            )
+        )
     finally:
         conn.close()
 
@@ -115,27 +75,5 @@ async def test_acknowledged_responses_survive_kill_9(tmp_path: Path, seed: int) 
         rows = ledger_rows(data_dir)
         async with open_rollout_process(data_dir=data_dir) as restarted:
             async with httpx.AsyncClient(timeout=DEADLINE) as client:
-                for response in acked:
-                    got = await client.get(f"{restarted.url}/responses/{response['id']}")
-                    assert got.status_code == 200, (response["id"], got.text)
-                    assert got.json()["output"] == response["output"]
-                    assert got.json()["usage"] == response["usage"]
-                # Continuable: the newest acknowledged response of a few chains.
-                for response in acked[-5:]:
-                    resp = await client.post(
-                        f"{restarted.url}/responses",
-                        json={
-                            "model": MODEL,
-                            "input": "after the crash",
-                            "previous_response_id": response["id"],
-                        },
-                    )
-                    assert resp.json()["status"] == "completed", resp.text
-    for response in acked:
-        usage = response["usage"]
-        steps = rows.get(response["id"])
-        assert steps is not None, f"no usage for acknowledged {response['id']}"
-        assert [s[0] for s in steps] == list(range(len(steps)))  # each step once
-        assert all(s[1] == 1 for s in steps)
-        assert sum(s[2] for s in steps) == usage["input_tokens"]
-        assert sum(s[3] for s in steps) == usage["output_tokens"]
+                await check_acknowledged(client, restarted.url, acked, then="after the crash")
+    check_acknowledged_usage(acked, rows)

@@ -31,6 +31,13 @@ from rollout import protocol as p
 from tests.client_harness import RolloutProcess, open_rollout_process
 from tests.pg_harness import open_private_postgres
 from tests.server_harness import open_ws, sse_data
+from tests.store_harness import (
+    ChainLoad,
+    check_acknowledged,
+    check_acknowledged_usage,
+    quiet,
+    usage_by_response,
+)
 
 DEADLINE = 120
 MODEL = "sim:tokens=6"
@@ -38,16 +45,6 @@ MODEL = "sim:tokens=6"
 LONG_MODEL = "sim:tokens=2000,tps=100"
 WS_CLIENTS = 4
 HTTP_CLIENTS = 2
-
-
-class _quiet:
-    """Swallow the errors a client sees when the server dies under it."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
-        return kind is not None and issubclass(kind, Exception)
 
 
 @attrs.define
@@ -68,40 +65,9 @@ class KillRun:
         self.acked.append(response)
         self.maybe_kill()
 
-    async def ws_client(self, n: int) -> None:
-        previous: str | None = None
-        with _quiet():
-            async with open_ws(self.server.url) as ws:
-                for turn in range(1_000):
-                    events = await ws.create(
-                        model=MODEL,
-                        input=f"client {n} turn {turn}",
-                        previous_response_id=previous,
-                        store=True,
-                    )
-                    final = events[-1]
-                    if final.type != "response.completed":
-                        return
-                    self.acknowledge(p.to_wire(final.response))
-                    previous = final.response.id
-
-    async def http_client(self, n: int) -> None:
-        previous: str | None = None
-        with _quiet():
-            async with httpx.AsyncClient(timeout=DEADLINE) as client:
-                for turn in range(1_000):
-                    body: dict[str, Any] = {"model": MODEL, "input": f"http {n} turn {turn}"}
-                    if previous is not None:
-                        body["previous_response_id"] = previous
-                    resp = await client.post(f"{self.server.url}/responses", json=body)
-                    if resp.status_code != 200:
-                        return
-                    self.acknowledge(resp.json())
-                    previous = resp.json()["id"]
-
     async def long_client(self) -> None:
         body = {"model": LONG_MODEL, "input": "a long story", "stream": True, "store": True}
-        with _quiet():
+        with quiet():
             async with (
                 httpx.AsyncClient(timeout=DEADLINE) as client,
                 client.stream("POST", f"{self.server.url}/responses", json=body) as resp,
@@ -118,22 +84,20 @@ class KillRun:
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.long_client)
-            for n in range(WS_CLIENTS):
-                nursery.start_soon(self.ws_client, n)
-            for n in range(HTTP_CLIENTS):
-                nursery.start_soon(self.http_client, n)
+            ChainLoad(self.server, self.acknowledge, DEADLINE).start(
+                nursery, ws_clients=WS_CLIENTS, http_clients=HTTP_CLIENTS
+            )
 
 
 def usage_rows(url: str) -> dict[str, list[tuple[int, int, int, int]]]:
     """response_id -> [(step, complete, input_tokens, output_tokens)], from the database."""
-    rows: dict[str, list[tuple[int, int, int, int]]] = {}
     with psycopg.connect(url) as conn:
-        for rid, step, complete, inp, out in conn.execute(
-            "SELECT response_id, step, complete, input_tokens, output_tokens FROM usage"
-            " ORDER BY response_id, step"
-        ):
-            rows.setdefault(rid, []).append((step, complete, inp, out))
-    return rows
+        return usage_by_response(
+            conn.execute(
+                "SELECT response_id, step, complete, input_tokens, output_tokens FROM usage"
+                " ORDER BY response_id, step"
+            )
+        )
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -153,22 +117,8 @@ async def test_sigkill_mid_stream_loses_nothing_acknowledged(
             assert doomed.killed and len(run.acked) >= run.kill_after
             assert run.long_id is not None and run.long_deltas >= 5
             rows = usage_rows(url)
-            for response in run.acked:
-                got = await client.get(f"{other.url}/responses/{response['id']}")
-                assert got.status_code == 200, (response["id"], got.text)
-                assert got.json()["output"] == response["output"]
-                assert got.json()["usage"] == response["usage"]
-            # Continuable from the other instance (which never saw these chains).
-            for response in run.acked[-5:]:
-                resp = await client.post(
-                    f"{other.url}/responses",
-                    json={
-                        "model": MODEL,
-                        "input": "after the kill",
-                        "previous_response_id": response["id"],
-                    },
-                )
-                assert resp.json()["status"] == "completed", resp.text
+            # Retrievable and continuable from the other instance (which never saw these).
+            await check_acknowledged(client, other.url, run.acked, then="after the kill")
             # The interrupted response: stored nowhere, not even in part.
             got = await client.get(f"{other.url}/responses/{run.long_id}")
             assert got.status_code == 404, got.text
@@ -177,14 +127,7 @@ async def test_sigkill_mid_stream_loses_nothing_acknowledged(
                 for table, column in (("responses", "id"), ("items", "response_id")):
                     query = f"SELECT count(*) FROM {table} WHERE {column} = %s"
                     assert conn.execute(query, (run.long_id,)).fetchone() == (0,)
-    for response in run.acked:
-        usage = response["usage"]
-        steps = rows.get(response["id"])
-        assert steps is not None, f"no usage for acknowledged {response['id']}"
-        assert [s[0] for s in steps] == list(range(len(steps)))  # each step once
-        assert all(s[1] == 1 for s in steps)
-        assert sum(s[2] for s in steps) == usage["input_tokens"]
-        assert sum(s[3] for s in steps) == usage["output_tokens"]
+    check_acknowledged_usage(run.acked, rows)
     # Whatever the interrupted response had recorded (nothing, usually) is there once per step.
     long_steps = [s[0] for s in rows.get(run.long_id, [])]
     assert long_steps == sorted(set(long_steps))

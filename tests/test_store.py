@@ -378,26 +378,32 @@ async def test_sqlite_refuses_newer_schema(tmp_path: Path) -> None:
             await open_sqlite_store(path)
 
 
-async def test_sqlite_decodes_leniently(tmp_path: Path) -> None:
-    """A body written by a newer rollout, with fields this one does not know, still reads."""
+def newer_body(stored: StoredResponse) -> bytes:
+    """`stored`'s body as a newer rollout might write it, with fields this one does not know."""
     import msgpack
     from rollout.protocol import to_wire
 
+    body = {
+        "response": {**to_wire(stored.response), "new_field": 1},
+        "items": [{**item, "new_field": 2} for item in to_wire(stored.items)],
+        "instructions": stored.instructions,
+        "tools": to_wire(stored.tools),
+        "new_part": [],
+    }
+    packed: bytes = msgpack.packb(body)
+    return packed
+
+
+async def test_sqlite_decodes_leniently(tmp_path: Path) -> None:
+    """A body written by a newer rollout, with fields this one does not know, still reads."""
     with trio.fail_after(DEADLINE):
         path = tmp_path / "rollout.db"
         stored = make("resp_1")
-        body = {
-            "response": {**to_wire(stored.response), "new_field": 1},
-            "items": [{**item, "new_field": 2} for item in to_wire(stored.items)],
-            "instructions": stored.instructions,
-            "tools": to_wire(stored.tools),
-            "new_part": [],
-        }
         async with await open_sqlite_store(path) as store:
             await store.put(stored)
         conn = sqlite3.connect(path)
         with conn:
-            conn.execute("UPDATE responses SET body = ?", (msgpack.packb(body),))
+            conn.execute("UPDATE responses SET body = ?", (newer_body(stored),))
         conn.close()
         async with await open_sqlite_store(path) as store:
             assert await store.get("resp_1", owner=None) == stored
@@ -489,7 +495,6 @@ async def test_postgres_migrates_items_to_owner_keys(
     postgres_urls: Callable[[], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Tables of schema version 1 (items keyed by id) are upgraded in place on open."""
-    from rollout.engine import _pg_store
     from rollout.engine._pg import open_pool
     from rollout.engine._pg_store import POSTGRES_RESPONSES_SCHEMA_VERSION
 
@@ -503,10 +508,13 @@ async def test_postgres_migrates_items_to_owner_keys(
         )
         with monkeypatch.context() as patch:  # the version 1 store's statement
             patch.setattr(
-                _pg_store,
-                "_PUT_ITEM",
-                "INSERT INTO items (id, response_id, owner, body) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT (id) DO NOTHING",
+                PostgresResponseStore,
+                "_sql",
+                attrs.evolve(
+                    PostgresResponseStore._sql,
+                    put_item="INSERT INTO items (id, response_id, owner, body) "
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
+                ),
             )
             async with PostgresResponseStore(pool, conninfo) as old:
                 await put_squatted(old)
@@ -573,25 +581,15 @@ async def test_postgres_processes_starting_together_create_the_tables_once(
 async def test_postgres_decodes_leniently_and_reports_a_corrupt_body(
     postgres_urls: Callable[[], str],
 ) -> None:
-    import msgpack
-    from rollout.protocol import to_wire
-
     url = postgres_urls()
     with trio.fail_after(DEADLINE):
         stored = make("resp_1")
-        body = {
-            "response": {**to_wire(stored.response), "new_field": 1},
-            "items": [{**item, "new_field": 2} for item in to_wire(stored.items)],
-            "instructions": stored.instructions,
-            "tools": to_wire(stored.tools),
-            "new_part": [],
-        }
         async with await open_postgres_store(url) as store:
             await store.put(stored)
             await store.put(make("resp_2"))
             with psycopg.connect(url) as conn:
                 conn.execute(
-                    "UPDATE responses SET body = %s WHERE id = 'resp_1'", (msgpack.packb(body),)
+                    "UPDATE responses SET body = %s WHERE id = 'resp_1'", (newer_body(stored),)
                 )
                 conn.execute(
                     "UPDATE responses SET body = %s WHERE id = 'resp_2'", (b"\x93\x01\x02\x03",)
