@@ -452,7 +452,7 @@ class SQLResponseStore:
                 items = [
                     (item.id, response_id, stored.owner, _encode_item(item))
                     for item in stored.items
-                    if getattr(item, "id", None) is not None
+                    if item.id is not None
                 ]
                 if items:
                     conn.cursor().executemany(sql.put_item, items)

@@ -430,6 +430,7 @@ def _encode_delta(
 ) -> str | None:
     """A delta event as the generic path writes it, or None where that path must decide
     (an event with its own lane or with logprobs, an unexpected value or extra key)."""
+    # `event` is any of the delta event classes: their fields are read by the table's names
     if event.stream_id is not None or getattr(event, "logprobs", None):
         return None
     parts = ['{"type":', _json_str(event.type)]

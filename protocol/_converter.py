@@ -525,7 +525,7 @@ def _leaf(exc: BaseException, path: str) -> tuple[BaseException, str]:
     """The first leaf error of a cattrs validation error group, and the path to it."""
     while isinstance(exc, BaseExceptionGroup):
         sub = exc.exceptions[0]
-        for note in getattr(sub, "__notes__", ()):
+        for note in getattr(sub, "__notes__", ()):  # set only once a note was added
             if isinstance(note, AttributeValidationNote):
                 path = _join(path, note.name)
             elif isinstance(note, IterableValidationNote):

@@ -40,6 +40,7 @@ EXPECTED_PROTOCOL_NAMES = {
     "DEFAULT_MAX_MESSAGE_SIZE",
     "SERVER_EVENT_TYPES",
     "TERMINAL_EVENT_TYPES",
+    "RESPONSE_END_TYPES",
     # codec
     "decode_client_event",
     "decode_create_body",
@@ -132,6 +133,11 @@ EXPECTED_PROTOCOL_NAMES = {
     "ResponseRef",
     "ResponseEvent",
     "response_of",
+    "named_response_of",
+    "previous_id_of",
+    "pending_calls_of",
+    "steer_of",
+    "lane_of",
     "ServerEvent",
     "SseErrorEvent",
     # items, parts, tools
@@ -179,6 +185,8 @@ EXPECTED_PROTOCOL_NAMES = {
     "as_listed",
     "call_of",
     "output_of",
+    "parts_of",
+    "status_of",
     "CLIENT_BUILTIN_TOOLS",
     "BuiltinTool",
     "CustomTool",
@@ -222,7 +230,17 @@ def test_protocol_star_import() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["_builder", "_codec", "_errors", "_events", "_items", "_response", "_steer", "_validate"],
+    [
+        "_builder",
+        "_codec",
+        "_converter",
+        "_errors",
+        "_events",
+        "_items",
+        "_response",
+        "_steer",
+        "_validate",
+    ],
 )
 def test_private_modules_declare_their_names(module: str) -> None:
     mod = importlib.import_module(f"rollout.protocol.{module}")
