@@ -1,4 +1,8 @@
-"""The `rollout` command line: `serve`, `conform`, `bench`."""
+"""The `rollout` command line: `serve`, `conform`, `bench`.
+
+Long because `serve` has some forty options, each with its help text, metavariable and the check
+that turns a bad value into one line.
+"""
 
 from __future__ import annotations
 

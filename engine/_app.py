@@ -1,5 +1,8 @@
 """The ASGI application: the HTTP Responses API and WebSocket mode on one port.
 
+Long because it is the whole HTTP surface: routing, authentication, the browser and host checks,
+every route's handler, and the WebSocket upgrade's refusals.
+
 Served by hypercorn's trio worker (see `_serve.py`). Routes (the table is `RolloutApp._routes`):
 
     POST   /v1/responses                 create (JSON, or server-sent events with stream=true)

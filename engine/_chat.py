@@ -1,6 +1,9 @@
 """Chat Completions <-> Responses: the two conversions rollout needs to sit in front of, or
 behind, an OpenAI-compatible `POST /v1/chat/completions` endpoint.
 
+Long because both directions of the conversion are here, with the tool-call bookkeeping chat
+servers need (names, arguments, call ids).
+
 - `ChatEncoder` turns a conversation's items into chat messages, incrementally: it is kept in
   the conversation's lineage (`SampleRequest.derived`), so a follow-up turn encodes only its new
   items; earlier messages stay encoded as JSON bytes and are only joined into the body.

@@ -1,5 +1,8 @@
 """Built-in safety classifiers: a credential detector and configurable pattern rules.
 
+Long because each built-in classifier is incremental (it resumes from its state as items arrive)
+and the pattern rules are configurable.
+
 Each classifier is a pure fold: `feed(state, text, n_tokens)` returns the next state and the
 flags this text raised, never mutating anything, so a conversation's classifier state can be
 kept with its response and resumed by any later turn (or branched by two turns) without

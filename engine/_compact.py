@@ -1,5 +1,8 @@
 """Compaction: a smaller context under a deterministic policy, and a sealed snapshot of it.
 
+Long because compaction has three parts that must agree: the policy that picks what to keep, the
+sealed snapshot, and restoring a state from it.
+
 The policy (`CompactionPolicy`), applied to a conversation's items and their rendered sizes:
 
 1. Reasoning items are dropped (they are the model's scratch work).

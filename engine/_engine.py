@@ -1,5 +1,8 @@
 """The engine: what every connection shares.
 
+Long because the engine wires every shared part (pipeline, caches, store, ledger, post-
+inference, backends) and owns their lifetimes and the shutdown.
+
 `Engine` owns the pipeline stages, the model registry, the store, the usage ledger, the
 post-inference writer, the work counters and the stage timers; `engine.session()` opens a
 connection scope (`_session.py`), whose responses run through the rollout coroutine

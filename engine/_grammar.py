@@ -1,5 +1,8 @@
 """Strings that an OpenAI custom tool's grammar accepts, for the simulated model.
 
+Long because it recognises and generates for two grammar languages (Lark and regular
+expressions) within budgets, with the checks that refuse what it cannot do.
+
 A custom tool constrains its free-text input with a grammar, `lark` (llguidance's dialect) or
 `regex` (Rust-like). `grammar_instance` returns a short string the grammar accepts and
 `check_grammar` says beforehand whether it can; both raise `GrammarError` otherwise.

@@ -1,6 +1,9 @@
 """What a TCP peer can hold of the server, bounded below the app: connections, descriptors,
 idle and body time, header bytes, HTTP/2, and the HTTP/1.1 framing hypercorn lets through.
 
+Long because each bound needs its own hook into hypercorn's h11 and h2 protocols and its TCP
+server, which offer no public place for them.
+
 hypercorn (0.17, 0.18) accepts every connection trio's listener hands it, serves HTTP/2 to
 any client that asks for it (an `Upgrade: h2c` request, or the HTTP/2 preface on a plain
 port), reads a request's body for as long as the client takes, accepts a request with both

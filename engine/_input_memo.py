@@ -1,5 +1,8 @@
 """The input memo: a stateless client's request decoded in the time of what is new in it.
 
+Long because it must give exactly the protocol decoder's answer: every path it takes falls back
+to that decoder on anything unusual, and its bounds are kept per owner.
+
 A client without `previous_response_id` (HTTP, or a WebSocket `response.create` with the whole
 input) sends its whole conversation every turn: at ~100k tokens, ~0.5 MB of JSON, of which a
 few KB are new. Parsing it all and structuring every item (cattrs) cost ~5 ms a turn, and

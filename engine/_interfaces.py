@@ -1,5 +1,8 @@
 """The engine's injected interfaces: small `typing.Protocol`s with built-in implementations.
 
+Long because it is a catalogue: every interface an embedder can supply, and the event types a
+backend yields, each with its contract.
+
 Each pipeline stage, the model backend, the response store and the usage ledger is one of
 these; an embedding application passes its own to `open_engine()`. Data passed between them is
 plain immutable values (attrs) so that stages stay independent of each other.

@@ -1,5 +1,8 @@
 """A real model inside the engine: a GGUF model run by llama.cpp, whose turns keep their KV.
 
+Long because the backend bridges the engine's async turns to the model's thread and keeps each
+conversation's KV across turns and suspensions.
+
     LlamaBackend.sample(request)
       context      the request's rendered context (the model's own tokens: this model's
                    `TemplateRenderer` is its route's renderer) + the generation prompt

@@ -1,5 +1,8 @@
 """The model's thread: one llama.cpp context, stepped in batches across every running turn.
 
+Long because one thread steps every running turn in shared batches: admission, KV reuse and
+eviction, sampling, and the statistics that `/metrics` reports.
+
 llama.cpp's calls block (a 512-token prefill takes seconds on a small CPU), so they never run
 on the event loop. One thread per model owns the model, its context (`slots` sequences, each
 with KV cells of its own) and one batch, and loops:

@@ -1,5 +1,8 @@
 """`GET /metrics`: the engine's counters and the server's gauges as Prometheus text.
 
+Long because each family is declared with its help text, and the multiprocess merge
+(`--workers`) needs its own collector and file bookkeeping.
+
 prometheus_client writes the exposition (text format 0.0.4). Each app has its own
 `CollectorRegistry` (never the process-global one: one process may run many servers, as the
 tests do) with one custom collector that reads, at scrape time, what the engine already

@@ -1,6 +1,9 @@
 """The request pipeline: validate (`_validate.py`), render, classify, route, as explicit
 pluggable stages.
 
+Long because each stage has a path for each way a request arrives (new, continued, rendered
+ahead off the loop, found in the render cache) and each keeps the work counters exact.
+
 `Pipeline.prepare` takes a request and the parent state (None for a new chain) and does the
 pre-inference work for the *new* input only: the parent's items are already validated,
 rendered and classified, and its route is reused when the model string is unchanged. Work is

@@ -1,5 +1,8 @@
 """The default renderer: conversation items -> tokens with a harmony-like chat template.
 
+Long because every item and content-part type the API defines has its rendering here, and the
+classifier's text view of each beside it.
+
 Control tokens are ids above the o200k_base vocabulary (whose ordinary tokens end at 199,997
 and whose own special tokens are 199,999 and 200,018), so no text can produce them: text is
 always encoded ordinarily (see `engine._tokenizer`). Below, `<|x|>` is one control token,

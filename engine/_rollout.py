@@ -1,5 +1,9 @@
 """The rollout coroutine: one response, from its request to its terminal event.
 
+Long because the coroutine's every end lives here: completed, incomplete (length, steering,
+timeout, shutdown), failed, and the suspension in between, each committing usage before its
+terminal event.
+
     pre-inference, once     validate, render, classify the new input; route (`Session.prepare`)
     start                   response.created, response.in_progress
     loop:

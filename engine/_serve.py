@@ -1,5 +1,9 @@
 """`rollout serve`: the engine on hypercorn's trio worker, HTTP and WebSocket on one port.
 
+Long because starting a server is many small steps: the configuration, binding, the durable
+store and ledger (SQLite or PostgreSQL), signals and the shutdown's messages, each with its one-
+line failure.
+
 `serve(config)` binds the port first (a `StartupError` if it cannot, with nothing opened), then
 opens the store and usage ledger (SQLite files in `data_dir`, or the PostgreSQL database at
 `store_url`, which several instances share), the engine, and the ASGI app, and serves until

@@ -1,6 +1,10 @@
 """The connection scope: a `Session` resolves parents (its cache, else the store) and runs
 responses through the rollout coroutine (`_rollout.py`).
 
+Long because it holds the entry points of three transports (HTTP, WebSocket, embedded) beside
+resolution, hydration and `prepare`, and the steering successor loop; issue 33 cuts it to one
+purpose.
+
 - `create` runs a response, stateless or continuing a parent; `open_rollout` runs the rollout
   extension (one long-lived response that suspends at tool calls); `respond`, `prepare_only`
   and `compact` serve the HTTP API's other routes.

@@ -1,5 +1,8 @@
 """The simulated model: deterministic, paced on trio's clock, driven by its model id.
 
+Long because the simulated model stands in for every model behaviour the tests need: pacing,
+tool calls of every kind, grammars and JSON schemas, reasoning, and its parameters' checks.
+
 Its output is a deterministic function of the whole rendered context (the context digest the
 engine maintains incrementally), so any difference in context between two ways of running the
 same rollout shows up as different output. Its behaviour is chosen by the model string, so an

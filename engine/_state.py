@@ -1,5 +1,8 @@
 """ResponseState: what a finished response leaves behind for the next turn.
 
+Long because the lineage keeps per-item indexes (ids, calls, media, digests) incrementally, so
+that no turn recomputes them over the whole conversation.
+
 Everything fast in rollout is reuse of this state; everything slow is rebuilding it.
 
 A conversation's items, their rendered tokens, a running digest of the context and the index of

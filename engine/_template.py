@@ -1,5 +1,8 @@
 """A renderer that speaks a llama.cpp model's own chat template and tokens (the `llama` extra).
 
+Long because a model's own Jinja template must be run faithfully and per item: the template's
+shape is probed once, and items are rendered alone so rendering stays context-free.
+
 `TemplateRenderer` renders conversations with the Jinja chat template stored in the model's
 GGUF metadata, the way Hugging Face's `apply_chat_template` runs one (a sandboxed environment
 with `trim_blocks`, `lstrip_blocks` and loop controls; `raise_exception`, a `tojson` filter,

@@ -2,6 +2,10 @@
 how tools are described to it, how it writes a call, how its output is parsed back into
 sample events, and the llama.cpp grammars that keep its calls well-formed.
 
+Long because the convention has two halves that must agree: the text the model is shown and
+taught, and a streaming parser (`CallParser`) with the llama.cpp grammars that hold the model to
+it.
+
 The convention (Hermes/Qwen style), versioned by `CONVENTION_VERSION` (it is part of the
 renderer's `template_id`, so stored renderings of another version are not reused):
 

@@ -1,6 +1,9 @@
 """A model backend that samples from an OpenAI-compatible `POST /v1/chat/completions` server
 (vLLM, SGLang, llama.cpp's server, Ollama, a hosted endpoint, or another rollout).
 
+Long because a remote model needs retries, error mapping, an incremental request body and a
+streaming parser of its chunks, each tested against real servers.
+
 - The conversation's chat messages are encoded once: a `ChatEncoder` lives in the lineage
   (`SampleRequest.derived`), so a follow-up encodes only its new items; earlier messages
   are joined into the body as bytes (the chat protocol itself forces re-sending them).

@@ -1,5 +1,8 @@
 """`rollout serve --workers N`: N worker processes serving one port.
 
+Long because supervising processes is its own craft: restarts, signals to a process group, the
+shared listening socket and storage prepared once.
+
 The parent starts N workers with multiprocessing's `spawn` method (a fresh interpreter each,
 as hypercorn's own multi-worker mode does); each worker is a whole `serve()` (its own engine,
 caches, store and ledger connections) listening on the port through a socket of its own with

@@ -1,5 +1,9 @@
 """WebSocket mode: one connection, one Session, its lanes' responses running concurrently.
 
+Long because one connection object still holds the outbox and its backpressure, lane dispatch,
+age limits, the in-flight deliveries (append, steer, inject) and the timing extension; issue 33
+moves them into rooms of their own.
+
 The rules of the connection live in `rollout.protocol.ServerConnection` (sans-IO): it decodes
 client messages, decides what a create or an append may do (admission, lanes, the queue, the
 suspended rollout), says which create to answer next (`start_next`: the oldest waiting create

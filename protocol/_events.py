@@ -1,5 +1,8 @@
 """Client and server events: one immutable class per wire `type`.
 
+Long because it is a catalogue: one small class per event type, each field bounded where the API
+bounds it, and the unions and tables built from them.
+
 Client events are what a peer sends us over WebSocket (`response.create`, `response.steer`,
 the rollout extension's `response.append`, and the multi-agent beta's `response.inject`); the
 HTTP create body is a `ResponseCreate` without `type`. Server events are the Responses

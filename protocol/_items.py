@@ -1,5 +1,8 @@
 """Wire types for conversation items and content parts.
 
+Long because it is a catalogue: one small class per item and content-part type the API defines,
+and the tables that relate calls to their outputs.
+
 Every class is one wire `type`, immutable, keyword-only. `None` always means "absent": the
 codec drops explicit JSON `null`s before structuring, so a field is either required, optional
 with a `None` default, or has a concrete default. Field order follows the OpenAI SDK's types.

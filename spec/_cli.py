@@ -1,4 +1,8 @@
-"""`rollout conform`: command-line wiring (arguments, then `run`)."""
+"""`rollout conform`: command-line wiring (arguments, then `run`).
+
+Long because `rollout conform` has many options (profiles, cases, slow models, output files) and
+a progress display that must stop cleanly on Ctrl-C.
+"""
 
 from __future__ import annotations
 

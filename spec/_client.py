@@ -1,6 +1,9 @@
 """rollout's WebSocket-mode client over trio-websocket (the one the conformance checks, the
 benchmark and the test suite drive), and HTTP and server-sent events over httpx.
 
+Long because the one client serves three users (conformance checks, the benchmark, the tests)
+over both transports, and reports every failure in words a check can print.
+
 `WsClient` is a thin wrapper around `rollout.protocol.ClientConnection`: every event received
 is followed by the connection (which response runs, whether a rollout is suspended and on
 which calls, whether the server still owes events), and the server's order violations are

@@ -1,5 +1,9 @@
 """What a check runs with: the options, the case list, a `Context` (connections, HTTP,
-probes of the server's features), and `CheckSet`, how a module registers its checks."""
+probes of the server's features), and `CheckSet`, how a module registers its checks.
+
+Long because a check's context probes the server's features once (lanes, steering, slow models,
+limits) and shares connections across checks.
+"""
 
 from __future__ import annotations
 

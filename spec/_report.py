@@ -1,4 +1,8 @@
-"""Results: one `CheckResult` per check, a `Report` for the run, its JSON form and its table."""
+"""Results: one `CheckResult` per check, a `Report` for the run, its JSON form and its table.
+
+Long because a report has three readers: the JSON file, the terminal table, and the verdict per
+profile with its failures.
+"""
 
 from __future__ import annotations
 
