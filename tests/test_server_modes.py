@@ -19,6 +19,7 @@ WebSocket or over HTTP, stateless HTTP through the render cache), each on a fres
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -104,7 +105,12 @@ async def run_rollout(client: WsClient) -> tuple[list[Any], list[dict[str, Any]]
     return events, frames, frames[-1]["response"]
 
 
-async def run_chain(client: WsClient) -> list[dict[str, Any]]:
+Create = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+async def run_chain(create: Create) -> list[dict[str, Any]]:
+    """A `previous_response_id` chain: each request sends only the new items (`create` sends
+    one request's fields and returns its response, as wire JSON)."""
     responses: list[dict[str, Any]] = []
     new: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": USER}]
     previous: str | None = None
@@ -113,43 +119,39 @@ async def run_chain(client: WsClient) -> list[dict[str, Any]]:
         fields = common(input=new)
         if previous is not None:
             fields["previous_response_id"] = previous
+        response = await create(fields)
+        responses.append(response)
+        previous = response["id"]
+        new = []
+        for call in calls_of(response["output"]):
+            new.append(tool_output(call, n))
+            n += 1
+        if not new:
+            return responses
+    raise AssertionError("the chain did not end")
+
+
+def over_ws(client: WsClient) -> Create:
+    async def create(fields: dict[str, Any]) -> dict[str, Any]:
         events = await client.create(**fields)
         assert events[-1].type == "response.completed", client.raw[-1]
         assert [e.sequence_number for e in events] == list(range(len(events)))
-        response = client.raw[-1]["response"]
-        responses.append(response)
-        previous = response["id"]
-        new = []
-        for call in calls_of(response["output"]):
-            new.append(tool_output(call, n))
-            n += 1
-        if not new:
-            return responses
-    raise AssertionError("the chain did not end")
+        response: dict[str, Any] = client.raw[-1]["response"]
+        return response
+
+    return create
 
 
-async def run_http_chain(http: httpx.AsyncClient) -> list[dict[str, Any]]:
-    """The chain over HTTP: each request names its stored parent and sends only new items."""
-    responses: list[dict[str, Any]] = []
-    new: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": USER}]
-    previous: str | None = None
-    n = 0
-    for _ in range(MAX_TURNS):
-        fields = common(input=new, store=True)
-        if previous is not None:
-            fields["previous_response_id"] = previous
-        resp = await http.post("/responses", json=fields)
+def over_http(http: httpx.AsyncClient) -> Create:
+    """Over HTTP each request names its parent in the store."""
+
+    async def create(fields: dict[str, Any]) -> dict[str, Any]:
+        resp = await http.post("/responses", json={**fields, "store": True})
         assert resp.status_code == 200, resp.text
-        response = resp.json()
-        responses.append(response)
-        previous = response["id"]
-        new = []
-        for call in calls_of(response["output"]):
-            new.append(tool_output(call, n))
-            n += 1
-        if not new:
-            return responses
-    raise AssertionError("the chain did not end")
+        response: dict[str, Any] = resp.json()
+        return response
+
+    return create
 
 
 async def run_stateless(http: httpx.AsyncClient) -> list[dict[str, Any]]:
@@ -184,7 +186,7 @@ async def test_three_modes_produce_the_same_rollout() -> None:
                 await client.assert_quiet()
             c1 = await fetch_counters(url)
             async with open_ws(url) as client:
-                chain = await run_chain(client)
+                chain = await run_chain(over_ws(client))
             c2 = await fetch_counters(url)
             stateless = await run_stateless(http)
             c3 = await fetch_counters(url)
@@ -288,9 +290,9 @@ async def test_cached_tokens_are_the_same_over_every_transport() -> None:
     with trio.fail_after(DEADLINE):
         async with open_test_server() as url:
             async with open_ws(url) as client:
-                runs["ws chain"] = await run_chain(client)
+                runs["ws chain"] = await run_chain(over_ws(client))
         async with open_test_server() as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
-            runs["http chain"] = await run_http_chain(http)
+            runs["http chain"] = await run_chain(over_http(http))
         async with open_test_server() as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
             runs["http stateless"] = await run_stateless(http)
 
