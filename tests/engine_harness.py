@@ -61,6 +61,11 @@ LOOKUP_TOOL = p.FunctionTool(
     },
 )
 LOOKUP_INSTRUCTIONS = "You look things up."
+# A client tool the coroutine's tests offer.
+READ_FILE = p.FunctionTool(
+    name="read_file",
+    parameters={"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+)
 
 
 def lookup_request(default_model: str, **kw: Any) -> p.ResponseCreate:

@@ -26,19 +26,11 @@ import trio.testing
 from rollout import protocol as p
 from rollout.engine import Rollout, Session, open_engine
 
+from tests.engine_harness import READ_FILE
 from tests.test_engine_rollout import no_cyclic_garbage
 
 DEADLINE = 30
-TOOLS: list[p.Tool] = [
-    p.FunctionTool(
-        name="read_file",
-        parameters={
-            "type": "object",
-            "properties": {"path": {"type": "string"}},
-            "required": ["path"],
-        },
-    )
-]
+TOOLS: list[p.Tool] = [READ_FILE]
 # Two tool steps of two parallel calls, then a text answer; paced on trio's clock.
 MODEL = "sim:steps=4,parallel=2,tokens=20,tps=200,ttft_ms=100"
 

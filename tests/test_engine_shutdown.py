@@ -28,19 +28,12 @@ from rollout.engine import (
     open_engine,
 )
 
+from tests.engine_harness import READ_FILE
+
 DEADLINE = 30
 # A long answer, paced on trio's clock: far from done when it is interrupted.
 LONG = "sim:tokens=2000,tps=50"
-TOOLS: list[p.Tool] = [
-    p.FunctionTool(
-        name="read_file",
-        parameters={
-            "type": "object",
-            "properties": {"path": {"type": "string"}},
-            "required": ["path"],
-        },
-    )
-]
+TOOLS: list[p.Tool] = [READ_FILE]
 # One tool step (a call), then a long text answer.
 AGENT = "sim:steps=1,tokens=2000,tps=50"
 
