@@ -27,6 +27,16 @@ MODE_COLORS = {
     "ws-chain-stored": "#9467bd",
     "ws-rollout": "#2ca02c",
 }
+# Each mode's marker: where lines overlap (the tokens rendered per turn are the same in every
+# mode) the markers, hollow and on different turns for each mode (`_mode_style`), still show
+# all of them.
+MODE_MARKERS = {
+    "http-stateless": "o",
+    "http-chain": "s",
+    "ws-chain": "^",
+    "ws-chain-stored": "D",
+    "ws-rollout": "v",
+}
 SERVER_STYLES = ("-", "--", ":", "-.")
 DPI = 90
 
@@ -58,7 +68,8 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> list[Path]:
         for ax in fig.axes:
             if ax.get_yscale() == "log":
                 _plain_log_ticks(ax)
-        fig.tight_layout()
+        if fig.get_layout_engine() is None:
+            fig.tight_layout()
         path = out_dir / name
         fig.savefig(path, dpi=DPI, bbox_inches="tight")
         plt.close(fig)
@@ -106,7 +117,8 @@ def _overhead(plt: Any, results: dict[str, Any]) -> Any:
     if source is None:
         return None
     scenario, tps = source
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    # The legend goes below the panels, outside them (constrained layout keeps it clear).
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.9), layout="constrained")
     for server in _servers(results):
         for mode, color in MODE_COLORS.items():
             turns = sorted(
@@ -122,21 +134,25 @@ def _overhead(plt: Any, results: dict[str, Any]) -> Any:
             if not turns:
                 continue
             x = [t["history_tokens"] / 1000 for t in turns]
-            style = _style(results, server)
-            label = _label(results, server, mode)
+            style = {
+                "linestyle": _style(results, server),
+                "color": color,
+                "label": _label(results, server, mode),
+                **_mode_style(results, server, mode),
+            }
             for ax, key in ((axes[0], "server_overhead_s"), (axes[1], "ack_s")):
                 pts = [
                     (xi, t[key]["median"] * 1000) for xi, t in zip(x, turns, strict=True) if t[key]
                 ]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), style, color=color, marker=".", label=label)
+                    ax.plot(*zip(*pts, strict=True), **style)
             pts = [
                 (xi, t["counters"]["tokens_rendered"])
                 for xi, t in zip(x, turns, strict=True)
                 if t["counters"] and "tokens_rendered" in t["counters"]
             ]
             if pts:
-                axes[2].plot(*zip(*pts, strict=True), style, color=color, marker=".", label=label)
+                axes[2].plot(*zip(*pts, strict=True), **style)
     titles = (
         "server-reported pre-inference overhead per turn",
         "client-observed: request sent -> response acknowledged",
@@ -148,14 +164,33 @@ def _overhead(plt: Any, results: dict[str, Any]) -> Any:
         ax.set_xlabel("history before the turn (thousand tokens)")
         _latency_scale(ax, unit)
         ax.grid(True, which="both", alpha=0.3)
-    if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(
+            handles, labels, loc="outside lower center", ncol=min(len(labels), 5), fontsize=9
+        )
     fig.suptitle(
         f"Per-turn overhead vs history ({scenario}, "
         f"{'unpaced model' if tps is None else f'{tps:g} tps'}; medians)",
         fontsize=11,
     )
     return fig
+
+
+def _mode_style(results: dict[str, Any], server: str, mode: str) -> dict[str, Any]:
+    """A series' line: its mode's own hollow marker, on every Nth point from an offset of
+    the series' own (N: the number of series, every server's modes), and a width that shrinks
+    down the series, so that where lines coincide the ones drawn first still show around the
+    later ones."""
+    count = len(MODE_MARKERS) * len(_servers(results))
+    index = _servers(results).index(server) * len(MODE_MARKERS) + list(MODE_MARKERS).index(mode)
+    return {
+        "marker": MODE_MARKERS[mode],
+        "markevery": (index, count),
+        "markerfacecolor": "none",
+        "markersize": 6,
+        "linewidth": 1.0 + 1.8 * (count - 1 - index) / max(1, count - 1),
+    }
 
 
 def _e2e(plt: Any, results: dict[str, Any]) -> Any:

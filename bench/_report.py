@@ -14,15 +14,33 @@ import attrs
 from rich.markup import escape
 
 from ._client import MODES
-from ._goals import OPENAI_REFERENCE, SUSPENSION_WINDOW, ends, suspensions
+from ._goals import (
+    HIGH_HISTORY,
+    HISTORY_WINDOWS,
+    LOW_HISTORY,
+    OPENAI_REFERENCE,
+    SUSPENSION_WINDOW,
+    ends,
+    suspensions,
+    window_label,
+    window_median,
+)
+from ._load import load_warning
 from ._schema import RESULTS_SCHEMA
 
-__all__ = ["Table", "print_tables", "summary_tables", "table_width", "to_markdown", "write_results"]
+__all__ = [
+    "Table",
+    "print_summary",
+    "print_tables",
+    "summary_tables",
+    "table_width",
+    "to_markdown",
+    "verdict",
+    "write_results",
+]
 
 # Modes whose responses are stored (store: true): the durability table marks them.
 STORED_MODES = frozenset({"http-chain", "ws-chain-stored"})
-# History sizes (tokens) the overhead table reports, each the nearest measured turn.
-OVERHEAD_COLUMNS = (1_000, 10_000, 50_000, 100_000)
 # Modes the transport table reports (ws-chain-stored's frames are ws-chain's).
 TRANSPORT_MODES = ("ws-chain", "ws-rollout")
 
@@ -140,15 +158,6 @@ def _reduction_table(results: dict[str, Any], server: str) -> Table | None:
     )
 
 
-def _nearest(turns: list[dict[str, Any]], history: int) -> dict[str, Any] | None:
-    if not turns:
-        return None
-    best = min(turns, key=lambda t: abs(t["history_tokens"] - history))
-    if abs(best["history_tokens"] - history) > max(0.5 * history, 1500):
-        return None
-    return best
-
-
 def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
     turns = [t for t in results["turns"] if t["server"] == server]
     if not turns:
@@ -163,6 +172,7 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
         ),
     )
     scenario, tps = scenarios[0]
+    first, last = HISTORY_WINDOWS[0], HISTORY_WINDOWS[-1]
     rows = []
     for mode in MODES:
         mine = [
@@ -170,22 +180,25 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
         ]
         if not mine:
             continue
-        picked = [_nearest(mine, h) for h in OVERHEAD_COLUMNS]
         cells = [mode]
-        for t in picked:
-            cells.append("-" if t is None else _ms(_med(t["server_overhead_s"]), 3))
-        for t in (picked[0], picked[-1]):
-            cells.append("-" if t is None else _ms(_med(t.get("decode_s")), 2))
-        for t in picked:
-            cells.append("-" if t is None else _ms(_med(t["ack_s"]), 2))
-        for t in (picked[0], picked[-1]):
-            counters = None if t is None else t["counters"]
-            cells.append("-" if not counters else str(counters.get("tokens_rendered", "-")))
+        cells += [_ms(window_median(mine, w, "server_overhead_s"), 3) for w in HISTORY_WINDOWS]
+        cells += [_ms(window_median(mine, w, "decode_s"), 2) for w in (first, last)]
+        cells += [_ms(window_median(mine, w, "ack_s"), 2) for w in HISTORY_WINDOWS]
+        # the /metrics delta of each turn, as window_median reads a figure
+        rendered = [
+            {"history_tokens": t["history_tokens"], "n": {"median": counters["tokens_rendered"]}}
+            for t in mine
+            if (counters := t["counters"]) and "tokens_rendered" in counters
+        ]
+        for w in (first, last):
+            value = window_median(rendered, w, "n")
+            cells.append("-" if value is None else f"{value:.0f}")
         rows.append(tuple(cells))
-    cols = [f"~{h // 1000}k" for h in OVERHEAD_COLUMNS]
+    cols = [window_label(w) for w in HISTORY_WINDOWS]
     return _without_empty_columns(
-        title=f"[{server}] Per-turn pre-inference overhead vs history ({scenario}, "
-        f"{_tps(tps)} tps; medians)",
+        title=f"[{server}] Per-turn pre-inference overhead by history window ({scenario}, "
+        f"{'unpaced model' if tps is None else f'{tps:g} tps'}; each cell the median over the "
+        "turns whose history before the turn is in the window)",
         headers=(
             "mode",
             *(f"server ms {c}" for c in cols),
@@ -200,7 +213,8 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
         "route, store); decode ms: its JSON decode and structuring of the request, which grows "
         "with what the client sends; ack ms: client-observed, request sent to response "
         "acknowledged (adds transport and event encoding); tokens rendered: /metrics counter "
-        "delta for that turn.",
+        f"delta for that turn. History windows in tokens; {window_label(LOW_HISTORY)} and "
+        f"{window_label(HIGH_HISTORY)} are the goals' (the same figures).",
     )
 
 
@@ -528,10 +542,100 @@ def _goals_table(results: dict[str, Any]) -> Table | None:
     if not rows:
         return None
     return Table(
-        title="Goals (measured, not asserted)",
+        title=GOALS_TITLE,
         headers=("server", "goal", "status", "measured", "threshold", "detail"),
         rows=tuple(rows),
+        note=load_warning(results) or "",
     )
+
+
+GOALS_TITLE = (
+    f"Goals (measured, not asserted; history windows {window_label(LOW_HISTORY)} and "
+    f"{window_label(HIGH_HISTORY)}, as in the per-turn overhead table)"
+)
+STATUS = {True: "met", False: "MISSED", None: "n/a"}
+# Goals met at or above their threshold (the others at or below it).
+AT_LEAST = frozenset({"keeps-pace"})
+
+
+def verdict(results: dict[str, Any]) -> str:
+    """One line: how many goals were met, which were missed, and whether the machine was
+    loaded (then the goals are not to be trusted)."""
+    line = _goals_count(results)
+    warning = load_warning(results)
+    if warning:
+        line += f"; {warning}"
+    elif results["meta"].get("machine_load") is None:
+        line += "; whether the machine was loaded was not recorded"
+    if results["meta"]["interrupted"]:
+        line += "; the run was interrupted (these are the rollouts that finished)"
+    return line
+
+
+def _goals_count(results: dict[str, Any]) -> str:
+    goals = results["goals"]
+    missed = [g for g in goals if g["met"] is False]
+    met = sum(1 for g in goals if g["met"])
+    unmeasured = sum(1 for g in goals if g["met"] is None)
+    several = len(results["servers"]) > 1
+    names = [f"{g['server']}: {g['id']}" if several else g["id"] for g in missed]
+    line = f"{met} of {len(goals)} goals met"
+    if missed:
+        line += f", {len(missed)} MISSED ({', '.join(names)})"
+    if unmeasured:
+        line += f", {unmeasured} not measured"
+    return line
+
+
+def _goal_lines(results: dict[str, Any]) -> list[str]:
+    """One line per goal met or missed (its measure and threshold); the goals not measured
+    in one line per server."""
+    several = len(results["servers"]) > 1
+
+    def name(goal: dict[str, Any]) -> str:
+        return f"{goal['server']}: {goal['id']}" if several else goal["id"]
+
+    measured = [g for g in results["goals"] if g["met"] is not None]
+    width = max((len(name(g)) for g in measured), default=0)
+    lines = []
+    for goal in measured:
+        bound = "at least" if goal["id"] in AT_LEAST else "at most"
+        lines.append(
+            f"  {STATUS[goal['met']]:<6}  {name(goal):<{width}}  {goal['measured']:.3g} "
+            f"({bound} {goal['threshold']:g})"
+        )
+    for server in [s["label"] for s in results["servers"]]:
+        missing = [g["id"] for g in results["goals"] if g["server"] == server and g["met"] is None]
+        if missing:
+            where = f" on {server}" if several else ""
+            lines.append(f"  n/a     not measured{where}: {', '.join(missing)}")
+    return lines
+
+
+def print_summary(
+    results: dict[str, Any],
+    outputs: Sequence[str],
+    *,
+    file: TextIO | None = None,
+) -> None:
+    """The short report of a run: the verdict, the machine, one line per goal, where the
+    results went (`outputs`, lines), and the verdict again, last. Every table is in
+    summary.md (`rollout bench --verbose` prints them too)."""
+    out = file if file is not None else sys.stdout
+    line = verdict(results)
+    loaded = "; THE MACHINE WAS LOADED" if load_warning(results) else ""
+    lines = [
+        f"rollout bench: {_goals_count(results)}{loaded} (the verdict is at the end; every "
+        "table is in summary.md, or printed with --verbose)",
+        f"Machine: {machine_line(results)}",
+        f"{GOALS_TITLE}:",
+        *_goal_lines(results),
+    ]
+    notes = sum(len(s["notes"]) for s in results["servers"])
+    if notes:
+        lines.append(f"notes:   {notes} on the servers (in summary.md)")
+    lines += [*outputs, f"Verdict: {line}"]
+    out.write("\n".join(lines) + "\n")
 
 
 NOT_MEASURED = "not measured"
@@ -661,7 +765,7 @@ def _load(results: dict[str, Any]) -> str:
 
 
 def to_markdown(results: dict[str, Any], tables: Sequence[Table]) -> str:
-    lines = [f"Machine: {machine_line(results)}", ""]
+    lines = [f"Verdict: {verdict(results)}", "", f"Machine: {machine_line(results)}", ""]
     for server in results["servers"]:
         if server["notes"]:
             lines.append(

@@ -50,6 +50,7 @@ from ._client import (
     run_rollout,
 )
 from ._errors import BenchError, StreamError
+from ._load import CpuSample, judge_load, sample_cpu
 from ._records import TurnRecord
 from ._scenario import TOOL_NAME, Scenario, default_ttft_ms, sim_model
 from ._server import (
@@ -271,6 +272,8 @@ class _Collected:
     servers: list[_ServerInfo] = attrs.field(factory=list)
     notes: list[str] = attrs.field(factory=list)
     load_start: list[float] | None = None
+    # The machine's and the benchmark's CPU time as the run began (`_load.judge_load`).
+    cpu_start: CpuSample | None = None
     interrupted: bool = False  # stopped by SIGINT: the results hold what finished
 
 
@@ -285,7 +288,7 @@ async def run_benchmark(
     holds what finished (`meta.interrupted`)."""
     started = time.time()
     config = config.sized()
-    collected = _Collected(load_start=_loadavg())
+    collected = _Collected(load_start=_loadavg(), cpu_start=sample_cpu())
     report: Progress = progress or (lambda _d, _n: None)
     run_scope = trio.CancelScope()
     with contextlib.ExitStack() as signals, _one_error():
@@ -1040,6 +1043,8 @@ def _build_results(
 ) -> dict[str, Any]:
     from ._goals import evaluate_goals
 
+    cpu_end = sample_cpu()  # the local servers have stopped (and been waited for)
+    machine = _machine()
     results: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "meta": {
@@ -1047,8 +1052,15 @@ def _build_results(
             "finished_at": _iso(finished),
             "duration_s": finished - started,
             "command": list(config.argv) or [sys.argv[0]],
-            "machine": _machine(),
+            "machine": machine,
             "load_average": {"start": out.load_start, "end": _loadavg()},
+            "machine_load": judge_load(
+                out.cpu_start,
+                cpu_end,
+                machine["cpu_count"],
+                out.load_start,
+                url_servers=any(s.url is not None for s in config.servers),
+            ),
             "interrupted": out.interrupted,
             "versions": _versions(),
             "parameters": _parameters(config),

@@ -95,6 +95,16 @@ RESULTS_SCHEMA: dict[str, Any] = {
                         "end": {"anyOf": [_LOAD, {"type": "null"}]},
                     }
                 ),
+                "machine_load": _record(
+                    {
+                        "cpu_count": _INT_OR_NULL,
+                        "other_cpus": _NUM_OR_NULL,
+                        "load_average_start": _NUM_OR_NULL,
+                        "loaded": {"type": ["boolean", "null"]},
+                        "reason": {"type": "string"},
+                        "rule": {"type": "string"},
+                    }
+                ),
                 "interrupted": {"type": "boolean"},
                 "versions": {"type": "object", "additionalProperties": _STR_OR_NULL},
                 "parameters": _record(
@@ -299,6 +309,11 @@ RESULTS_SCHEMA: dict[str, Any] = {
         "notes": {"type": "array", "items": {"type": "string"}},
     },
 }
+
+
+# Results from before the machine's load was judged (the same schema id) have no
+# `meta.machine_load`: their verdict cannot say whether the machine was loaded.
+RESULTS_SCHEMA["properties"]["meta"]["required"].remove("machine_load")
 
 
 def validate_results(results: Any) -> None:

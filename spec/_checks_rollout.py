@@ -24,7 +24,7 @@ from ._analysis import (
     text_problems,
 )
 from ._client import TERMINAL, CheckFailed, CheckSkipped, describe_value
-from ._context import CheckSet, Context
+from ._context import DEFAULT_SLOW_MODEL, CheckSet, Context
 from ._probes import compare_outputs, sum_tokens
 from ._requests import append_event, auto_body, outputs_for, tool_body, tool_output, unknown_id
 from ._steps import (
@@ -284,8 +284,9 @@ async def rollout_append_not_suspended(ctx: Context) -> None:
                             "expected rollout_not_suspended"
                         )
                     raise CheckSkipped(
-                        "the rollout suspended before the append arrived (use a slower "
-                        "--slow-model to observe rollout_not_suspended)"
+                        "the rollout suspended before the append arrived (use a --slow-model "
+                        f"that streams at a bounded rate, e.g. {DEFAULT_SLOW_MODEL}, to observe "
+                        "rollout_not_suspended)"
                     )
                 expect_error(event, status=400, code="rollout_not_suspended", param="response_id")
                 return

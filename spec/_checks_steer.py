@@ -12,7 +12,7 @@ from rollout.protocol import STEER_EVENT_TYPES
 
 from ._analysis import as_dict, call_items, completed_response, sequence_problems
 from ._client import TERMINAL, CheckFailed, CheckSkipped, WsClient, describe_value
-from ._context import CheckSet, Context
+from ._context import DEFAULT_SLOW_MODEL, CheckSet, Context
 from ._requests import FORCE_WEATHER, text_body, unknown_id
 from ._steps import Event, fail_on, first_event, response_of
 
@@ -98,7 +98,7 @@ def _skip_if_too_late(ack: Event) -> None:
     ):
         raise CheckSkipped(
             "the response ended before the steer arrived (use a --slow-model that streams at a "
-            "bounded rate, e.g. sim:ttft_ms=400,tps=200)"
+            f"bounded rate, e.g. {DEFAULT_SLOW_MODEL})"
         )
 
 
@@ -232,7 +232,7 @@ async def steer_pending(ctx: Context) -> None:
             if code in ("response_already_completed", "response_not_active"):
                 raise CheckSkipped(
                     "the call was made before the steer arrived (use a --slow-model that "
-                    "streams tool-call arguments at a bounded rate, e.g. sim:ttft_ms=400,tps=200)"
+                    f"streams tool-call arguments at a bounded rate, e.g. {DEFAULT_SLOW_MODEL})"
                 )
         steer_id = _expect_accepted(ack, target)
         events += await ws.collect()

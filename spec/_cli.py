@@ -61,8 +61,7 @@ exit status:
 examples:
   rollout conform --list
   rollout conform http://127.0.0.1:8000/v1
-  rollout conform http://127.0.0.1:8000/v1 \\
-      --slow-model 'sim:ttft_ms=300,tps=200' --age-limit-seconds 3 \\
+  rollout conform http://127.0.0.1:8000/v1 --age-limit-seconds 3 \\
       --max-message-size 65536 --json report.json
   rollout conform https://api.example.com/v1 --api-key "$KEY" --model gpt-x \\
       --filter 'ws.*'
@@ -70,7 +69,13 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ._context import DEFAULT_CONCURRENCY, DEFAULT_MODEL, DEFAULT_QUIET_SECONDS, DEFAULT_TIMEOUT
+    from ._context import (
+        DEFAULT_CONCURRENCY,
+        DEFAULT_MODEL,
+        DEFAULT_QUIET_SECONDS,
+        DEFAULT_SLOW_MODEL,
+        DEFAULT_TIMEOUT,
+    )
 
     p = sub.add_parser(
         "conform",
@@ -107,7 +112,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=_nonempty,
         help="a model whose first output takes >= 0.2 s and that streams at a bounded rate, for "
         "checks that act while a response is sampling (queueing, early appends, steering); "
-        "default --model. For rollout: 'sim:ttft_ms=300,tps=200'",
+        f"default {DEFAULT_SLOW_MODEL!r} with the default --model, else --model",
     )
     p.add_argument(
         "--filter",

@@ -48,6 +48,10 @@ __all__ = [
 
 # The default model id: rollout's built-in simulated model. Any other server needs --model.
 DEFAULT_MODEL = "sim"
+# The default slow model with the default model: rollout's sim, its first token after 0.4 s and
+# its output at 200 tokens a second, slow enough for the checks that act while a response is
+# sampling (queueing, early appends, steering). The help and the skip messages name it.
+DEFAULT_SLOW_MODEL = "sim:ttft_ms=400,tps=200"
 # Default deadline of one check, in seconds (a real model may need several responses).
 DEFAULT_TIMEOUT = 60.0
 # Checks run at once by default. Each holds at most a few connections.
@@ -73,7 +77,8 @@ class Options:
     api_key: str | None = None
     model: str = DEFAULT_MODEL
     # A model whose first output takes a noticeable time (>= 0.2 s), for the checks that must
-    # act while a response is still sampling; defaults to `model`.
+    # act while a response is still sampling; defaults to `DEFAULT_SLOW_MODEL` with the
+    # default model, else to `model` (`slow`).
     slow_model: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     concurrency: int = DEFAULT_CONCURRENCY
@@ -88,6 +93,14 @@ class Options:
     # probe could not run, fails the run (`--require`).
     require: tuple[str, ...] = ()
     quiet_seconds: float = DEFAULT_QUIET_SECONDS
+
+    @property
+    def slow(self) -> str:
+        """The slow model the checks use: `slow_model`, else `DEFAULT_SLOW_MODEL` with the
+        default model (rollout's sim), else `model`."""
+        if self.slow_model:
+            return self.slow_model
+        return DEFAULT_SLOW_MODEL if self.model == DEFAULT_MODEL else self.model
 
     def __attrs_post_init__(self) -> None:
         if not (self.timeout > 0 and math.isfinite(self.timeout)):
@@ -329,7 +342,7 @@ class Context:
 
     @property
     def slow_model(self) -> str:
-        return self.options.slow_model or self.options.model
+        return self.options.slow
 
     @property
     def timeout(self) -> float:

@@ -271,8 +271,8 @@ async def preflight(base_url: str, options: Options) -> Problem | None:
         return problem
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     models = [(options.model, "--model")]
-    if options.slow_model and options.slow_model != options.model:
-        models.append((options.slow_model, "--slow-model"))
+    if options.slow != options.model:
+        models.append((options.slow, "--slow-model"))
     # Each request is bounded (httpx's timeouts); all of them together too: GET /models at
     # most three times, then a create per model.
     deadline = 3 * PREFLIGHT_TIMEOUT + len(models) * max(PREFLIGHT_TIMEOUT, options.timeout)

@@ -53,6 +53,8 @@ TINY = [
 # The objects frozen as each phase of the tiny run began, and after the run.
 FROZEN_IN_PHASES: list[int] = []
 FROZEN_AFTER: list[int] = []
+# What the tiny run (--no-progress) printed on stderr.
+TINY_STDERR: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -69,24 +71,27 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
         patch.setattr(bench_runner, "freeze_startup_heap", freeze)
         status = rollout_main(["bench", *TINY, "--out", str(out)])
     FROZEN_AFTER.append(gc.get_freeze_count())
-    assert status == 0, capture.text
+    TINY_STDERR.append(capture.err)
+    assert status == 0, capture.text + capture.err
     results = json.loads((out / "results.json").read_text())
     return results, out, capture.text
 
 
 class _Capture:
-    """stdout of the CLI (a module-scoped fixture can't use capsys)."""
+    """stdout (`text`) and stderr (`err`) of the CLI (a module-scoped fixture can't use
+    capsys)."""
 
     def __enter__(self) -> None:
         import io
 
-        self._old = sys.stdout
-        self._buffer = io.StringIO()
-        sys.stdout = self._buffer
+        self._old = sys.stdout, sys.stderr
+        self._buffer, self._err = io.StringIO(), io.StringIO()
+        sys.stdout, sys.stderr = self._buffer, self._err
 
     def __exit__(self, *exc: object) -> None:
-        sys.stdout = self._old
+        sys.stdout, sys.stderr = self._old
         self.text = self._buffer.getvalue()
+        self.err = self._err.getvalue()
 
 
 def test_writes_table_json_and_plots(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
@@ -95,14 +100,30 @@ def test_writes_table_json_and_plots(tiny_run: tuple[dict[str, Any], Path, str])
     assert json.loads((out / "results.schema.json").read_text()) == bench.RESULTS_SCHEMA
     for name in ("overhead.png", "e2e.png", "concurrency.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "End-to-end rollout time" in stdout and "Goals" in stdout
     assert not list(out.glob("server-*.log"))  # the server logged nothing: no empty log
     summary = (out / "summary.md").read_text()
     assert "| ws-rollout |" in summary and "Machine:" in summary
+    assert "End-to-end rollout time" in summary and "Goals" in summary
+    # stdout: the verdict first and last, the goals between; the tables only in summary.md
+    lines = stdout.splitlines()
+    assert len(lines) <= 30, stdout
+    assert lines[0].startswith("rollout bench: ") and " goals met" in lines[0]
+    assert lines[-1].startswith("Verdict: ") and " goals met" in lines[-1]
+    assert "Goals (measured, not asserted" in stdout
+    assert "End-to-end rollout time" not in stdout
+    load = results["meta"]["machine_load"]
+    assert load["cpu_count"] and load["loaded"] in (True, False) and load["rule"]
     meta = results["meta"]
     assert meta["machine"]["cpu_count"] and meta["machine"]["python"]
     assert meta["versions"]["trio"]
     assert meta["versions"]["rollout-engine"]  # the benchmark's own distribution, by its name
+
+
+def test_no_progress_prints_no_progress_lines(
+    tiny_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    """`--no-progress`: nothing on stderr at all (a run with nothing to complain of)."""
+    assert TINY_STDERR == [""]
 
 
 def test_phases_run_with_the_heap_set_aside_and_the_run_gives_it_back(
@@ -151,6 +172,16 @@ def test_report_of_earlier_results(
     assert status == 0
     assert "End-to-end time saved vs http-stateless" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "e2e.png").exists()
+    assert "End-to-end time saved" not in capture.text
+    assert capture.text.splitlines()[-1].startswith("Verdict: ")
+    verbose = _Capture()
+    with verbose:
+        status = rollout_main(
+            ["bench", "--report", str(out / "results.json"), "--out", str(tmp_path), "--verbose"]
+        )
+    assert status == 0
+    assert "End-to-end time saved vs http-stateless" in verbose.text
+    assert verbose.text.splitlines()[-1].startswith("Verdict: ")
 
 
 def test_all_modes_ran_the_same_conversation(
@@ -236,7 +267,7 @@ def test_stored_chain_writes_every_turn_and_reads_nothing_back(
     connection's cache (no store reads); ws-chain (store: false) writes usage only. The
     durability table reports the tail per mode. (That the write lands before the terminal
     event is tests/test_crash_durability.py's claim: a scrape after the event cannot tell.)"""
-    results, out, stdout = tiny_run
+    results, out, _ = tiny_run
     by_mode = {r["mode"]: r for r in results["rollouts"] if r["tps"] == 4000.0}
     stored = by_mode["ws-chain-stored"]["counters_by_turn"]
     plain = by_mode["ws-chain"]["counters_by_turn"]
@@ -244,7 +275,7 @@ def test_stored_chain_writes_every_turn_and_reads_nothing_back(
     assert [(c["store_writes"], c["ledger_records"]) for c in plain] == [(0, 1)] * 5
     assert sum(c["store_reads"] for c in stored) == 0
     assert all(t["tail_s"] is not None for t in results["turns"] if t["tps"] is None)
-    assert "Durable acknowledgement: per-turn tail" in stdout
+    assert "Durable acknowledgement: per-turn tail" in (out / "summary.md").read_text()
     assert "(ws-chain-stored minus ws-chain): alpha-demo: " in (out / "summary.md").read_text()
 
 
@@ -652,25 +683,28 @@ def test_cli_dead_url_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
             "rollout bench: --concurrency takes comma-separated counts such as 1,4,16 (0 to "
             "skip), not '1,four'",
         ),
-        (
-            ["--report", "missing.json"],
-            "rollout bench: cannot read missing.json: No such file or directory",
-        ),
         (["--tps", "0"], "rollout bench: --tps must be a positive number, not 0"),
         (["--repetitions", "0"], "rollout bench: --repetitions must be at least 1, not 0"),
         (["--ttft-ms", "-1"], "rollout bench: --ttft-ms must be at least 0, not -1"),
     ],
 )
 def test_cli_bad_arguments_are_one_line(argv: list[str], message: str, tmp_path: Path) -> None:
+    """A usage error: one line, exit status 2 (as argparse's own)."""
     done = _bench_cli(*argv, "--no-progress", "--out", "out", cwd=tmp_path)
-    assert (done.returncode, done.stderr, done.stdout) == (1, message + "\n", "")
+    assert (done.returncode, done.stderr, done.stdout) == (2, message + "\n", "")
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_report_of_a_missing_file_is_one_line(tmp_path: Path) -> None:
+    done = _bench_cli("--report", "missing.json", "--out", "out", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == "rollout bench: cannot read missing.json: No such file or directory\n"
 
 
 def test_cli_unwritable_out_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     done = _bench_cli("--out", "file/out", "--no-progress", cwd=tmp_path)
-    assert (done.returncode, done.stdout) == (1, "")
+    assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "rollout bench: cannot write the results into file/out: Not a directory\n"
 
 
@@ -693,8 +727,7 @@ def test_cli_ctrl_c_writes_what_finished_and_exits_130(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "rollout", "bench", "--scenario", "alpha-demo", "--steps", "3",
          "--tool-tokens", "50", "--prompt-tokens", "50", "--output-tokens", "20", "--tps", "65",
-         "--repetitions", "2", "--concurrency", "0", "--no-progress", "--no-plots", "--out",
-         "out"],
+         "--repetitions", "2", "--concurrency", "0", "--no-plots", "--out", "out"],
         cwd=tmp_path,
         stdout=stdout_file,
         stderr=subprocess.PIPE,
@@ -815,11 +848,12 @@ def test_help_and_readme_state_the_plans() -> None:
 
 
 def test_overhead_table_has_no_empty_columns(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
-    """A run whose history stays near 1k has no ~10k-~100k columns full of "-"."""
+    """A run whose history stays under 2k has no 8k-95k+ columns full of "-"."""
     results, _, _ = tiny_run
-    (table,) = [t for t in summary_tables(results) if "overhead vs history" in t.title]
+    (table,) = [t for t in summary_tables(results) if "overhead by history window" in t.title]
     assert table.headers == (
-        "mode", "server ms ~1k", "decode ms ~1k", "ack ms ~1k", "tokens rendered ~1k",
+        "mode", "server ms 0.5k-2k", "decode ms 0.5k-2k", "ack ms 0.5k-2k",
+        "tokens rendered 0.5k-2k",
     )  # fmt: skip
     assert all("-" not in row for row in table.rows)
 
@@ -898,8 +932,8 @@ def test_missing_matplotlib_is_said_where_the_outputs_are_listed(
             ["bench", "--report", str(out / "results.json"), "--out", str(tmp_path)]
         )
     assert status == 0
-    assert capture.text.splitlines()[-2:] == [
-        f"summary: {tmp_path / 'summary.md'}",
+    assert capture.text.splitlines()[-3:-1] == [
+        f"summary: {tmp_path / 'summary.md'} (every table)",
         "plots:   none: matplotlib is not installed, so this run writes no plots; `pip install "
         "'rollout-engine[bench]'` adds it, and `rollout bench --report RESULTS_JSON` plots a "
         "finished run",

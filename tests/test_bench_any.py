@@ -248,7 +248,7 @@ def test_a_tokenizer_file_sizes_the_scenario_in_its_tokens(tmp_path: Path) -> No
 
 def test_an_unknown_tokenizer_is_one_line(tmp_path: Path) -> None:
     done = _bench_cli("--tokenizer", "llama", "--no-progress", "--out", "out", cwd=tmp_path)
-    assert (done.returncode, done.stdout) == (1, "")
+    assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == (
         "rollout bench: --tokenizer takes o200k, cl100k, none or the path of a Hugging Face "
         "tokenizer.json file, not 'llama'\n"

@@ -90,7 +90,7 @@ def test_an_earlier_run_is_kept_unless_forced(tmp_path: Path) -> None:
     (out / "results.json").write_text(json.dumps({"schema": "rollout-bench/7", "old": True}))
     (out / "overhead.png").write_bytes(b"old plot")
     done = _bench_cli(*TINY, "--out", "out", cwd=tmp_path)
-    assert (done.returncode, done.stdout) == (1, "")
+    assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == (
         "rollout bench: out holds an earlier run (overhead.png, results.json); choose another "
         "--out, or pass --force to replace it\n"

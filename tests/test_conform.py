@@ -336,22 +336,79 @@ async def test_rollout_server_passes_every_check() -> None:
     assert len(steer_checks) == 4 and not not_passed(steer_checks)
 
 
+# What a check that needs a slow model says when the model was too fast: each names the
+# default slow model, as the help does.
+FAST_MODEL_SKIPS = {
+    "the response ended before the steer arrived (use a --slow-model that streams at a "
+    "bounded rate, e.g. sim:ttft_ms=400,tps=200)",
+    "the call was made before the steer arrived (use a --slow-model that streams tool-call "
+    "arguments at a bounded rate, e.g. sim:ttft_ms=400,tps=200)",
+    "the rollout suspended before the append arrived (use a --slow-model that streams at a "
+    "bounded rate, e.g. sim:ttft_ms=400,tps=200, to observe rollout_not_suspended)",
+}
+
+
 async def test_steering_checks_against_a_fast_model_skip_not_fail() -> None:
-    """Without --slow-model the steer usually reaches a response that is already ending: the
-    server refuses it (`response_not_active`, or `response_already_completed` after the end),
-    and the checks that need a running response say so (SKIPPED), never fail or hang."""
+    """With a fast --slow-model (`sim`) the steer usually reaches a response that is already
+    ending: the server refuses it (`response_not_active`, or `response_already_completed`
+    after the end), and the checks that need a running response say so (SKIPPED, naming the
+    default slow model), never fail or hang."""
     with trio.fail_after(60):
         async with serving() as url:
-            options = harness_options(slow_model=None, filter=("steer.*",))
+            options = harness_options(slow_model="sim", filter=("steer.*", "rollout.*"))
             report = await spec.run_conformance(url, options)
     outcomes = {r.id: r.outcome.value for r in report.results}
-    assert set(outcomes) == {
+    assert {
         "steer.accepted",
         "steer.invalid_input",
         "steer.unknown_or_completed",
         "steer.pending",
-    }
+    } <= set(outcomes)
     assert "failed" not in outcomes.values(), [(r.id, r.reason) for r in report.results]
+    skips = {r.reason for r in report.results if r.outcome is spec.Outcome.SKIPPED}
+    assert skips and skips <= FAST_MODEL_SKIPS, skips
+
+
+def test_the_default_slow_model_is_the_one_the_help_and_messages_name() -> None:
+    import argparse
+
+    from rollout.spec._cli import add_parser
+    from rollout.spec._context import DEFAULT_SLOW_MODEL
+
+    assert DEFAULT_SLOW_MODEL == "sim:ttft_ms=400,tps=200"
+    assert spec.Options().slow == DEFAULT_SLOW_MODEL
+    assert spec.Options(model="gpt-x").slow == "gpt-x"
+    assert spec.Options(model="gpt-x", slow_model="gpt-y").slow == "gpt-y"
+    parser = argparse.ArgumentParser(prog="rollout")
+    add_parser(parser.add_subparsers())
+    conform = parser._subparsers._group_actions[0].choices["conform"]  # type: ignore[union-attr]
+    (action,) = [a for a in conform._actions if "--slow-model" in a.option_strings]
+    assert action.help is not None and action.help.endswith(
+        "default 'sim:ttft_ms=400,tps=200' with the default --model, else --model"
+    )
+    assert "ttft_ms=" not in conform.epilog.replace(DEFAULT_SLOW_MODEL, "")
+
+
+async def test_defaults_against_a_default_server_skip_only_what_needs_its_settings() -> None:
+    """`rollout conform URL`, no options, against `rollout serve` with its defaults: the
+    checks that need a slow model run on the default one and pass; the only checks skipped
+    are those that need the server's settings told (--api-key, --max-message-size, ...)."""
+    async with open_server(ServerConfig(port=0, data_dir=None, graceful_timeout=1.0)) as url:
+        code, stdout, stderr = await run_cli(url, "--no-progress", "--json", "-", deadline=60)
+    report = json.loads(stdout)
+    skipped = {c["id"]: c["reason"] for c in report["checks"] if c["outcome"] == "skipped"}
+    assert skipped == {
+        "auth.http_401": "needs --api-key",
+        "auth.ws_401": "needs --api-key",
+        "http.error_body_too_large": "needs --max-message-size",
+        "ws.message_too_large": "needs --max-message-size",
+        "ws.queue_limit": "needs --max-queued-creates",
+        "ws.connection_age_limit": "needs --age-limit-seconds",
+        "rollout.suspend_timeout": "needs --rollout-suspend-limit",
+    }, stderr
+    ran = [c for c in report["checks"] if c["id"] not in skipped]
+    assert not not_passed(ran), stderr
+    assert code == 0 or schema_failures_tolerated(), stderr
 
 
 async def test_cli_report_and_exit_status(tmp_path: Path) -> None:
