@@ -1,5 +1,8 @@
 """`rollout bench --scenario real-model-batch`: many rollouts, one model.
 
+Long because many rollouts on one model are judged on three things at once (no re-prefill, the
+model's work, equivalence with a rollout run alone), each with its own evidence.
+
 K agents run a tool loop at once (K = 1, 2, 4, 8), each its own task (agent i's prompt and
 tool outputs are its own filler text, the same in every wave) under an API key of its own per
 wave (the KV index is per owner: no agent finds KV another left), against one model on this

@@ -1,4 +1,9 @@
-"""`rollout bench`: command-line wiring (arguments, the quick and full plans, then `run`)."""
+"""`rollout bench`: command-line wiring (arguments, the quick and full plans, then `run`).
+
+Long because the quick and full plans, the real-model, batch and gateway scenarios, `--report`
+and `--url` servers each need their arguments checked before anything runs, with a one-line
+refusal each.
+"""
 
 from __future__ import annotations
 

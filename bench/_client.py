@@ -1,5 +1,9 @@
 """The agent loop, driven five ways from the client side.
 
+Long because the one agent loop runs over five transports (stateless, chained, stored,
+WebSocket, the rollout extension), reads each stream's timing and probes what a foreign server
+supports.
+
 | mode             | transport                     | each turn sends                              |
 |------------------|-------------------------------|----------------------------------------------|
 | `http-stateless` | a new HTTP connection per turn | the whole history, `store: false`            |

@@ -1,10 +1,14 @@
 """`rollout bench --scenario gateway`: what rollout adds in front of a chat-completions model,
 as the model server sees it.
 
-The upstream is a fake chat-completions server in the benchmark's own process
-(`FakeUpstream`: h11 over trio): it answers every request at once with one streamed tool call,
-and stamps the moment each request's body has fully arrived, on the clock the client stamps
-its sends with (`time.perf_counter`, one process). A turn's **overhead** is that arrival minus
+Long because the measurement needs its own fake model server in another process and clients that
+build their bytes before the clock starts (h11 and wsproto by hand-held connection), so no
+library's time is counted.
+
+The upstream is a fake chat-completions server in a process of its own (`FakeUpstream`: h11
+over trio, `upstream_main`): it answers every request at once with one streamed tool call, and
+stamps the moment each request's body has fully arrived on the clock the client stamps its
+sends with (`time.monotonic()`: CLOCK_MONOTONIC, one clock for every process of the machine). A turn's **overhead** is that arrival minus
 the client's send: receiving and decoding the request, resolving and keying the conversation,
 validating, rendering and classifying what is new, encoding the chat request and writing it to
 the model server. Nothing of the model's time is in it.
@@ -150,7 +154,7 @@ def conversation_key(mode: str, size: int, rep: int) -> str:
 
 @attrs.define
 class Arrival:
-    at: float  # perf_counter when the body had fully arrived
+    at: float  # time.monotonic() when the body had fully arrived
     nbytes: int
     digest: str  # sha256 of the body, first 16 hex digits
 

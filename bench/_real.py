@@ -1,5 +1,8 @@
 """`rollout bench --scenario real-model`: the design's claim, measured with a real model.
 
+Long because a real model's run needs its own plan, memory phase, goals and summary: the model's
+time dominates, so what is measured and how it is judged differ from the simulated scenarios.
+
 A real model pays for every token it reads. A stateless client resends its whole history each
 turn; a server without a prefix cache reads it all again (prefill), so a tool loop's turns grow
 with the conversation. The rollout coroutine keeps the model's KV cache across its suspensions

@@ -1,4 +1,9 @@
-"""The summary tables (terminal and Markdown) and the results files."""
+"""The summary tables (terminal and Markdown) and the results files.
+
+Long because each measured quantity gets its own table (end to end, overhead by history window,
+transport, suspension, durability, deflate, concurrency, goals), in both terminal and Markdown
+form.
+"""
 
 from __future__ import annotations
 

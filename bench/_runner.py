@@ -1,5 +1,9 @@
 """The benchmark run: plan, drive the rollouts against each server, aggregate to records.
 
+Long because one run drives every mode against every server through phases (sweeps, concurrency
+waves, durability, deflate), samples the servers' CPU and memory as it goes, and folds it all
+into records.
+
 Every server under test is up for the whole run (local ones are started first), and the
 phases take them in turn, interleaved, so that what else the machine does affects them alike:
 
