@@ -8,9 +8,10 @@ library's time is counted.
 The upstream is a fake chat-completions server in a process of its own (`FakeUpstream`: h11
 over trio, `upstream_main`): it answers every request at once with one streamed tool call, and
 stamps the moment each request's body has fully arrived on the clock the client stamps its
-sends with (`time.monotonic()`: CLOCK_MONOTONIC, one clock for every process of the machine). A turn's **overhead** is that arrival minus
-the client's send: receiving and decoding the request, resolving and keying the conversation,
-validating, rendering and classifying what is new, encoding the chat request and writing it to
+sends with (`time.monotonic()`: CLOCK_MONOTONIC, one clock for every process of the machine).
+A turn's **overhead** is that arrival minus the client's send: receiving and decoding the
+request, resolving and keying the conversation, validating, rendering and classifying what is
+new, encoding the chat request and writing it to
 the model server. Nothing of the model's time is in it.
 
 Each conversation starts with a history of about `size` tokens (a task, then tool calls and
