@@ -174,8 +174,10 @@ class PublicModelList:
 
 async def test_a_wrong_key_is_one_cause_not_one_failure_per_check() -> None:
     async with serving(app_wrapper=PublicModelList) as url:
+        # The slow model is the model: the preflight's create of a slow model would meet the
+        # 401 first (exit 4, one message); here the checks meet it.
         code, stdout, stderr = await conform(
-            url, "--api-key", "sk-wrong", "--filter", "http,websocket"
+            url, "--api-key", "sk-wrong", "--filter", "http,websocket", "--slow-model", "sim"
         )
     assert code == 1, stderr
     lines = stdout.splitlines()
