@@ -82,7 +82,7 @@ from ._events import (
 )
 from ._lanes import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
 from ._multi_agent import MULTI_AGENT_BETA, multi_agent_enabled
-from ._state import Move, Phase, ResponseTracker
+from ._state import Move, Phase, ResponseTracker, advance_item
 from ._steer import (
     OUT_OF_STREAM,
     STEER_EVENT_TYPES,
@@ -579,7 +579,10 @@ class ServerConnection(_Connection):
             )
             return
         response = named_response_of(event)
-        response_id = response.id if response is not None else None
+        if response is None:  # an item, part or delta event (or another of a running response)
+            self._guard(lambda: advance_item(lane.tracker, event))
+            return
+        response_id = response.id
         move = self._guard(
             lambda: lane.tracker.advance(
                 event.type,
@@ -589,8 +592,6 @@ class ServerConnection(_Connection):
                 previous_response_id=previous_id_of(event),
             )
         )
-        if response_id is None:  # an item, part or delta event
-            return
         if move is Move.QUEUED or move is Move.CREATED:
             self._in_flight[response_id] = lane
         elif move is Move.TERMINAL:

@@ -26,7 +26,25 @@ is answered there, in its stream: `response.steer.pending` or a failure with the
 for each, or a successor's `response.created` (numbered from 0, `previous_response_id` the
 ended response) that commits all of it. A successor starts without a create of its own.
 
-`ResponseTracker` applies the table and the rules a table cannot say: sequence numbers
+Inside a running response, its output items follow the item grammar (`ITEM_TRANSITIONS`,
+one `ItemMove` per item, part or delta event, from `ItemPhase` to `ItemPhase`):
+
+    NONE --output_item.added--> MESSAGE | ARGUMENTS | INPUT | OTHER   (by the item's type)
+    MESSAGE --content_part.added--> PART --(text|refusal).delta*--> PART
+    PART --(text|refusal).done--> TEXT_DONE --content_part.done--> MESSAGE
+    ARGUMENTS --function_call_arguments.delta*, .done--> CALL_DONE
+    INPUT --custom_tool_call_input.delta*, .done--> CALL_DONE
+    MESSAGE | CALL_DONE | OTHER --output_item.done--> NONE
+
+Items come one at a time, `output_index` from 0 (from the first index of the created
+response, for a builder that starts with output) up by one, across a rollout's suspensions;
+a part, text or call event names the open item (`output_index`, `item_id`) and a message's
+parts are numbered from 0 (`content_index`). Events of other types are allowed between
+items, or inside the item their `output_index` names (reasoning, hosted tools). A suspension
+(`response.done`), an inject's acknowledgement, `response.completed` and
+`response.incomplete` come between items; `response.failed` may cut an item off.
+
+`ResponseTracker` applies the tables and the rules a table cannot say: sequence numbers
 start at 0 and grow by one, every lifecycle event names the same response, `response.done`
 names the calls that resume the rollout. A violation raises `LocalProtocolError`; the
 client's connection re-raises it as the peer's (`RemoteProtocolError`), as h11 does.
@@ -38,14 +56,35 @@ import enum
 from collections.abc import Mapping, Sequence
 
 from ._errors import LocalProtocolError
-from ._events import RESPONSE_END_TYPES
+from ._events import (
+    RESPONSE_END_TYPES,
+    ContentPartAdded,
+    ContentPartDone,
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputTextDelta,
+    OutputTextDone,
+    ServerEvent,
+    SseErrorEvent,
+)
+from ._items import CustomToolCall, FunctionCall, Message
 
 __all__ = [
+    "ITEM_TRANSITIONS",
     "PLAIN_TRANSITIONS",
     "ROLLOUT_TRANSITIONS",
+    "ItemMove",
+    "ItemPhase",
     "Move",
     "Phase",
     "ResponseTracker",
+    "advance_item",
+    "item_fields",
+    "item_move_of",
     "move_of",
     "sequence_problem",
 ]
@@ -80,6 +119,172 @@ _LIFECYCLE = {
 }
 
 _STEERS = frozenset({"response.steer.accepted", "response.steer.pending", "response.steer.failed"})
+
+
+class ItemPhase(enum.Enum):
+    NONE = "none"  # between items
+    MESSAGE = "message"  # a message is open, between its content parts
+    PART = "part"  # a content part is open: its text (or refusal) streams
+    TEXT_DONE = "text_done"  # the part's text is done: its content_part.done is next
+    ARGUMENTS = "arguments"  # a function call is open: its argument deltas stream
+    INPUT = "input"  # a custom tool call is open: its input deltas stream
+    CALL_DONE = "call_done"  # the call's arguments (input) are done: output_item.done is next
+    OTHER = "other"  # another kind of item (reasoning, a built-in tool's call, compaction)
+
+
+class ItemMove(enum.Enum):
+    ADDED = "response.output_item.added"
+    DONE = "response.output_item.done"
+    PART_ADDED = "response.content_part.added"
+    PART_DONE = "response.content_part.done"
+    TEXT_DELTA = "text delta"  # response.output_text.delta | response.refusal.delta
+    TEXT_DONE = "text done"  # response.output_text.done | response.refusal.done
+    ARGUMENTS_DELTA = "response.function_call_arguments.delta"
+    ARGUMENTS_DONE = "response.function_call_arguments.done"
+    INPUT_DELTA = "response.custom_tool_call_input.delta"
+    INPUT_DONE = "response.custom_tool_call_input.done"
+    BETWEEN = "between"  # only between items: response.inject.created
+    OTHER = "other"  # any other event of a running response
+
+
+_ITEM_MOVES = {
+    **{move.value: move for move in ItemMove},
+    "response.output_text.delta": ItemMove.TEXT_DELTA,
+    "response.refusal.delta": ItemMove.TEXT_DELTA,
+    "response.output_text.done": ItemMove.TEXT_DONE,
+    "response.refusal.done": ItemMove.TEXT_DONE,
+    "response.inject.created": ItemMove.BETWEEN,
+}
+# The phase an item opens in, by its `type` (any other type: OTHER).
+_OPENS = {
+    "message": ItemPhase.MESSAGE,
+    "function_call": ItemPhase.ARGUMENTS,
+    "custom_tool_call": ItemPhase.INPUT,
+}
+
+ItemTable = Mapping[ItemPhase, Mapping[ItemMove, ItemPhase]]
+
+ITEM_TRANSITIONS: ItemTable = {
+    # ADDED leads to the phase its item's type opens (`_OPENS`); OTHER here is an event
+    # outside any item (one that names an `output_index` must be inside that item).
+    ItemPhase.NONE: {
+        ItemMove.ADDED: ItemPhase.OTHER,
+        ItemMove.BETWEEN: ItemPhase.NONE,
+        ItemMove.OTHER: ItemPhase.NONE,
+    },
+    ItemPhase.MESSAGE: {
+        ItemMove.PART_ADDED: ItemPhase.PART,
+        ItemMove.DONE: ItemPhase.NONE,
+        ItemMove.OTHER: ItemPhase.MESSAGE,
+    },
+    ItemPhase.PART: {
+        ItemMove.TEXT_DELTA: ItemPhase.PART,
+        ItemMove.TEXT_DONE: ItemPhase.TEXT_DONE,
+        ItemMove.OTHER: ItemPhase.PART,
+    },
+    ItemPhase.TEXT_DONE: {
+        ItemMove.PART_DONE: ItemPhase.MESSAGE,
+        ItemMove.OTHER: ItemPhase.TEXT_DONE,
+    },
+    ItemPhase.ARGUMENTS: {
+        ItemMove.ARGUMENTS_DELTA: ItemPhase.ARGUMENTS,
+        ItemMove.ARGUMENTS_DONE: ItemPhase.CALL_DONE,
+        ItemMove.OTHER: ItemPhase.ARGUMENTS,
+    },
+    ItemPhase.INPUT: {
+        ItemMove.INPUT_DELTA: ItemPhase.INPUT,
+        ItemMove.INPUT_DONE: ItemPhase.CALL_DONE,
+        ItemMove.OTHER: ItemPhase.INPUT,
+    },
+    ItemPhase.CALL_DONE: {ItemMove.DONE: ItemPhase.NONE, ItemMove.OTHER: ItemPhase.CALL_DONE},
+    ItemPhase.OTHER: {ItemMove.DONE: ItemPhase.NONE, ItemMove.OTHER: ItemPhase.OTHER},
+}
+# Item moves that name the open item (`output_index` and `item_id`) and, for a part's
+# events, its part (`content_index`).
+_OF_ITEM = frozenset(
+    {
+        ItemMove.PART_ADDED,
+        ItemMove.PART_DONE,
+        ItemMove.TEXT_DELTA,
+        ItemMove.TEXT_DONE,
+        ItemMove.ARGUMENTS_DELTA,
+        ItemMove.ARGUMENTS_DONE,
+        ItemMove.INPUT_DELTA,
+        ItemMove.INPUT_DONE,
+    }
+)
+_OF_PART = frozenset(
+    {ItemMove.PART_ADDED, ItemMove.PART_DONE, ItemMove.TEXT_DELTA, ItemMove.TEXT_DONE}
+)
+_IN_PART = frozenset({ItemPhase.PART, ItemPhase.TEXT_DONE})
+# Why a move is refused in a phase (the first entry that matches; `{i}`: the open item).
+_REFUSALS: tuple[tuple[frozenset[ItemMove], frozenset[ItemPhase] | None, str], ...] = (
+    (frozenset({ItemMove.ADDED}), None, "an item was added while item {i} is open"),
+    (frozenset({ItemMove.BETWEEN}), None, "while item {i} is open"),
+    (frozenset({ItemMove.PART_ADDED}), _IN_PART, "a part was added while a part is open"),
+    (frozenset({ItemMove.PART_ADDED}), None, "a content part outside a message item"),
+    (
+        frozenset({ItemMove.TEXT_DELTA, ItemMove.TEXT_DONE}),
+        frozenset({ItemPhase.TEXT_DONE}),
+        "text after the part's text was done",
+    ),
+    (
+        frozenset({ItemMove.TEXT_DELTA, ItemMove.TEXT_DONE}),
+        None,
+        "text outside an open content part",
+    ),
+    (
+        frozenset({ItemMove.PART_DONE}),
+        frozenset({ItemPhase.PART}),
+        "content_part.done before the text's done event",
+    ),
+    (frozenset({ItemMove.PART_DONE}), None, "content_part.done without an open part"),
+    (
+        frozenset({ItemMove.ARGUMENTS_DELTA, ItemMove.ARGUMENTS_DONE}),
+        frozenset({ItemPhase.CALL_DONE}),
+        "arguments after function_call_arguments.done",
+    ),
+    (
+        frozenset({ItemMove.ARGUMENTS_DELTA, ItemMove.ARGUMENTS_DONE}),
+        None,
+        "arguments outside a function_call item",
+    ),
+    (
+        frozenset({ItemMove.INPUT_DELTA, ItemMove.INPUT_DONE}),
+        frozenset({ItemPhase.CALL_DONE}),
+        "input after custom_tool_call_input.done",
+    ),
+    (
+        frozenset({ItemMove.INPUT_DELTA, ItemMove.INPUT_DONE}),
+        None,
+        "input outside a custom_tool_call item",
+    ),
+    (frozenset({ItemMove.DONE}), frozenset({ItemPhase.NONE}), "no open item"),
+    (frozenset({ItemMove.DONE}), _IN_PART, "output_item.done before content_part.done"),
+    (
+        frozenset({ItemMove.DONE}),
+        frozenset({ItemPhase.ARGUMENTS}),
+        "output_item.done before function_call_arguments.done",
+    ),
+    (
+        frozenset({ItemMove.DONE}),
+        frozenset({ItemPhase.INPUT}),
+        "output_item.done before custom_tool_call_input.done",
+    ),
+)
+
+
+def item_move_of(event_type: str) -> ItemMove:
+    """The item move an event of a running response makes (lifecycle events make none)."""
+    return _ITEM_MOVES.get(event_type, ItemMove.OTHER)
+
+
+def _refusal(move: ItemMove, phase: ItemPhase, index: object) -> str:
+    for moves, phases, text in _REFUSALS:
+        if move in moves and (phases is None or phase in phases):
+            return text.format(i=index)
+    return f"not allowed in item phase {phase.name}"
+
 
 Table = Mapping[Phase, Mapping[Move, Phase]]
 
@@ -134,6 +339,14 @@ class ResponseTracker:
         self.pending_call_ids: tuple[str, ...] = ()
         self.ended = False  # IDLE after this response's terminal event (nothing started since)
         self.steers_owed = 0  # its accepted steering input not yet pending, failed or committed
+        self._reset_items()
+
+    def _reset_items(self, first_output_index: int = 0) -> None:
+        self.item_phase = ItemPhase.NONE
+        self.item_index: object = None  # the open item's output_index
+        self.item_id: object = None  # the open item's id
+        self.parts = 0  # the open message's content parts done (the next content_index)
+        self.next_output_index = first_output_index
 
     def start(self, *, rollout: bool) -> None:
         """A create leaves the queue and is answered next."""
@@ -142,6 +355,7 @@ class ResponseTracker:
         self.phase, self.rollout = Phase.STARTING, rollout
         self.response_id, self.next_sequence_number, self.pending_call_ids = None, 0, ()
         self.ended, self.steers_owed = False, 0
+        self._reset_items()
 
     def refuse(self) -> None:
         """The starting create is answered by a request error instead of a response."""
@@ -161,10 +375,16 @@ class ResponseTracker:
         *,
         previous_response_id: str | None = None,
         steer_id: str | None = None,
+        output_index: object = None,
+        content_index: object = None,
+        item_id: object = None,
+        item_type: object = None,
     ) -> Move:
         """Apply one event of the running response; returns its move. `response_id` is the
         id of a lifecycle event's `response` (with its `previous_response_id`), the target
-        of a steering answer (with its `steer_id`), None for other events."""
+        of a steering answer (with its `steer_id`), None for other events. An item, part or
+        delta event gives its `output_index`, `content_index` and `item_id` (None when it has
+        none), `output_item.added` its item's `id` (as `item_id`) and `type`."""
         move = move_of(event_type)
         table = ROLLOUT_TRANSITIONS if self.rollout else PLAIN_TRANSITIONS
         after = table.get(self.phase, {}).get(move)
@@ -181,10 +401,19 @@ class ResponseTracker:
         if move is Move.CREATED and self.phase is Phase.IDLE:  # a successor: a stream of its own
             self.response_id, self.next_sequence_number, self.pending_call_ids = None, 0, ()
             self.ended, self.steers_owed = False, 0
+            self._reset_items()
         expected = self.next_sequence_number
         problem = sequence_problem(event_type, sequence_number, expected)
         if problem is not None:
             raise LocalProtocolError(problem)
+        if move is Move.ITEM:
+            self._item(event_type, output_index, content_index, item_id, item_type)
+            self.next_sequence_number = expected + 1
+            return move
+        if self.item_phase is not ItemPhase.NONE and (
+            move is Move.DONE or (move is Move.TERMINAL and event_type != "response.failed")
+        ):
+            raise LocalProtocolError(f"{event_type} while item {self.item_index} is open")
         if move in (Move.QUEUED, Move.CREATED) and self.response_id is None:
             self.response_id = response_id
         elif move in _LIFECYCLE.values() and response_id != self.response_id:
@@ -202,6 +431,60 @@ class ResponseTracker:
         if move is Move.TERMINAL:
             self.ended = True
         return move
+
+    def _item(
+        self,
+        event_type: str,
+        output_index: object,
+        content_index: object,
+        item_id: object,
+        item_type: object,
+    ) -> None:
+        """Apply one event to the item grammar (checked in full before anything changes)."""
+        move = _ITEM_MOVES.get(event_type, ItemMove.OTHER)
+        phase = self.item_phase
+        after = ITEM_TRANSITIONS[phase].get(move)
+        if after is None:
+            raise LocalProtocolError(f"{event_type}: {_refusal(move, phase, self.item_index)}")
+        if move is ItemMove.OTHER or move is ItemMove.BETWEEN:
+            if output_index is not None and (
+                phase is ItemPhase.NONE or output_index != self.item_index
+            ):
+                raise LocalProtocolError(
+                    f"{event_type}: names output_index {output_index!r} outside its item"
+                )
+            return
+        if move in _OF_ITEM:
+            if output_index != self.item_index:
+                raise LocalProtocolError(
+                    f"{event_type}: output_index {output_index!r}, expected {self.item_index!r}"
+                )
+            if item_id != self.item_id:
+                raise LocalProtocolError(
+                    f"{event_type}: item_id {item_id!r}, expected the item id {self.item_id!r}"
+                )
+            if move in _OF_PART and content_index != self.parts:
+                raise LocalProtocolError(
+                    f"{event_type}: content_index {content_index!r}, expected {self.parts}"
+                )
+            if move is ItemMove.PART_DONE:
+                self.parts += 1
+        elif move is ItemMove.ADDED:
+            if output_index != self.next_output_index:
+                raise LocalProtocolError(
+                    f"{event_type}: output_index {output_index!r}, expected "
+                    f"{self.next_output_index}"
+                )
+            after = _OPENS.get(item_type, ItemPhase.OTHER)  # type: ignore[call-overload]
+            self.item_index, self.item_id, self.parts = output_index, item_id, 0
+        else:  # DONE
+            if output_index != self.item_index:
+                raise LocalProtocolError(
+                    f"{event_type}: no open item with output_index {output_index!r}"
+                )
+            self.item_index = self.item_id = None
+            self.next_output_index += 1
+        self.item_phase = after
 
     def _after_end(
         self, event_type: str, move: Move, previous_response_id: str | None, steer_id: str | None
@@ -246,3 +529,68 @@ class ResponseTracker:
     @property
     def in_response(self) -> bool:
         return self.phase in (Phase.QUEUED, Phase.CREATED, Phase.RUNNING, Phase.SUSPENDED)
+
+
+_PART_EVENTS = (OutputTextDelta, OutputTextDone, ContentPartAdded, ContentPartDone)
+_CALL_EVENTS = (
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
+)
+_STREAMED_ITEMS = (Message, FunctionCall, CustomToolCall)
+
+
+def advance_item(tracker: ResponseTracker, event: ServerEvent) -> Move:
+    """`tracker.advance` for a typed event that names no response (an item, part or delta
+    event, an inject's acknowledgement), with the fields the item grammar reads."""
+    if isinstance(event, _PART_EVENTS):
+        return tracker.advance(
+            event.type,
+            event.sequence_number,
+            None,
+            output_index=event.output_index,
+            content_index=event.content_index,
+            item_id=event.item_id,
+        )
+    if isinstance(event, _CALL_EVENTS):
+        return tracker.advance(
+            event.type,
+            event.sequence_number,
+            None,
+            output_index=event.output_index,
+            item_id=event.item_id,
+        )
+    if isinstance(event, OutputItemAdded):
+        item = event.item
+        streamed = isinstance(item, _STREAMED_ITEMS)
+        return tracker.advance(
+            event.type,
+            event.sequence_number,
+            None,
+            output_index=event.output_index,
+            item_id=item.id if streamed else None,
+            item_type=item.type if streamed else None,
+        )
+    if isinstance(event, OutputItemDone):
+        return tracker.advance(
+            event.type, event.sequence_number, None, output_index=event.output_index
+        )
+    return tracker.advance(event.type, event.sequence_number, None)
+
+
+def item_fields(event: ServerEvent | SseErrorEvent) -> tuple[object, object, object, object]:
+    """What the item grammar reads off a typed event: its `output_index`, `content_index`,
+    `item_id` (for `output_item.added`, its item's `id`) and the added item's `type`."""
+    if isinstance(event, _PART_EVENTS):
+        return event.output_index, event.content_index, event.item_id, None
+    if isinstance(event, _CALL_EVENTS):
+        return event.output_index, None, event.item_id, None
+    if isinstance(event, OutputItemAdded):
+        item = event.item
+        if isinstance(item, _STREAMED_ITEMS):
+            return event.output_index, None, item.id, item.type
+        return event.output_index, None, None, None
+    if isinstance(event, OutputItemDone):
+        return event.output_index, None, None, None
+    return None, None, None, None

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -54,13 +55,11 @@ def server_events(rid: str, exchange: Exchange) -> list[tuple[Any, list[str]]]:
     seq = iter(range(10_000))
     out.append((p.ResponseCreated(sequence_number=next(seq), response=_response(rid)), []))
     out.append((p.ResponseInProgress(sequence_number=next(seq), response=_response(rid)), []))
+    index = 0
     for t, turn in enumerate(exchange.turns):
-        for d in range(turn.deltas):
-            delta = p.OutputTextDelta(
-                sequence_number=next(seq), item_id="m", output_index=0, content_index=0, delta="x"
-            )
-            out.append((delta, []))
-            del d
+        if turn.deltas:
+            out += [(event, []) for event in message_events(seq, index, turn.deltas)]
+            index += 1
         last = t == len(exchange.turns) - 1
         if exchange.rollout and not last and turn.calls:
             calls = [f"call_{t}_{c}" for c in range(turn.calls)]
@@ -80,6 +79,23 @@ def server_events(rid: str, exchange: Exchange) -> list[tuple[Any, list[str]]]:
     end = p.ResponseCompleted(sequence_number=next(seq), response=_response(rid, "completed"))
     out.append((end, []))
     return out
+
+
+def message_events(seq: Iterator[int], index: int, deltas: int) -> list[Any]:
+    """An assistant message streamed whole, at `output_index` `index`: the item grammar."""
+    item_id, text = f"msg_{index}", "x" * deltas
+    at = {"item_id": item_id, "output_index": index, "content_index": 0}
+    item = p.Message(id=item_id, role="assistant", status="in_progress", content=[])
+    part = p.OutputText(text=text)
+    done = p.Message(id=item_id, role="assistant", status="completed", content=[part])
+    return [
+        p.OutputItemAdded(sequence_number=next(seq), output_index=index, item=item),
+        p.ContentPartAdded(sequence_number=next(seq), part=p.OutputText(text=""), **at),
+        *(p.OutputTextDelta(sequence_number=next(seq), delta="x", **at) for _ in range(deltas)),
+        p.OutputTextDone(sequence_number=next(seq), text=text, **at),
+        p.ContentPartDone(sequence_number=next(seq), part=part, **at),
+        p.OutputItemDone(sequence_number=next(seq), output_index=index, item=done),
+    ]
 
 
 exchanges = st.builds(
