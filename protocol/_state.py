@@ -286,6 +286,36 @@ def _refusal(move: ItemMove, phase: ItemPhase, index: object) -> str:
     return f"not allowed in item phase {phase.name}"
 
 
+# What an item move checks of its event: nothing (OTHER, BETWEEN: only that an
+# `output_index` names the open item), the open item, also its part, the next item (ADDED),
+# the open item's end (DONE).
+_ANY, _OF_OPEN, _OF_OPEN_PART, _NEXT, _END = range(5)
+_CHECKS = {
+    ItemMove.ADDED: _NEXT,
+    ItemMove.DONE: _END,
+    ItemMove.OTHER: _ANY,
+    ItemMove.BETWEEN: _ANY,
+    **dict.fromkeys(_OF_PART, _OF_OPEN_PART),
+    **dict.fromkeys(_OF_ITEM - _OF_PART, _OF_OPEN),
+}
+_Step = tuple[ItemMove, ItemPhase, int]
+# ITEM_TRANSITIONS compiled for the per-event path: for each phase, event type -> step (the
+# key "" is any event type the grammar does not name). String keys, no enum hashing.
+_ROWS: dict[ItemPhase, dict[str, _Step]] = {
+    phase: {
+        **{
+            event_type: (move, row[move], _CHECKS[move])
+            for event_type, move in _ITEM_MOVES.items()
+            if move in row
+        },
+        "": (ItemMove.OTHER, row[ItemMove.OTHER], _ANY),
+    }
+    for phase, row in ITEM_TRANSITIONS.items()
+}
+# Event types of a response that are not item events (their moves are the response's own).
+_RESPONSE_EVENT_TYPES = frozenset(_LIFECYCLE) | _STEERS
+
+
 Table = Mapping[Phase, Mapping[Move, Phase]]
 
 PLAIN_TRANSITIONS: Table = {
@@ -343,19 +373,31 @@ class ResponseTracker:
 
     def _reset_items(self, first_output_index: int = 0) -> None:
         self.item_phase = ItemPhase.NONE
+        self._row = _ROWS[ItemPhase.NONE]
         self.item_index: object = None  # the open item's output_index
         self.item_id: object = None  # the open item's id
         self.parts = 0  # the open message's content parts done (the next content_index)
         self.next_output_index = first_output_index
 
-    def start(self, *, rollout: bool) -> None:
-        """A create leaves the queue and is answered next."""
+    def start(
+        self, *, rollout: bool, first_sequence_number: int = 0, first_output_index: int = 0
+    ) -> None:
+        """A create leaves the queue and is answered next (a builder may number its events,
+        and its items, from elsewhere than 0)."""
         if self.phase is not Phase.IDLE:
             raise LocalProtocolError(f"a create can't start in phase {self.phase.name}")
         self.phase, self.rollout = Phase.STARTING, rollout
-        self.response_id, self.next_sequence_number, self.pending_call_ids = None, 0, ()
+        self.response_id, self.pending_call_ids = None, ()
+        self.next_sequence_number = first_sequence_number
         self.ended, self.steers_owed = False, 0
-        self._reset_items()
+        self._reset_items(first_output_index)
+
+    def reserve(self) -> int:
+        """The next sequence number, for an event checked where it is sent instead (a
+        builder's steering answer)."""
+        n = self.next_sequence_number
+        self.next_sequence_number = n + 1
+        return n
 
     def refuse(self) -> None:
         """The starting create is answered by a request error instead of a response."""
@@ -385,6 +427,16 @@ class ResponseTracker:
         of a steering answer (with its `steer_id`), None for other events. An item, part or
         delta event gives its `output_index`, `content_index` and `item_id` (None when it has
         none), `output_item.added` its item's `id` (as `item_id`) and `type`."""
+        if self.phase is Phase.RUNNING and event_type not in _RESPONSE_EVENT_TYPES:
+            # The per-event path (an item, part or delta event): no enum is hashed here.
+            expected = self.next_sequence_number
+            if sequence_number.__class__ is not int or sequence_number != expected:
+                raise LocalProtocolError(
+                    sequence_problem(event_type, sequence_number, expected) or "unreachable"
+                )
+            self._item(event_type, output_index, content_index, item_id, item_type)
+            self.next_sequence_number = expected + 1
+            return Move.ITEM
         move = move_of(event_type)
         table = ROLLOUT_TRANSITIONS if self.rollout else PLAIN_TRANSITIONS
         after = table.get(self.phase, {}).get(move)
@@ -406,10 +458,6 @@ class ResponseTracker:
         problem = sequence_problem(event_type, sequence_number, expected)
         if problem is not None:
             raise LocalProtocolError(problem)
-        if move is Move.ITEM:
-            self._item(event_type, output_index, content_index, item_id, item_type)
-            self.next_sequence_number = expected + 1
-            return move
         if self.item_phase is not ItemPhase.NONE and (
             move is Move.DONE or (move is Move.TERMINAL and event_type != "response.failed")
         ):
@@ -441,20 +489,15 @@ class ResponseTracker:
         item_type: object,
     ) -> None:
         """Apply one event to the item grammar (checked in full before anything changes)."""
-        move = _ITEM_MOVES.get(event_type, ItemMove.OTHER)
-        phase = self.item_phase
-        after = ITEM_TRANSITIONS[phase].get(move)
-        if after is None:
-            raise LocalProtocolError(f"{event_type}: {_refusal(move, phase, self.item_index)}")
-        if move is ItemMove.OTHER or move is ItemMove.BETWEEN:
-            if output_index is not None and (
-                phase is ItemPhase.NONE or output_index != self.item_index
-            ):
-                raise LocalProtocolError(
-                    f"{event_type}: names output_index {output_index!r} outside its item"
-                )
-            return
-        if move in _OF_ITEM:
+        step = self._row.get(event_type)
+        if step is None:
+            move = _ITEM_MOVES.get(event_type)
+            if move is not None:  # an event the grammar names, refused in this phase
+                refusal = _refusal(move, self.item_phase, self.item_index)
+                raise LocalProtocolError(f"{event_type}: {refusal}")
+            step = self._row[""]
+        move, after, check = step
+        if check == _OF_OPEN_PART or check == _OF_OPEN:
             if output_index != self.item_index:
                 raise LocalProtocolError(
                     f"{event_type}: output_index {output_index!r}, expected {self.item_index!r}"
@@ -463,13 +506,21 @@ class ResponseTracker:
                 raise LocalProtocolError(
                     f"{event_type}: item_id {item_id!r}, expected the item id {self.item_id!r}"
                 )
-            if move in _OF_PART and content_index != self.parts:
+            if check == _OF_OPEN_PART and content_index != self.parts:
                 raise LocalProtocolError(
                     f"{event_type}: content_index {content_index!r}, expected {self.parts}"
                 )
             if move is ItemMove.PART_DONE:
                 self.parts += 1
-        elif move is ItemMove.ADDED:
+        elif check == _ANY:
+            if output_index is not None and (
+                self.item_phase is ItemPhase.NONE or output_index != self.item_index
+            ):
+                raise LocalProtocolError(
+                    f"{event_type}: names output_index {output_index!r} outside its item"
+                )
+            return
+        elif check == _NEXT:
             if output_index != self.next_output_index:
                 raise LocalProtocolError(
                     f"{event_type}: output_index {output_index!r}, expected "
@@ -477,14 +528,15 @@ class ResponseTracker:
                 )
             after = _OPENS.get(item_type, ItemPhase.OTHER)  # type: ignore[call-overload]
             self.item_index, self.item_id, self.parts = output_index, item_id, 0
-        else:  # DONE
+        else:  # _END
             if output_index != self.item_index:
                 raise LocalProtocolError(
                     f"{event_type}: no open item with output_index {output_index!r}"
                 )
             self.item_index = self.item_id = None
             self.next_output_index += 1
-        self.item_phase = after
+        if after is not self.item_phase:
+            self.item_phase, self._row = after, _ROWS[after]
 
     def _after_end(
         self, event_type: str, move: Move, previous_response_id: str | None, steer_id: str | None
