@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -429,3 +430,70 @@ def test_garbage_in_only_protocol_errors_out(frames: list[str]) -> None:
             continue  # not JSON: the wrapper's json.loads refuses it first
         except p.ProtocolError:
             continue
+
+
+# --- the item grammar ----------------------------------------------------------------------------
+
+
+def _late_delta_stream() -> list[Any]:
+    """A message whose text goes on after its part is done (before the item is)."""
+    seq = iter(range(10_000))
+    events: list[Any] = [
+        p.ResponseCreated(sequence_number=next(seq), response=_response("resp_x")),
+        p.ResponseInProgress(sequence_number=next(seq), response=_response("resp_x")),
+        *message_events(seq, 0, 2)[:-1],  # ... content_part.done
+    ]
+    at = {"item_id": "msg_0", "output_index": 0, "content_index": 0}
+    number = events[-1].sequence_number + 1
+    events.append(p.OutputTextDelta(sequence_number=number, delta="late", **at))
+    return events
+
+
+def test_a_delta_after_its_part_is_done_is_refused_by_both_ends() -> None:
+    """The item grammar (`_state.py`) is followed by both ends: the server refuses to send a
+    text delta after its `content_part.done`, the client to receive it (from typed events
+    and from parsed JSON alike)."""
+    *legal, late = _late_delta_stream()
+    server = p.ServerConnection()
+    server.receive_text(p.ClientConnection().send(p.ResponseCreate(model="m", input="hi")))
+    server.start_next()
+    for event in legal:
+        server.send(event)
+    with pytest.raises(p.LocalProtocolError, match="text outside an open content part"):
+        server.send(late)
+    for receive in ("receive_text", "receive_json"):
+        client = p.ClientConnection()
+        client.send(p.ResponseCreate(model="m", input="hi"))
+        for event in legal:
+            frame = p.encode_json(event)
+            client.receive_text(frame) if receive == "receive_text" else client.receive_json(
+                json.loads(frame)
+            )
+        frame = p.encode_json(late)
+        with pytest.raises(p.RemoteProtocolError, match="text outside an open content part"):
+            client.receive_text(frame) if receive == "receive_text" else client.receive_json(
+                json.loads(frame)
+            )
+        assert client.phase is p.Phase.ERROR
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("output_index", 1, "output_index 1, expected 0"),
+        ("item_id", "msg_9", "item_id 'msg_9', expected the item id 'msg_0'"),
+        ("content_index", 1, "content_index 1, expected 0"),
+    ],
+)
+def test_a_delta_naming_another_item_or_part_is_refused_by_the_client(
+    field: str, value: Any, reason: str
+) -> None:
+    client = p.ClientConnection()
+    client.send(p.ResponseCreate(model="m", input="hi"))
+    *legal, _ = _late_delta_stream()
+    for event in legal[:4]:  # created, in_progress, output_item.added, content_part.added
+        client.receive_json(json.loads(p.encode_json(event)))
+    delta = json.loads(p.encode_json(legal[4]))
+    delta[field] = value
+    with pytest.raises(p.RemoteProtocolError, match=re.escape(reason)):
+        client.receive_json(delta)
