@@ -133,6 +133,10 @@ class _Open:
 # What an event names when no item is open (the grammar refuses it, saying why).
 _NO_ITEM = _Open(item_id="", output_index=-1, parts=[])
 _BUILT_IN = frozenset({"local_shell", "shell", "apply_patch", "computer"})
+_CALL_DELTAS: dict[str, tuple[str, type[FunctionCallArgumentsDelta | CustomToolCallInputDelta]]] = {
+    "function": ("response.function_call_arguments.delta", FunctionCallArgumentsDelta),
+    "custom": ("response.custom_tool_call_input.delta", CustomToolCallInputDelta),
+}
 
 
 class ResponseStream:
@@ -352,28 +356,14 @@ class ResponseStream:
         """More of the open call: function arguments or custom input (an event), or a built-in
         call's payload (kept until the call ends: None)."""
         o = self._open or _NO_ITEM
-        if o.kind == "custom":
-            n = self._advance(
-                "response.custom_tool_call_input.delta",
-                output_index=o.output_index,
-                item_id=o.item_id,
-            )
-            o.parts.append(delta)
-            return CustomToolCallInputDelta(
-                sequence_number=n, item_id=o.item_id, output_index=o.output_index, delta=delta
-            )
         if o.kind in _BUILT_IN and not self._error:
             o.parts.append(delta)
             return None
-        n = self._advance(
-            "response.function_call_arguments.delta",
-            output_index=o.output_index,
-            item_id=o.item_id,
-        )
+        # (With no call open, or a message, the grammar refuses a function call's delta.)
+        event_type, event = _CALL_DELTAS["custom" if o.kind == "custom" else "function"]
+        n = self._advance(event_type, output_index=o.output_index, item_id=o.item_id)
         o.parts.append(delta)
-        return FunctionCallArgumentsDelta(
-            sequence_number=n, item_id=o.item_id, output_index=o.output_index, delta=delta
-        )
+        return event(sequence_number=n, item_id=o.item_id, output_index=o.output_index, delta=delta)
 
     def end_call(self, *, status: ItemStatus = "completed") -> list[ServerEvent]:
         """Close the open call. A built-in call whose payload is not valid raises

@@ -193,6 +193,13 @@ class Lane:
         return self.tracker.phase is Phase.SUSPENDED
 
     @property
+    def open_item(self) -> int | None:
+        """The `output_index` of the item the running response has open (None: between
+        items)."""
+        index = self.tracker.item_index
+        return index if isinstance(index, int) else None
+
+    @property
     def free(self) -> bool:
         """No response runs, and the last one owes no answer to steering input it accepted
         (its `response.steer.pending`, a failure, or its successor)."""
