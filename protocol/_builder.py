@@ -143,12 +143,22 @@ class ResponseStream:
     """The event sequence of one response. `response` is the snapshot sent in
     `response.created`; every later snapshot is derived from it."""
 
-    def __init__(self, response: Response, *, first_sequence_number: int = 0) -> None:
+    def __init__(
+        self,
+        response: Response,
+        *,
+        first_sequence_number: int = 0,
+        tracker: ResponseTracker | None = None,
+    ) -> None:
+        """`tracker`: the tracker of the lane the response goes out on (a `ServerConnection`
+        lane's, after `start_next`), so each event is checked once, here; else its own."""
         self._base = attrs.evolve(response, status="in_progress", output=[], usage=None)
         self._output: list[Item] = list(response.output)
         self._seq = first_sequence_number
-        self._tracker = ResponseTracker()  # the grammar every built event is checked against
-        self._error = False
+        self._shared = tracker is not None
+        # The grammar every built event is checked against.
+        self._tracker = tracker if tracker is not None else ResponseTracker()
+        self._started = self._ended = self._error = False
         self._open: _Open | None = None
         self._step_start = len(self._output)  # the first output index of the current step
 
@@ -157,14 +167,15 @@ class ResponseStream:
     def state(self) -> BuilderState:
         if self._error:
             return BuilderState.ERROR
-        phase = self._tracker.phase
-        if phase is Phase.RUNNING:
-            if self._open is None:
-                return BuilderState.ACTIVE
-            return BuilderState.IN_MESSAGE if self._open.kind is None else BuilderState.IN_CALL
-        if phase is Phase.SUSPENDED:
+        if not self._started:
+            return BuilderState.NEW
+        if self._ended:
+            return BuilderState.DONE
+        if self._tracker.phase is Phase.SUSPENDED:
             return BuilderState.SUSPENDED
-        return BuilderState.DONE if self._tracker.ended else BuilderState.NEW
+        if self._open is None:
+            return BuilderState.ACTIVE
+        return BuilderState.IN_MESSAGE if self._open.kind is None else BuilderState.IN_CALL
 
     @property
     def next_sequence_number(self) -> int:
@@ -198,6 +209,7 @@ class ResponseStream:
         content_index: int | None = None,
         item_id: str | None = None,
         item_type: str | None = None,
+        previous: str | None = None,
     ) -> int:
         """Check the next event against the grammar; its sequence number. A refusal moves the
         builder to ERROR (nothing else changes)."""
@@ -213,6 +225,7 @@ class ResponseStream:
                 content_index=content_index,
                 item_id=item_id,
                 item_type=item_type,
+                previous_response_id=previous,
             )
         except LocalProtocolError:
             self._error = True
@@ -243,13 +256,22 @@ class ResponseStream:
         """`response.created` then `response.in_progress`."""
         if self.state is not BuilderState.NEW:
             raise self._refuse("start")
-        self._tracker.start(
-            rollout=True, first_sequence_number=self._seq, first_output_index=len(self._output)
-        )
+        tracker = self._tracker
+        if not self._shared:
+            tracker.start(
+                rollout=True, first_sequence_number=self._seq, first_output_index=len(self._output)
+            )
+        elif tracker.phase is Phase.STARTING:  # the lane's create, started by the connection
+            tracker.next_output_index = len(self._output)
+        # (Else a successor on a lane whose response ended: the grammar says whether it may.)
         snap = self.snapshot()
         rid = self._base.id
+        created = self._advance("response.created", rid, previous=self._base.previous_response_id)
+        if self._shared:
+            tracker.driven = True
+        self._started = True
         return [
-            ResponseCreated(sequence_number=self._advance("response.created", rid), response=snap),
+            ResponseCreated(sequence_number=created, response=snap),
             ResponseInProgress(
                 sequence_number=self._advance("response.in_progress", rid), response=snap
             ),
@@ -498,9 +520,10 @@ class ResponseStream:
     def complete(self, *, usage: Usage, completed_at: int) -> ResponseCompleted:
         if self.state is not BuilderState.ACTIVE:
             raise self._refuse("complete")
+        n = self._advance("response.completed", self._base.id)
+        self._ended = True
         return ResponseCompleted(
-            sequence_number=self._advance("response.completed", self._base.id),
-            response=self.final("completed", usage, completed_at),
+            sequence_number=n, response=self.final("completed", usage, completed_at)
         )
 
     def incomplete(self, *, reason: str, usage: Usage, completed_at: int) -> list[ServerEvent]:
@@ -521,6 +544,7 @@ class ResponseStream:
             incomplete_details=IncompleteDetails(reason=reason),  # type: ignore[arg-type]
         )
         n = self._advance("response.incomplete", self._base.id)
+        self._ended = True
         events.append(ResponseIncomplete(sequence_number=n, response=response))
         return events
 
@@ -532,7 +556,7 @@ class ResponseStream:
         if self.state in (BuilderState.DONE, BuilderState.ERROR):
             raise self._refuse("fail")
         n = self._advance("response.failed", self._base.id)
-        self._open = None
+        self._open, self._ended = None, True
         response = attrs.evolve(self.final("failed", usage, None), error=error)
         return ResponseFailed(sequence_number=n, response=response)
 
@@ -541,14 +565,13 @@ class ResponseStream:
         dropped); None when there is nothing to end (never started, or already ended)."""
         if self.state in (BuilderState.NEW, BuilderState.DONE):
             return None
-        self._error = False
-        self._open = None
-        tracker = self._tracker
+        self._error, self._open = False, None
+        self._started = self._ended = True
+        tracker, n = self._tracker, self._seq
         try:
-            tracker.advance("response.failed", self._seq, self._base.id)
+            tracker.advance("response.failed", n, self._base.id)
         except LocalProtocolError:  # the last resort ends the response whatever came before
-            tracker.phase, tracker.ended = Phase.IDLE, True
-        n = self._seq
+            tracker.phase, tracker.ended, tracker.next_sequence_number = Phase.IDLE, True, n + 1
         self._seq = n + 1
         response = attrs.evolve(self.final("failed", usage, None), error=error)
         return ResponseFailed(sequence_number=n, response=response)

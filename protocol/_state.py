@@ -369,6 +369,12 @@ class ResponseTracker:
         self.pending_call_ids: tuple[str, ...] = ()
         self.ended = False  # IDLE after this response's terminal event (nothing started since)
         self.steers_owed = 0  # its accepted steering input not yet pending, failed or committed
+        # Driven by a builder (`ResponseStream(tracker=...)`): each event was checked where it
+        # was built; the connection checks only that it goes out in order (`sent`), numbers
+        # reserved for steering answers (checked when sent) aside.
+        self.driven = False
+        self.sent = 0
+        self._reserved: list[int] = []
         self._reset_items()
 
     def _reset_items(self, first_output_index: int = 0) -> None:
@@ -388,8 +394,9 @@ class ResponseTracker:
             raise LocalProtocolError(f"a create can't start in phase {self.phase.name}")
         self.phase, self.rollout = Phase.STARTING, rollout
         self.response_id, self.pending_call_ids = None, ()
-        self.next_sequence_number = first_sequence_number
+        self.next_sequence_number = self.sent = first_sequence_number
         self.ended, self.steers_owed = False, 0
+        self.driven, self._reserved = False, []
         self._reset_items(first_output_index)
 
     def reserve(self) -> int:
@@ -397,7 +404,19 @@ class ResponseTracker:
         builder's steering answer)."""
         n = self.next_sequence_number
         self.next_sequence_number = n + 1
+        self._reserved.append(n)
         return n
+
+    def send_built(self, event_type: str, sequence_number: object) -> None:
+        """A driven tracker's event goes out: it must be the next one its builder built
+        (checked then), in order."""
+        n = self.sent
+        if sequence_number != n or n >= self.next_sequence_number or n in self._reserved:
+            raise LocalProtocolError(
+                f"{event_type} (sequence_number {sequence_number}) is not the next event the "
+                f"lane's builder built (sequence_number {n})"
+            )
+        self.sent = n + 1
 
     def refuse(self) -> None:
         """The starting create is answered by a request error instead of a response."""
@@ -452,7 +471,7 @@ class ResponseTracker:
             return self._steer(event_type, sequence_number, response_id, steer_id, after)
         if move is Move.CREATED and self.phase is Phase.IDLE:  # a successor: a stream of its own
             self.response_id, self.next_sequence_number, self.pending_call_ids = None, 0, ()
-            self.ended, self.steers_owed = False, 0
+            self.ended, self.steers_owed, self.sent, self._reserved = False, 0, 0, []
             self._reset_items()
         expected = self.next_sequence_number
         problem = sequence_problem(event_type, sequence_number, expected)
@@ -561,7 +580,12 @@ class ResponseTracker:
         steer_id: str | None,
         after: Phase,
     ) -> Move:
-        problem = sequence_problem(event_type, sequence_number, self.next_sequence_number)
+        reserved = self.driven and sequence_number in self._reserved
+        if reserved:  # numbered by the builder: it goes out in order
+            expected = self.sent
+        else:
+            expected = self.next_sequence_number
+        problem = sequence_problem(event_type, sequence_number, expected)
         if problem is not None:
             raise LocalProtocolError(problem)
         if target != self.response_id:
@@ -574,7 +598,12 @@ class ResponseTracker:
             if not self.steers_owed:
                 raise LocalProtocolError(f"{event_type} answers no accepted steering input")
             self.steers_owed -= 1
-        self.next_sequence_number += 1
+        if reserved:
+            self._reserved.remove(expected)
+            self.sent = expected + 1
+        else:
+            self.next_sequence_number += 1
+            self.sent = self.next_sequence_number
         self.phase = after
         return Move.STEER
 

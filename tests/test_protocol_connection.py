@@ -497,3 +497,102 @@ def test_a_delta_naming_another_item_or_part_is_refused_by_the_client(
     delta[field] = value
     with pytest.raises(p.RemoteProtocolError, match=re.escape(reason)):
         client.receive_json(delta)
+
+
+# --- checked once: a builder driving its lane's tracker ------------------------------------------
+
+
+def _driven(rollout: bool = False) -> tuple[p.ServerConnection, p.ResponseStream]:
+    server = p.ServerConnection()
+    server.receive_text(p.ClientConnection().send(p.ResponseCreate(model="m", rollout=rollout)))
+    server.start_next()
+    lane = server.lane(None)
+    assert lane is not None
+    return server, p.ResponseStream(_response("resp_1"), tracker=lane.tracker)
+
+
+def test_a_builder_driving_its_lanes_tracker_is_checked_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the lane's tracker, every event is checked where it is built; `send` does not
+    apply the grammar again (it checks only that events go out in the order built), and what
+    goes out is what a client accepts."""
+    server, stream = _driven(rollout=True)
+    client = p.ClientConnection()
+    client.send(p.ResponseCreate(model="m", rollout=True))
+    built: list[Any] = [*stream.start(), *stream.begin_message("msg_1")]
+    built += [stream.text_delta("a"), stream.text_delta("b"), *stream.end_message()]
+    built += stream.begin_call("fc_1", "call_1", "f")
+    built += [stream.arguments_delta("{}"), *stream.end_call(), stream.suspend(["call_1"])]
+    calls = 0
+    advance = _state.ResponseTracker.advance
+    lane = server.lane(None)
+    assert lane is not None
+
+    def counted(self: _state.ResponseTracker, *args: Any, **kwargs: Any) -> p.Move:
+        nonlocal calls
+        calls += self is lane.tracker  # (not the client's)
+        return advance(self, *args, **kwargs)
+
+    monkeypatch.setattr(_state.ResponseTracker, "advance", counted)
+    for event in built:
+        client.receive_text(server.send(event))
+    assert calls == 0  # sent without a second check
+    appended = p.ResponseAppend(
+        response_id="resp_1", input=[p.FunctionCallOutput(call_id="call_1", output="ok")]
+    )
+    server.receive_text(client.send(appended))
+    rest = [stream.resume(), stream.complete(usage=p.Usage(), completed_at=1)]
+    assert calls == 2  # each checked once, as built
+    for event in rest:
+        client.receive_text(server.send(event))
+    assert calls == 2
+    assert server.phase is p.Phase.IDLE and client.phase is p.Phase.IDLE
+    assert "resp_1" not in server._in_flight and server.lane_of("resp_1") is None
+
+
+def test_a_driven_lane_sends_only_what_its_builder_built_in_order() -> None:
+    server, stream = _driven()
+    created, _in_progress = stream.start()
+    server.send(created)
+    with pytest.raises(p.LocalProtocolError, match="not the next event the lane's builder built"):
+        server.send(  # hand-built, past what the builder built
+            p.OutputItemAdded(
+                sequence_number=2,
+                output_index=0,
+                item=p.Message(id="m", role="assistant", status="in_progress", content=[]),
+            )
+        )
+    assert server.phase is p.Phase.ERROR
+
+
+def test_a_driven_builder_refuses_a_late_delta_and_can_still_end_the_response() -> None:
+    """The builder's refusal (the grammar's, on the lane's tracker) leaves the lane as it
+    was: the connection is not broken and `abort` ends the response."""
+    server, stream = _driven()
+    for event in [*stream.start(), *stream.begin_message("msg_1"), *stream.end_message()]:
+        server.send(event)
+    with pytest.raises(p.LocalProtocolError, match="text outside an open content part"):
+        stream.text_delta("late")
+    failed = stream.abort(error=p.ResponseError(code="server_error", message="x"), usage=None)
+    assert failed is not None
+    server.send(failed)
+    assert server.phase is p.Phase.IDLE
+
+
+def test_steering_answers_numbered_by_a_driven_builder_are_checked_when_sent() -> None:
+    server, stream = _driven()
+    for event in stream.start():
+        server.send(event)
+    steer = p.SteerRef(id="steer_1", previous_response_id="resp_1")
+    accepted = p.ResponseSteerAccepted(sequence_number=stream.steer_sequence_number(), steer=steer)
+    delta_events = stream.begin_message("msg_1")  # built after the number was taken
+    server.send(accepted)
+    for event in delta_events:
+        server.send(event)
+    lane = server.lane(None)
+    assert lane is not None and lane.tracker.steers_owed == 1
+    elsewhere = p.SteerRef(id="steer_2", previous_response_id="resp_0")
+    wrong = p.ResponseSteerAccepted(sequence_number=stream.steer_sequence_number(), steer=elsewhere)
+    with pytest.raises(p.LocalProtocolError, match="answers steering of 'resp_0'"):
+        server.send(wrong)
