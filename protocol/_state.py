@@ -48,6 +48,13 @@ items, or inside the item their `output_index` names (reasoning, hosted tools). 
 start at 0 and grow by one, every lifecycle event names the same response, `response.done`
 names the calls that resume the rollout. A violation raises `LocalProtocolError`; the
 client's connection re-raises it as the peer's (`RemoteProtocolError`), as h11 does.
+
+One tracker, three drivers: the builder (`_builder.py`'s `ResponseStream` checks each event
+as it builds it), the server's connection (each event it sends; once only, when the lane's
+builder drives the lane's tracker: `driven`, `send_built`), and the client's connection
+(each event it receives, which is also how `spec/`'s order analysis replays a stream). The
+per-event path (an item, part or delta event of a running response) reads string-keyed rows
+compiled from `ITEM_TRANSITIONS` and hashes no enum.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ from rollout.protocol import (
 from ._client import CheckFailed, describe_value
 
 __all__ = [
-    "LIFECYCLE",
     "as_dict",
     "call_items",
     "call_problems",
@@ -43,19 +42,6 @@ __all__ = [
 ]
 
 Event = dict[str, Any]
-
-# Events that carry the `response` object.
-LIFECYCLE = frozenset(
-    {
-        "response.queued",
-        "response.created",
-        "response.in_progress",
-        "response.completed",
-        "response.incomplete",
-        "response.failed",
-        "response.done",
-    }
-)
 
 
 def _q(value: Any) -> str:
