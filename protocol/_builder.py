@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import attrs
@@ -133,6 +133,21 @@ class _Open:
 # What an event names when no item is open (the grammar refuses it, saying why).
 _NO_ITEM = _Open(item_id="", output_index=-1, parts=[])
 _BUILT_IN = frozenset({"local_shell", "shell", "apply_patch", "computer"})
+# A streamed call's last event, by kind: its type and how it is made (number, call, text).
+_CALL_DONES: dict[str, tuple[str, Callable[[int, _Open, str], ServerEvent]]] = {
+    "function": (
+        "response.function_call_arguments.done",
+        lambda n, o, text: FunctionCallArgumentsDone(
+            sequence_number=n, item_id=o.item_id, output_index=o.output_index, arguments=text
+        ),
+    ),
+    "custom": (
+        "response.custom_tool_call_input.done",
+        lambda n, o, text: CustomToolCallInputDone(
+            sequence_number=n, item_id=o.item_id, output_index=o.output_index, input=text
+        ),
+    ),
+}
 _CALL_DELTAS: dict[str, tuple[str, type[FunctionCallArgumentsDelta | CustomToolCallInputDelta]]] = {
     "function": ("response.function_call_arguments.delta", FunctionCallArgumentsDelta),
     "custom": ("response.custom_tool_call_input.delta", CustomToolCallInputDelta),
@@ -430,38 +445,20 @@ class ResponseStream:
     def _close_call(self, status: ItemStatus) -> list[ServerEvent]:
         o = self._open or _NO_ITEM
         text = "".join(o.parts)
-        if o.kind == "custom":
-            input_n = self._advance(
-                "response.custom_tool_call_input.done",
-                output_index=o.output_index,
-                item_id=o.item_id,
-            )
-            done_n = self._advance("response.output_item.done", output_index=o.output_index)
-            item = self._call_item(o, text, status)
-            first: ServerEvent = CustomToolCallInputDone(
-                sequence_number=input_n, item_id=o.item_id, output_index=o.output_index, input=text
-            )
-        elif o.kind in _BUILT_IN and not self._error:
+        first: ServerEvent
+        if o.kind in _BUILT_IN and not self._error:
             item = self._call_item(o, text, status)
             added_n = self._advance(
                 "response.output_item.added", output_index=o.output_index, item_type=item.type
             )
-            done_n = self._advance("response.output_item.done", output_index=o.output_index)
             first = OutputItemAdded(sequence_number=added_n, output_index=o.output_index, item=item)
-        else:  # a function call (or nothing open: the grammar says what is wrong)
-            arguments_n = self._advance(
-                "response.function_call_arguments.done",
-                output_index=o.output_index,
-                item_id=o.item_id,
+        else:  # a function or custom call (nothing open: the grammar says what is wrong)
+            event_type, done = _CALL_DONES["custom" if o.kind == "custom" else "function"]
+            first = done(
+                self._advance(event_type, output_index=o.output_index, item_id=o.item_id), o, text
             )
-            done_n = self._advance("response.output_item.done", output_index=o.output_index)
             item = self._call_item(o, text, status)
-            first = FunctionCallArgumentsDone(
-                sequence_number=arguments_n,
-                item_id=o.item_id,
-                output_index=o.output_index,
-                arguments=text,
-            )
+        done_n = self._advance("response.output_item.done", output_index=o.output_index)
         self._open = None
         self._output.append(item)
         return [

@@ -307,7 +307,6 @@ class ClientConnection(_Connection):
             raise
         response = named_response_of(event)
         steer = steer_of(event)
-        output_index, content_index, item_id, item_type = item_fields(event)
         self._follow(
             event.type,
             event.sequence_number,
@@ -317,10 +316,7 @@ class ClientConnection(_Connection):
             has_sequence_number=True,
             previous_response_id=previous_id_of(event),
             steer_id=steer.id if steer is not None else None,
-            output_index=output_index,
-            content_index=content_index,
-            item_id=item_id,
-            item_type=item_type,
+            item=item_fields(event),
         )
         return event
 
@@ -360,10 +356,7 @@ class ClientConnection(_Connection):
             has_sequence_number="sequence_number" in event,
             previous_response_id=previous if isinstance(previous, str) else None,
             steer_id=steer_id if isinstance(steer_id, str) else None,
-            output_index=event.get("output_index"),
-            content_index=event.get("content_index"),
-            item_id=item_id,
-            item_type=item_type,
+            item=(event.get("output_index"), event.get("content_index"), item_id, item_type),
         )
         return event
 
@@ -378,11 +371,9 @@ class ClientConnection(_Connection):
         has_sequence_number: bool,
         previous_response_id: str | None = None,
         steer_id: str | None = None,
-        output_index: object = None,
-        content_index: object = None,
-        item_id: object = None,
-        item_type: object = None,
+        item: tuple[object, object, object, object] = (None, None, None, None),
     ) -> None:
+        """`item`: what the item grammar reads (`_state.item_fields`)."""
         if kind in _INJECT_ACKS:
             self._take_inject(stream_id)
         if kind in ANSWER_EVENT_TYPES:
@@ -414,10 +405,10 @@ class ClientConnection(_Connection):
                 response_id,
                 pending,
                 previous_response_id=previous_response_id,
-                output_index=output_index,
-                content_index=content_index,
-                item_id=item_id,
-                item_type=item_type,
+                output_index=item[0],
+                content_index=item[1],
+                item_id=item[2],
+                item_type=item[3],
             )
         except LocalProtocolError as exc:
             self._broken = True

@@ -62,22 +62,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 
+from . import _events as ev
 from ._errors import LocalProtocolError
-from ._events import (
-    RESPONSE_END_TYPES,
-    ContentPartAdded,
-    ContentPartDone,
-    CustomToolCallInputDelta,
-    CustomToolCallInputDone,
-    FunctionCallArgumentsDelta,
-    FunctionCallArgumentsDone,
-    OutputItemAdded,
-    OutputItemDone,
-    OutputTextDelta,
-    OutputTextDone,
-    ServerEvent,
-    SseErrorEvent,
-)
+from ._events import RESPONSE_END_TYPES, ServerEvent, SseErrorEvent
 from ._items import CustomToolCall, FunctionCall, Message
 
 __all__ = [
@@ -619,12 +606,12 @@ class ResponseTracker:
         return self.phase in (Phase.QUEUED, Phase.CREATED, Phase.RUNNING, Phase.SUSPENDED)
 
 
-_PART_EVENTS = (OutputTextDelta, OutputTextDone, ContentPartAdded, ContentPartDone)
+_PART_EVENTS = (ev.OutputTextDelta, ev.OutputTextDone, ev.ContentPartAdded, ev.ContentPartDone)
 _CALL_EVENTS = (
-    FunctionCallArgumentsDelta,
-    FunctionCallArgumentsDone,
-    CustomToolCallInputDelta,
-    CustomToolCallInputDone,
+    ev.FunctionCallArgumentsDelta,
+    ev.FunctionCallArgumentsDone,
+    ev.CustomToolCallInputDelta,
+    ev.CustomToolCallInputDone,
 )
 _STREAMED_ITEMS = (Message, FunctionCall, CustomToolCall)
 
@@ -649,7 +636,7 @@ def advance_item(tracker: ResponseTracker, event: ServerEvent) -> Move:
             output_index=event.output_index,
             item_id=event.item_id,
         )
-    if isinstance(event, OutputItemAdded):
+    if isinstance(event, ev.OutputItemAdded):
         item = event.item
         streamed = isinstance(item, _STREAMED_ITEMS)
         return tracker.advance(
@@ -660,7 +647,7 @@ def advance_item(tracker: ResponseTracker, event: ServerEvent) -> Move:
             item_id=item.id if streamed else None,
             item_type=item.type if streamed else None,
         )
-    if isinstance(event, OutputItemDone):
+    if isinstance(event, ev.OutputItemDone):
         return tracker.advance(
             event.type, event.sequence_number, None, output_index=event.output_index
         )
@@ -674,11 +661,11 @@ def item_fields(event: ServerEvent | SseErrorEvent) -> tuple[object, object, obj
         return event.output_index, event.content_index, event.item_id, None
     if isinstance(event, _CALL_EVENTS):
         return event.output_index, None, event.item_id, None
-    if isinstance(event, OutputItemAdded):
+    if isinstance(event, ev.OutputItemAdded):
         item = event.item
         if isinstance(item, _STREAMED_ITEMS):
             return event.output_index, None, item.id, item.type
         return event.output_index, None, None, None
-    if isinstance(event, OutputItemDone):
+    if isinstance(event, ev.OutputItemDone):
         return event.output_index, None, None, None
     return None, None, None, None
