@@ -1,8 +1,12 @@
 """Builders: a response being sampled in, its exact event sequence out.
 
-`ResponseStream` is a small table-driven state machine (after h11's `_state.py`). Each method
-is one action; the table says in which states it is legal and what state follows. A misuse
-raises `LocalProtocolError` and moves the machine to ERROR, which refuses further use.
+`ResponseStream` checks each event where it builds it, against the one grammar both ends of
+a connection follow (`_state.py`'s `ResponseTracker`: the response's lifecycle and its items,
+parts and deltas, with their indices and ids); it keeps no table of its own. A misuse (an
+event the grammar refuses, e.g. a text delta with no message open) raises
+`LocalProtocolError` and moves the builder to ERROR, which refuses everything but `abort`.
+The one thing the grammar cannot see is a built-in tool's call, which sends nothing until it
+ends: while one is open the builder refuses to start another item, suspend or complete.
 
 What it guarantees, whatever the caller does legally:
 - `sequence_number` starts at `first_sequence_number` (0) and grows by one per event, across
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import attrs
@@ -80,6 +84,7 @@ from ._response import (
     ResponseStatus,
     Usage,
 )
+from ._state import Phase, ResponseTracker
 
 __all__ = ["BuilderState", "InvalidToolPayload", "ResponseStream", "iter_chunks"]
 
@@ -90,63 +95,15 @@ class InvalidToolPayload(LocalProtocolError):
 
 
 class BuilderState(enum.Enum):
+    """Where the builder is, as its tracker's phases show it (and the item it holds open)."""
+
     NEW = "new"  # nothing sent yet
     ACTIVE = "active"  # created/in_progress sent, between items
     IN_MESSAGE = "in_message"  # an assistant message's text is streaming
-    IN_CALL = "in_call"  # a function call's arguments are streaming
+    IN_CALL = "in_call"  # a tool call's arguments (input, payload) are streaming
     SUSPENDED = "suspended"  # rollout extension: response.done sent, waiting for outputs
     DONE = "done"  # a terminal event was sent
     ERROR = "error"  # misused; refuses everything but `abort`
-
-
-# action -> {state it is legal in: state after it}
-_TRANSITIONS: dict[str, dict[BuilderState, BuilderState]] = {
-    "start": {BuilderState.NEW: BuilderState.ACTIVE},
-    "begin_message": {BuilderState.ACTIVE: BuilderState.IN_MESSAGE},
-    "text_delta": {BuilderState.IN_MESSAGE: BuilderState.IN_MESSAGE},
-    "end_message": {BuilderState.IN_MESSAGE: BuilderState.ACTIVE},
-    "begin_call": {BuilderState.ACTIVE: BuilderState.IN_CALL},
-    "arguments_delta": {BuilderState.IN_CALL: BuilderState.IN_CALL},
-    "end_call": {BuilderState.IN_CALL: BuilderState.ACTIVE},
-    "add_item": {BuilderState.ACTIVE: BuilderState.ACTIVE},
-    "suspend": {BuilderState.ACTIVE: BuilderState.SUSPENDED},
-    "resume": {BuilderState.SUSPENDED: BuilderState.ACTIVE},
-    # Multi-agent beta: a response waiting for injected outputs stays ACTIVE (no
-    # response.done); each inject it commits is acknowledged in its sequence.
-    "inject_created": {BuilderState.ACTIVE: BuilderState.ACTIVE},
-    "complete": {BuilderState.ACTIVE: BuilderState.DONE},
-    "incomplete": {
-        s: BuilderState.DONE
-        for s in (
-            BuilderState.ACTIVE,
-            BuilderState.IN_MESSAGE,
-            BuilderState.IN_CALL,
-            BuilderState.SUSPENDED,
-        )
-    },
-    # Not from NEW: a response that never started has no `response.failed` (send an error).
-    "fail": {
-        s: BuilderState.DONE
-        for s in (
-            BuilderState.ACTIVE,
-            BuilderState.IN_MESSAGE,
-            BuilderState.IN_CALL,
-            BuilderState.SUSPENDED,
-        )
-    },
-    # The last resort after a bug (ours, or a backend's): also from ERROR, so a response that
-    # started always ends with a terminal event.
-    "abort": {
-        s: BuilderState.DONE
-        for s in (
-            BuilderState.ACTIVE,
-            BuilderState.IN_MESSAGE,
-            BuilderState.IN_CALL,
-            BuilderState.SUSPENDED,
-            BuilderState.ERROR,
-        )
-    },
-}
 
 
 def iter_chunks(text: str, size: int) -> Iterator[str]:
@@ -173,22 +130,67 @@ class _Open:
     namespace: str | None = None
 
 
+# What an event names when no item is open (the grammar refuses it, saying why).
+_NO_ITEM = _Open(item_id="", output_index=-1, parts=[])
+_BUILT_IN = frozenset({"local_shell", "shell", "apply_patch", "computer"})
+# A streamed call's last event, by kind: its type and how it is made (number, call, text).
+_CALL_DONES: dict[str, tuple[str, Callable[[int, _Open, str], ServerEvent]]] = {
+    "function": (
+        "response.function_call_arguments.done",
+        lambda n, o, text: FunctionCallArgumentsDone(
+            sequence_number=n, item_id=o.item_id, output_index=o.output_index, arguments=text
+        ),
+    ),
+    "custom": (
+        "response.custom_tool_call_input.done",
+        lambda n, o, text: CustomToolCallInputDone(
+            sequence_number=n, item_id=o.item_id, output_index=o.output_index, input=text
+        ),
+    ),
+}
+_CALL_DELTAS: dict[str, tuple[str, type[FunctionCallArgumentsDelta | CustomToolCallInputDelta]]] = {
+    "function": ("response.function_call_arguments.delta", FunctionCallArgumentsDelta),
+    "custom": ("response.custom_tool_call_input.delta", CustomToolCallInputDelta),
+}
+
+
 class ResponseStream:
     """The event sequence of one response. `response` is the snapshot sent in
     `response.created`; every later snapshot is derived from it."""
 
-    def __init__(self, response: Response, *, first_sequence_number: int = 0) -> None:
+    def __init__(
+        self,
+        response: Response,
+        *,
+        first_sequence_number: int = 0,
+        tracker: ResponseTracker | None = None,
+    ) -> None:
+        """`tracker`: the tracker of the lane the response goes out on (a `ServerConnection`
+        lane's, after `start_next`), so each event is checked once, here; else its own."""
         self._base = attrs.evolve(response, status="in_progress", output=[], usage=None)
         self._output: list[Item] = list(response.output)
         self._seq = first_sequence_number
-        self._state = BuilderState.NEW
+        self._shared = tracker is not None
+        # The grammar every built event is checked against.
+        self._tracker = tracker if tracker is not None else ResponseTracker()
+        self._started = self._ended = self._error = False
         self._open: _Open | None = None
         self._step_start = len(self._output)  # the first output index of the current step
 
     # --- introspection ---
     @property
     def state(self) -> BuilderState:
-        return self._state
+        if self._error:
+            return BuilderState.ERROR
+        if not self._started:
+            return BuilderState.NEW
+        if self._ended:
+            return BuilderState.DONE
+        if self._tracker.phase is Phase.SUSPENDED:
+            return BuilderState.SUSPENDED
+        if self._open is None:
+            return BuilderState.ACTIVE
+        return BuilderState.IN_MESSAGE if self._open.kind is None else BuilderState.IN_CALL
 
     @property
     def next_sequence_number(self) -> int:
@@ -212,87 +214,145 @@ class ResponseStream:
         return attrs.evolve(self._base, output=list(self._output))
 
     # --- machinery ---
-    def _transition(self, action: str) -> None:
-        nxt = _TRANSITIONS[action].get(self._state)
-        if nxt is None:
-            was = self._state
-            self._state = BuilderState.ERROR
-            raise LocalProtocolError(f"can't {action} in state {was.value}")
-        self._state = nxt
-
-    def _next_sequence(self) -> int:
+    def _advance(
+        self,
+        event_type: str,
+        response_id: str | None = None,
+        pending: list[str] | None = None,
+        *,
+        output_index: int | None = None,
+        content_index: int | None = None,
+        item_id: str | None = None,
+        item_type: str | None = None,
+        previous: str | None = None,
+    ) -> int:
+        """Check the next event against the grammar; its sequence number. A refusal moves the
+        builder to ERROR (nothing else changes)."""
+        if self._error:
+            raise LocalProtocolError(f"can't build {event_type}: the builder was misused earlier")
+        try:
+            self._tracker.advance(
+                event_type,
+                self._seq,
+                response_id,
+                pending,
+                output_index=output_index,
+                content_index=content_index,
+                item_id=item_id,
+                item_type=item_type,
+                previous_response_id=previous,
+            )
+        except LocalProtocolError:
+            self._error = True
+            raise
         n = self._seq
-        self._seq += 1
+        self._seq = n + 1
         return n
+
+    def _refuse(self, action: str) -> LocalProtocolError:
+        was, self._error = self.state, True
+        return LocalProtocolError(f"can't {action} in state {was.value}")
+
+    def _between_items(self, action: str) -> None:
+        """A built-in tool's call is open (it sent nothing yet: only the builder knows)."""
+        if self._error or (self._open is not None and self._open.kind in _BUILT_IN):
+            raise self._refuse(action)
 
     def steer_sequence_number(self) -> int:
         """The sequence number of a steering answer in this stream (ST-2): after
         `response.created`, also after the terminal event."""
-        if self._state in (BuilderState.NEW, BuilderState.ERROR):
-            raise LocalProtocolError(f"no steering answer in state {self._state.value}")
-        return self._next_sequence()
+        if self.state in (BuilderState.NEW, BuilderState.ERROR):
+            raise LocalProtocolError(f"no steering answer in state {self.state.value}")
+        self._seq = self._tracker.reserve() + 1
+        return self._seq - 1
 
     # --- actions ---
     def start(self) -> list[ServerEvent]:
         """`response.created` then `response.in_progress`."""
-        self._transition("start")
+        if self.state is not BuilderState.NEW:
+            raise self._refuse("start")
+        tracker = self._tracker
+        if not self._shared:
+            tracker.start(
+                rollout=True, first_sequence_number=self._seq, first_output_index=len(self._output)
+            )
+        elif tracker.phase is Phase.STARTING:  # the lane's create, started by the connection
+            tracker.next_output_index = len(self._output)
+        # (Else a successor on a lane whose response ended: the grammar says whether it may.)
         snap = self.snapshot()
+        rid = self._base.id
+        created = self._advance("response.created", rid, previous=self._base.previous_response_id)
+        if self._shared:
+            tracker.driven = True
+        self._started = True
         return [
-            ResponseCreated(sequence_number=self._next_sequence(), response=snap),
-            ResponseInProgress(sequence_number=self._next_sequence(), response=snap),
-        ]
-
-    def begin_message(self, item_id: str) -> list[ServerEvent]:
-        self._transition("begin_message")
-        index = len(self._output)
-        self._open = _Open(item_id=item_id, output_index=index, parts=[])
-        item = Message(id=item_id, role="assistant", status="in_progress", content=[])
-        return [
-            OutputItemAdded(sequence_number=self._next_sequence(), output_index=index, item=item),
-            ContentPartAdded(
-                sequence_number=self._next_sequence(),
-                item_id=item_id,
-                output_index=index,
-                content_index=0,
-                part=OutputText(text=""),
+            ResponseCreated(sequence_number=created, response=snap),
+            ResponseInProgress(
+                sequence_number=self._advance("response.in_progress", rid), response=snap
             ),
         ]
 
+    def begin_message(self, item_id: str) -> list[ServerEvent]:
+        self._between_items("begin_message")
+        index = len(self._output)
+        item = Message(id=item_id, role="assistant", status="in_progress", content=[])
+        added = OutputItemAdded(
+            sequence_number=self._advance(
+                "response.output_item.added",
+                output_index=index,
+                item_id=item_id,
+                item_type="message",
+            ),
+            output_index=index,
+            item=item,
+        )
+        part = ContentPartAdded(
+            sequence_number=self._advance(
+                "response.content_part.added", output_index=index, content_index=0, item_id=item_id
+            ),
+            item_id=item_id,
+            output_index=index,
+            content_index=0,
+            part=OutputText(text=""),
+        )
+        self._open = _Open(item_id=item_id, output_index=index, parts=[])
+        return [added, part]
+
     def text_delta(self, delta: str) -> ServerEvent:
-        self._transition("text_delta")
-        assert self._open is not None
-        self._open.parts.append(delta)
+        o = self._open or _NO_ITEM
+        n = self._advance(
+            "response.output_text.delta",
+            output_index=o.output_index,
+            content_index=0,
+            item_id=o.item_id,
+        )
+        o.parts.append(delta)
         return OutputTextDelta(
-            sequence_number=self._next_sequence(),
-            item_id=self._open.item_id,
-            output_index=self._open.output_index,
+            sequence_number=n,
+            item_id=o.item_id,
+            output_index=o.output_index,
             content_index=0,
             delta=delta,
         )
 
     def end_message(self, *, status: ItemStatus = "completed") -> list[ServerEvent]:
-        self._transition("end_message")
         return self._close_message(status)
 
     def _close_message(self, status: ItemStatus) -> list[ServerEvent]:
-        assert self._open is not None
-        o, self._open = self._open, None
+        o = self._open or _NO_ITEM
+        common = {"item_id": o.item_id, "output_index": o.output_index, "content_index": 0}
+        text_n = self._advance("response.output_text.done", **common)  # type: ignore[arg-type]
+        part_n = self._advance("response.content_part.done", **common)  # type: ignore[arg-type]
+        item_n = self._advance("response.output_item.done", output_index=o.output_index)
+        self._open = None
         text = "".join(o.parts)
         part = OutputText(text=text)
-        item = Message(
-            id=o.item_id,
-            role="assistant",
-            status=status,
-            content=[part],
-        )
+        item = Message(id=o.item_id, role="assistant", status=status, content=[part])
         self._output.append(item)
-        common = {"item_id": o.item_id, "output_index": o.output_index, "content_index": 0}
         return [
-            OutputTextDone(sequence_number=self._next_sequence(), text=text, **common),  # type: ignore[arg-type]
-            ContentPartDone(sequence_number=self._next_sequence(), part=part, **common),  # type: ignore[arg-type]
-            OutputItemDone(
-                sequence_number=self._next_sequence(), output_index=o.output_index, item=item
-            ),
+            OutputTextDone(sequence_number=text_n, text=text, **common),  # type: ignore[arg-type]
+            ContentPartDone(sequence_number=part_n, part=part, **common),  # type: ignore[arg-type]
+            OutputItemDone(sequence_number=item_n, output_index=o.output_index, item=item),
         ]
 
     def begin_call(
@@ -306,9 +366,9 @@ class ResponseStream:
     ) -> list[ServerEvent]:
         """Open a tool call. Function and custom calls are announced now; a built-in tool's
         call when it ends (its item needs the whole payload)."""
-        self._transition("begin_call")
+        self._between_items("begin_call")
         index = len(self._output)
-        self._open = _Open(
+        o = _Open(
             item_id=item_id,
             output_index=index,
             parts=[],
@@ -317,51 +377,37 @@ class ResponseStream:
             name=name,
             namespace=namespace,
         )
-        if kind not in ("function", "custom"):
+        if kind in _BUILT_IN:
+            if self.state is not BuilderState.ACTIVE:
+                raise self._refuse("begin_call")
+            self._open = o
             return []
-        item = self._call_item(self._open, "", "in_progress")
-        return [
-            OutputItemAdded(sequence_number=self._next_sequence(), output_index=index, item=item)
-        ]
+        item = self._call_item(o, "", "in_progress")
+        n = self._advance(
+            "response.output_item.added", output_index=index, item_id=item_id, item_type=item.type
+        )
+        self._open = o
+        return [OutputItemAdded(sequence_number=n, output_index=index, item=item)]
 
     def arguments_delta(self, delta: str) -> ServerEvent | None:
         """More of the open call: function arguments or custom input (an event), or a built-in
         call's payload (kept until the call ends: None)."""
-        self._transition("arguments_delta")
-        o = self._open
-        assert o is not None
+        o = self._open or _NO_ITEM
+        if o.kind in _BUILT_IN and not self._error:
+            o.parts.append(delta)
+            return None
+        # (With no call open, or a message, the grammar refuses a function call's delta.)
+        event_type, event = _CALL_DELTAS["custom" if o.kind == "custom" else "function"]
+        n = self._advance(event_type, output_index=o.output_index, item_id=o.item_id)
         o.parts.append(delta)
-        if o.kind == "function":
-            return FunctionCallArgumentsDelta(
-                sequence_number=self._next_sequence(),
-                item_id=o.item_id,
-                output_index=o.output_index,
-                delta=delta,
-            )
-        if o.kind == "custom":
-            return CustomToolCallInputDelta(
-                sequence_number=self._next_sequence(),
-                item_id=o.item_id,
-                output_index=o.output_index,
-                delta=delta,
-            )
-        return None
+        return event(sequence_number=n, item_id=o.item_id, output_index=o.output_index, delta=delta)
 
     def end_call(self, *, status: ItemStatus = "completed") -> list[ServerEvent]:
         """Close the open call. A built-in call whose payload is not valid raises
         `InvalidToolPayload` and leaves the stream as it was."""
         o = self._open
-        if (
-            self._state is BuilderState.IN_CALL
-            and o is not None
-            and o.kind
-            not in (
-                "function",
-                "custom",
-            )
-        ):
+        if o is not None and o.kind in _BUILT_IN and not self._error:
             self._call_item(o, "".join(o.parts), status)  # check before changing state
-        self._transition("end_call")
         return self._close_call(status)
 
     def _call_item(self, o: _Open, text: str, status: ItemStatus) -> Item:
@@ -397,54 +443,51 @@ class ResponseStream:
             ) from None
 
     def _close_call(self, status: ItemStatus) -> list[ServerEvent]:
-        assert self._open is not None and self._open.kind is not None
-        o, self._open = self._open, None
+        o = self._open or _NO_ITEM
         text = "".join(o.parts)
-        item = self._call_item(o, text, status)
+        first: ServerEvent
+        if o.kind in _BUILT_IN and not self._error:
+            item = self._call_item(o, text, status)
+            added_n = self._advance(
+                "response.output_item.added", output_index=o.output_index, item_type=item.type
+            )
+            first = OutputItemAdded(sequence_number=added_n, output_index=o.output_index, item=item)
+        else:  # a function or custom call (nothing open: the grammar says what is wrong)
+            event_type, done = _CALL_DONES["custom" if o.kind == "custom" else "function"]
+            first = done(
+                self._advance(event_type, output_index=o.output_index, item_id=o.item_id), o, text
+            )
+            item = self._call_item(o, text, status)
+        done_n = self._advance("response.output_item.done", output_index=o.output_index)
+        self._open = None
         self._output.append(item)
-        done = OutputItemDone(sequence_number=0, output_index=o.output_index, item=item)
-        if o.kind == "function":
-            return [
-                FunctionCallArgumentsDone(
-                    sequence_number=self._next_sequence(),
-                    item_id=o.item_id,
-                    output_index=o.output_index,
-                    arguments=text,
-                ),
-                attrs.evolve(done, sequence_number=self._next_sequence()),
-            ]
-        if o.kind == "custom":
-            return [
-                CustomToolCallInputDone(
-                    sequence_number=self._next_sequence(),
-                    item_id=o.item_id,
-                    output_index=o.output_index,
-                    input=text,
-                ),
-                attrs.evolve(done, sequence_number=self._next_sequence()),
-            ]
-        added = OutputItemAdded(
-            sequence_number=self._next_sequence(), output_index=o.output_index, item=item
-        )
-        return [added, attrs.evolve(done, sequence_number=self._next_sequence())]
+        return [
+            first,
+            OutputItemDone(sequence_number=done_n, output_index=o.output_index, item=item),
+        ]
 
     def add_item(self, item: Item) -> list[ServerEvent]:
         """A finished item that is not streamed (e.g. a `compaction` item): added, then done."""
-        self._transition("add_item")
+        self._between_items("add_item")
         index = len(self._output)
+        added_n = self._advance(
+            "response.output_item.added", output_index=index, item_type=item.type
+        )
+        done_n = self._advance("response.output_item.done", output_index=index)
         self._output.append(item)
         return [
-            OutputItemAdded(sequence_number=self._next_sequence(), output_index=index, item=item),
-            OutputItemDone(sequence_number=self._next_sequence(), output_index=index, item=item),
+            OutputItemAdded(sequence_number=added_n, output_index=index, item=item),
+            OutputItemDone(sequence_number=done_n, output_index=index, item=item),
         ]
 
     def suspend(self, pending_call_ids: list[str]) -> ResponseDone:
         """Rollout extension: the rollout waits for the outputs of `pending_call_ids`. The
         event names the response and the output indices of this step (the items since the
         start or the last resume), never the items themselves."""
-        self._transition("suspend")
+        self._between_items("suspend")
+        n = self._advance("response.done", self._base.id, list(pending_call_ids))
         return ResponseDone(
-            sequence_number=self._next_sequence(),
+            sequence_number=n,
             response=self._ref(),
             pending_call_ids=list(pending_call_ids),
             output_indices=list(range(self._step_start, len(self._output))),
@@ -453,67 +496,82 @@ class ResponseStream:
     def resume(self) -> ResponseInProgress:
         """Rollout extension: outputs were appended; sampling continues in this response (a
         new step, whose items start at the next output index)."""
-        self._transition("resume")
+        if self.state is not BuilderState.SUSPENDED:
+            raise self._refuse("resume")
+        n = self._advance("response.in_progress", self._base.id)
         self._step_start = len(self._output)
-        return ResponseInProgress(sequence_number=self._next_sequence(), response=self._ref())
+        return ResponseInProgress(sequence_number=n, response=self._ref())
 
     def _ref(self) -> ResponseRef:
         return ResponseRef(id=self._base.id, status="in_progress")
 
     def inject_created(self, *, stream_id: str | None = None) -> ResponseInjectCreated:
         """Multi-agent beta: an inject was committed to this response (between items)."""
-        self._transition("inject_created")
+        self._between_items("inject_created")
         return ResponseInjectCreated(
-            sequence_number=self._next_sequence(), response_id=self._base.id, stream_id=stream_id
+            sequence_number=self._advance("response.inject.created"),
+            response_id=self._base.id,
+            stream_id=stream_id,
         )
 
     def complete(self, *, usage: Usage, completed_at: int) -> ResponseCompleted:
-        self._transition("complete")
+        if self.state is not BuilderState.ACTIVE:
+            raise self._refuse("complete")
+        n = self._advance("response.completed", self._base.id)
+        self._ended = True
         return ResponseCompleted(
-            sequence_number=self._next_sequence(),
-            response=self.final("completed", usage, completed_at),
+            sequence_number=n, response=self.final("completed", usage, completed_at)
         )
 
     def incomplete(self, *, reason: str, usage: Usage, completed_at: int) -> list[ServerEvent]:
         """End early (e.g. `max_output_tokens`): an open message, function or custom call is
         closed as `incomplete`; an open built-in call (never announced: its payload is cut
         off) is dropped."""
-        was = self._state
-        self._transition("incomplete")
+        if self.state in (BuilderState.NEW, BuilderState.DONE, BuilderState.ERROR):
+            raise self._refuse("incomplete")
         events: list[ServerEvent] = []
-        if was is BuilderState.IN_MESSAGE:
+        o = self._open
+        if o is not None and o.kind is None:
             events += self._close_message("incomplete")
-        elif was is BuilderState.IN_CALL:
-            assert self._open is not None
-            if self._open.kind in ("function", "custom"):
-                events += self._close_call("incomplete")
-            self._open = None
+        elif o is not None and o.kind not in _BUILT_IN:
+            events += self._close_call("incomplete")
+        self._open = None
         response = attrs.evolve(
             self.final("incomplete", usage, completed_at),
             incomplete_details=IncompleteDetails(reason=reason),  # type: ignore[arg-type]
         )
-        events.append(ResponseIncomplete(sequence_number=self._next_sequence(), response=response))
+        n = self._advance("response.incomplete", self._base.id)
+        self._ended = True
+        events.append(ResponseIncomplete(sequence_number=n, response=response))
         return events
 
     def fail(self, *, error: ResponseError, usage: Usage | None) -> ResponseFailed:
         """End with `response.failed`; an item still open is dropped from the output."""
-        if self._state is BuilderState.NEW:
-            self._state = BuilderState.ERROR
+        if self.state is BuilderState.NEW:
+            self._error = True
             raise LocalProtocolError("can't fail before start(): send an error event instead")
-        self._transition("fail")
-        self._open = None
+        if self.state in (BuilderState.DONE, BuilderState.ERROR):
+            raise self._refuse("fail")
+        n = self._advance("response.failed", self._base.id)
+        self._open, self._ended = None, True
         response = attrs.evolve(self.final("failed", usage, None), error=error)
-        return ResponseFailed(sequence_number=self._next_sequence(), response=response)
+        return ResponseFailed(sequence_number=n, response=response)
 
     def abort(self, *, error: ResponseError, usage: Usage | None) -> ResponseFailed | None:
         """`response.failed` whatever went wrong before, even in ERROR (an item still open is
         dropped); None when there is nothing to end (never started, or already ended)."""
-        if self._state not in _TRANSITIONS["abort"]:
+        if self.state in (BuilderState.NEW, BuilderState.DONE):
             return None
-        self._state = BuilderState.DONE
-        self._open = None
+        self._error, self._open = False, None
+        self._started = self._ended = True
+        tracker, n = self._tracker, self._seq
+        try:
+            tracker.advance("response.failed", n, self._base.id)
+        except LocalProtocolError:  # the last resort ends the response whatever came before
+            tracker.phase, tracker.ended, tracker.next_sequence_number = Phase.IDLE, True, n + 1
+        self._seq = n + 1
         response = attrs.evolve(self.final("failed", usage, None), error=error)
-        return ResponseFailed(sequence_number=self._next_sequence(), response=response)
+        return ResponseFailed(sequence_number=n, response=response)
 
     def final(
         self, status: ResponseStatus, usage: Usage | None, completed_at: int | None

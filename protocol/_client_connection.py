@@ -43,7 +43,7 @@ from ._events import (
 )
 from ._items import output_of
 from ._lanes import DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
-from ._state import Move, Phase, ResponseTracker
+from ._state import Move, Phase, ResponseTracker, item_fields
 from ._steer import (
     OUT_OF_STREAM,
     STEER_EVENT_TYPES,
@@ -316,13 +316,15 @@ class ClientConnection(_Connection):
             has_sequence_number=True,
             previous_response_id=previous_id_of(event),
             steer_id=steer.id if steer is not None else None,
+            item=item_fields(event),
         )
         return event
 
     def receive_json(self, event: Mapping[str, Any]) -> Mapping[str, Any]:
         """Follow one server event given as parsed JSON (the caller did `json.loads`): only
-        `type`, `sequence_number`, `stream_id`, `response.id` and `pending_call_ids` are
-        read."""
+        `type`, `sequence_number`, `stream_id`, `response.id`, `pending_call_ids`, and the
+        item grammar's `output_index`, `content_index`, `item_id`, `item.id` and
+        `item.type` are read."""
         self._usable()
         kind = event.get("type") if isinstance(event, Mapping) else None
         if not isinstance(kind, str):
@@ -340,6 +342,11 @@ class ClientConnection(_Connection):
         steer_id = steer.get("id")
         pending = event.get("pending_call_ids")
         stream_id = event.get("stream_id")
+        item = event.get("item")
+        item_id = event.get("item_id")
+        item_type = None
+        if isinstance(item, Mapping):  # output_item.added names its item by the item's id
+            item_id, item_type = item.get("id"), item.get("type")
         self._follow(
             kind,
             event.get("sequence_number"),
@@ -349,6 +356,7 @@ class ClientConnection(_Connection):
             has_sequence_number="sequence_number" in event,
             previous_response_id=previous if isinstance(previous, str) else None,
             steer_id=steer_id if isinstance(steer_id, str) else None,
+            item=(event.get("output_index"), event.get("content_index"), item_id, item_type),
         )
         return event
 
@@ -363,7 +371,9 @@ class ClientConnection(_Connection):
         has_sequence_number: bool,
         previous_response_id: str | None = None,
         steer_id: str | None = None,
+        item: tuple[object, object, object, object] = (None, None, None, None),
     ) -> None:
+        """`item`: what the item grammar reads (`_state.item_fields`)."""
         if kind in _INJECT_ACKS:
             self._take_inject(stream_id)
         if kind in ANSWER_EVENT_TYPES:
@@ -395,6 +405,10 @@ class ClientConnection(_Connection):
                 response_id,
                 pending,
                 previous_response_id=previous_response_id,
+                output_index=item[0],
+                content_index=item[1],
+                item_id=item[2],
+                item_type=item[3],
             )
         except LocalProtocolError as exc:
             self._broken = True

@@ -35,7 +35,11 @@ inject is let through only to a running multi-agent response of this connection 
 `response.inject.failed`: `response_already_completed` or `response_not_found`, with its
 input, on the response's lane). `send` encodes each event of a
 response (on its lane, `stream_id=`) after checking it against the response grammar: a server
-that breaks it raises `LocalProtocolError`, and the connection refuses further use.
+that breaks it raises `LocalProtocolError`, and the connection refuses further use. An event
+is checked once: a response built by a `ResponseStream` given its lane's tracker
+(`ResponseStream(response, tracker=connection.lane(stream_id).tracker)`, after
+`start_next`) was checked as it was built, and `send` checks only that its events go out in
+the order built (and the steering answers numbered in its stream, in full).
 
 The client's side is `ClientConnection` (`_client_connection.py`), following the same rules.
 
@@ -82,7 +86,7 @@ from ._events import (
 )
 from ._lanes import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, MAX_STREAM_ID_CHARS, valid_stream_id
 from ._multi_agent import MULTI_AGENT_BETA, multi_agent_enabled
-from ._state import Move, Phase, ResponseTracker
+from ._state import Move, Phase, ResponseTracker, advance_item, move_of
 from ._steer import (
     OUT_OF_STREAM,
     STEER_EVENT_TYPES,
@@ -191,6 +195,13 @@ class Lane:
     @property
     def suspended(self) -> bool:
         return self.tracker.phase is Phase.SUSPENDED
+
+    @property
+    def open_item(self) -> int | None:
+        """The `output_index` of the item the running response has open (None: between
+        items)."""
+        index = self.tracker.item_index
+        return index if isinstance(index, int) else None
 
     @property
     def free(self) -> bool:
@@ -578,19 +589,28 @@ class ServerConnection(_Connection):
                 )
             )
             return
+        tracker = lane.tracker
         response = named_response_of(event)
-        response_id = response.id if response is not None else None
-        move = self._guard(
-            lambda: lane.tracker.advance(
-                event.type,
-                event.sequence_number,
-                response_id,
-                pending_calls_of(event),
-                previous_response_id=previous_id_of(event),
-            )
-        )
-        if response_id is None:  # an item, part or delta event
+        if tracker.driven:  # checked where it was built (`ResponseStream(tracker=...)`)
+            self._guard(lambda: tracker.send_built(event.type, event.sequence_number))
+            if response is None:
+                return
+            move = move_of(event.type)
+            response_id = response.id
+        elif response is None:  # an item, part or delta event (or another of a running response)
+            self._guard(lambda: advance_item(tracker, event))
             return
+        else:
+            response_id = response.id
+            move = self._guard(
+                lambda: tracker.advance(
+                    event.type,
+                    event.sequence_number,
+                    response_id,
+                    pending_calls_of(event),
+                    previous_response_id=previous_id_of(event),
+                )
+            )
         if move is Move.QUEUED or move is Move.CREATED:
             self._in_flight[response_id] = lane
         elif move is Move.TERMINAL:

@@ -14,6 +14,7 @@ from types import EllipsisType
 from typing import Any
 
 from rollout.protocol import (
+    RESPONSE_END_TYPES,
     ClientConnection,
     Phase,
     RemoteProtocolError,
@@ -24,7 +25,6 @@ from rollout.protocol import (
 from ._client import CheckFailed, describe_value
 
 __all__ = [
-    "LIFECYCLE",
     "as_dict",
     "call_items",
     "call_problems",
@@ -42,21 +42,6 @@ __all__ = [
 ]
 
 Event = dict[str, Any]
-
-# Events that carry the `response` object.
-LIFECYCLE = frozenset(
-    {
-        "response.queued",
-        "response.created",
-        "response.in_progress",
-        "response.completed",
-        "response.incomplete",
-        "response.failed",
-        "response.done",
-    }
-)
-_TEXT_DELTAS = frozenset({"response.output_text.delta", "response.refusal.delta"})
-_TEXT_DONES = frozenset({"response.output_text.done", "response.refusal.done"})
 
 
 def _q(value: Any) -> str:
@@ -162,12 +147,13 @@ def sequence_problems(events: Sequence[Event], *, start: int = 0) -> list[str]:
 
 
 def lifecycle_problems(events: Sequence[Event], *, suspensions: bool = False) -> list[str]:
-    """The response-level order rules of WebSocket mode, as `rollout.protocol`'s client
-    connection applies them (one table for the server, the clients and this harness):
-    `[response.queued] response.created response.in_progress ... terminal`, sequence numbers
-    from 0 without gaps, every lifecycle event naming the same response, and with
-    `suspensions` (a rollout) `response.done` followed by `response.in_progress` once the
-    pending calls are answered. The first violation, or none."""
+    """The order rules of WebSocket mode, as `rollout.protocol`'s client connection applies
+    them (one grammar, `protocol/_state.py`, for the server, its builder, the clients and this
+    harness): `[response.queued] response.created response.in_progress ... terminal`,
+    sequence numbers from 0 without gaps, every lifecycle event naming the same response, and
+    with `suspensions` (a rollout) `response.done` followed by `response.in_progress` once the
+    pending calls are answered; inside, the item grammar (see `order_problems`). The first
+    violation, or none."""
     if not events:
         return ["the response has no events"]
     connection = ClientConnection()
@@ -180,10 +166,14 @@ def lifecycle_problems(events: Sequence[Event], *, suspensions: bool = False) ->
     connection.sent_raw(create)
     for n, event in enumerate(events):
         kind = event.get("type")
+        view = connection.lane(lane)
+        if kind in RESPONSE_END_TYPES and view is not None and view.open_item is not None:
+            return [f"item {view.open_item} was never done"]  # (a failed response's too)
         try:
             connection.receive_json(event)
         except RemoteProtocolError as exc:
-            return [f"event {n} ({kind}): {exc.__cause__ or exc}"]
+            reason = str(exc.__cause__ or exc)
+            return [f"event {n} ({kind}): {reason.removeprefix(f'{kind}: ')}"]
         view = connection.lane(lane)
         if view is None or view.response_id is None:
             return [f"the response begins with {kind}, expected response.created"]
@@ -202,139 +192,23 @@ def lifecycle_problems(events: Sequence[Event], *, suspensions: bool = False) ->
 
 
 def order_problems(events: Sequence[Event], *, suspensions: bool = False) -> list[str]:
-    """The event grammar of one response:
+    """The event grammar of one response, replayed through `rollout.protocol`'s client
+    connection (`lifecycle_problems`): its table in `protocol/_state.py` is the one grammar.
 
         [response.queued] response.created response.in_progress item* terminal
 
     where an item is `output_item.added` ... `output_item.done` for one `output_index` (in
     increasing order from 0, one item at a time); a message's content parts are
     `content_part.added` (text|refusal deltas) (text|refusal done) `content_part.done`; a
-    function call has `function_call_arguments.delta`* then `.done` and no content parts.
-    With `suspensions` (the rollout extension), `response.done` response.in_progress may
-    appear between items. Events of unknown types are allowed between items or inside the
-    item their `output_index` names. The response-level rules (the lifecycle events, their
-    response id, the terminal event, suspensions) are `lifecycle_problems`, the protocol's;
-    the item-level grammar is checked here.
+    function call has `function_call_arguments.delta`* then `.done` and no content parts (a
+    custom tool call likewise `custom_tool_call_input`); every part, text and call event
+    names its item (`output_index`, `item_id`) and part (`content_index`). With
+    `suspensions` (the rollout extension), `response.done` response.in_progress may appear
+    between items. Events of unknown types are allowed between items or inside the item
+    their `output_index` names. An item left open at the end was never done (even when the
+    response failed). The first violation, or none.
     """
-    problems = lifecycle_problems(events, suspensions=suspensions)
-    if problems:
-        return problems
-    i = 1 if events[0].get("type") == "response.queued" else 0
-    item: dict[str, Any] | None = None
-    next_index = 0
-    for n, event in enumerate(events[i + 2 : -1], start=i + 2):
-        kind = event.get("type")
-        where = f"event {n} ({kind})"
-        if kind == "response.in_progress":  # a rollout resumed (checked above)
-            continue
-        if kind == "response.output_item.added":
-            if item is not None:
-                problems.append(f"{where}: an item was added while item {item['index']} is open")
-            index = event.get("output_index")
-            if index != next_index:
-                problems.append(f"{where}: output_index {_q(index)}, expected {next_index}")
-            body = as_dict(event.get("item"))
-            item = {
-                "index": index,
-                "type": body.get("type"),
-                "id": body.get("id"),
-                "parts": 0,
-                "part": None,
-                "text_done": False,
-                "args_done": False,
-            }
-        elif kind == "response.output_item.done":
-            if item is None or event.get("output_index") != item["index"]:
-                problems.append(
-                    f"{where}: no open item with output_index {_q(event.get('output_index'))}"
-                )
-            else:
-                if item["part"] is not None:
-                    problems.append(f"{where}: output_item.done before content_part.done")
-                if item["type"] == "function_call" and not item["args_done"]:
-                    problems.append(
-                        f"{where}: output_item.done before function_call_arguments.done"
-                    )
-            item = None
-            next_index += 1
-        elif kind == "response.content_part.added":
-            if item is None or item["type"] != "message":
-                problems.append(f"{where}: a content part outside a message item")
-                continue
-            problems += _same_item(where, event, item)
-            if item["part"] is not None:
-                problems.append(f"{where}: a part was added while part {item['part']} is open")
-            if event.get("content_index") != item["parts"]:
-                problems.append(
-                    f"{where}: content_index {_q(event.get('content_index'))}, expected "
-                    f"{item['parts']}"
-                )
-            item["part"] = event.get("content_index")
-            item["text_done"] = False
-        elif kind in _TEXT_DELTAS or kind in _TEXT_DONES:
-            if item is None or item["part"] is None:
-                problems.append(f"{where}: text outside an open content part")
-                continue
-            problems += _same_item(where, event, item)
-            if event.get("content_index") != item["part"]:
-                problems.append(
-                    f"{where}: content_index {_q(event.get('content_index'))}, "
-                    f"expected {item['part']}"
-                )
-            if item["text_done"]:
-                problems.append(f"{where}: text after the part's text was done")
-            if kind in _TEXT_DONES:
-                item["text_done"] = True
-        elif kind == "response.content_part.done":
-            if item is None or item["part"] is None:
-                problems.append(f"{where}: content_part.done without an open part")
-                continue
-            problems += _same_item(where, event, item)
-            if not item["text_done"]:
-                problems.append(f"{where}: content_part.done before the text's done event")
-            item["part"] = None
-            item["parts"] += 1
-        elif kind in (
-            "response.function_call_arguments.delta",
-            "response.function_call_arguments.done",
-        ):
-            if item is None or item["type"] != "function_call":
-                problems.append(f"{where}: arguments outside a function_call item")
-                continue
-            problems += _same_item(where, event, item)
-            if item["args_done"]:
-                problems.append(f"{where}: arguments after function_call_arguments.done")
-            if kind.endswith(".done"):
-                item["args_done"] = True
-        elif kind == "response.done":
-            if item is not None:
-                problems.append(f"{where}: response.done while item {item['index']} is open")
-        elif "output_index" in event:
-            if item is None or event.get("output_index") != item["index"]:
-                problems.append(
-                    f"{where}: names output_index {_q(event.get('output_index'))} outside its item"
-                )
-    if item is not None:
-        problems.append(f"item {item['index']} was never done")
-    return problems[:5]
-
-
-def _response_id(event: Mapping[str, Any]) -> Any:
-    response = event.get("response")
-    return response.get("id") if isinstance(response, dict) else None
-
-
-def _same_item(where: str, event: Mapping[str, Any], item: Mapping[str, Any]) -> list[str]:
-    problems = []
-    if event.get("output_index") != item["index"]:
-        problems.append(
-            f"{where}: output_index {_q(event.get('output_index'))}, expected {item['index']}"
-        )
-    if event.get("item_id") != item["id"]:
-        problems.append(
-            f"{where}: item_id {_q(event.get('item_id'))}, expected the item id {_q(item['id'])}"
-        )
-    return problems
+    return lifecycle_problems(events, suspensions=suspensions)
 
 
 # --- consistency of deltas, done events and the final output ---------------------------------

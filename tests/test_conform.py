@@ -601,3 +601,53 @@ async def test_silent_server_times_out_within_the_deadline() -> None:
     listener.close()
     assert [r.outcome for r in report.results] == [spec.Outcome.FAILED] * 4
     assert report.seconds < 10
+
+
+# --- the order analysis: a replay through the protocol's grammar -------------------------------
+
+
+def _built_stream(*, fail: bool = False) -> list[dict[str, Any]]:
+    from rollout import protocol as p
+
+    stream = p.ResponseStream(p.Response(id="resp_1", created_at=0, model="m"))
+    events = [*stream.start(), *stream.begin_message("msg_1"), stream.text_delta("hi")]
+    if fail:
+        events.append(
+            stream.fail(error=p.ResponseError(code="server_error", message="x"), usage=None)
+        )
+    else:
+        events += [*stream.end_message(), stream.complete(usage=p.Usage(), completed_at=1)]
+    return [json.loads(p.encode_json(event)) for event in events]
+
+
+def test_order_problems_replays_the_protocol_grammar() -> None:
+    """`order_problems` is the protocol's item grammar replayed (no rules of its own): a
+    built stream passes; a delta after its part is done, a part outside a message and a
+    part numbered wrong are reported at the event, as the client connection refuses them."""
+    from rollout.spec._analysis import order_problems
+
+    events = _built_stream()
+    assert order_problems(events) == []
+    late = {**events[4], "sequence_number": 7}  # the text delta, again after content_part.done
+    renumbered = [{**e, "sequence_number": e["sequence_number"] + 1} for e in events[7:]]
+    assert order_problems([*events[:7], late, *renumbered]) == [
+        "event 7 (response.output_text.delta): text outside an open content part"
+    ]
+    swapped = [
+        *events[:2],
+        {**events[3], "sequence_number": 2},
+        {**events[2], "sequence_number": 3},
+    ]
+    assert order_problems([*swapped, *events[4:]]) == [
+        "event 2 (response.content_part.added): a content part outside a message item"
+    ]
+    wrong_part = [*events[:3], {**events[3], "content_index": 1}, *events[4:]]
+    assert order_problems(wrong_part) == [
+        "event 3 (response.content_part.added): content_index 1, expected 0"
+    ]
+
+
+def test_order_problems_reports_an_item_a_failed_response_left_open() -> None:
+    from rollout.spec._analysis import order_problems
+
+    assert order_problems(_built_stream(fail=True)) == ["item 0 was never done"]

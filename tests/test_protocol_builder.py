@@ -413,3 +413,37 @@ def test_builder_does_not_share_state_with_its_input() -> None:
     stream.output.clear()  # a copy
     assert len(stream.output) == 1
     assert attrs.evolve(snapshot, output=[]) == attrs.evolve(base, output=[])
+
+
+def test_the_builder_refuses_a_delta_after_its_part_is_done_by_the_grammar() -> None:
+    """The builder checks each event it builds against `_state.py`'s grammar (the one both
+    connection ends follow): a text delta after the message's part is done is refused with
+    the grammar's reason, and the builder is dead."""
+    stream = new_stream()
+    stream.start()
+    stream.begin_message("msg_1")
+    stream.text_delta("a")
+    stream.end_message()
+    seq = stream.next_sequence_number
+    with pytest.raises(
+        p.LocalProtocolError,
+        match=r"response\.output_text\.delta: text outside an open content part",
+    ):
+        stream.text_delta("late")
+    assert stream.next_sequence_number == seq
+    assert_refuses_everything(stream)
+
+
+@SETTINGS
+@given(script=stream_scripts(max_steps=6))
+def test_every_stream_the_builder_builds_is_accepted_by_a_client(script: Script) -> None:
+    """What the builder builds follows the grammar the client checks (item order, indices,
+    ids), for every script; a suspension is answered as a client would."""
+    client = p.ClientConnection()
+    client.send(p.ResponseCreate(model="m", input="hi", rollout=True))
+    for event in run_script(new_stream(), script):
+        client.receive_text(p.encode_json(event))
+        if isinstance(event, p.ResponseDone):
+            outputs = [p.FunctionCallOutput(call_id=c, output="ok") for c in event.pending_call_ids]
+            client.send(p.ResponseAppend(response_id="resp_1", input=outputs))  # type: ignore[arg-type]
+    assert client.phase is p.Phase.IDLE and not client.awaiting

@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -54,13 +56,11 @@ def server_events(rid: str, exchange: Exchange) -> list[tuple[Any, list[str]]]:
     seq = iter(range(10_000))
     out.append((p.ResponseCreated(sequence_number=next(seq), response=_response(rid)), []))
     out.append((p.ResponseInProgress(sequence_number=next(seq), response=_response(rid)), []))
+    index = 0
     for t, turn in enumerate(exchange.turns):
-        for d in range(turn.deltas):
-            delta = p.OutputTextDelta(
-                sequence_number=next(seq), item_id="m", output_index=0, content_index=0, delta="x"
-            )
-            out.append((delta, []))
-            del d
+        if turn.deltas:
+            out += [(event, []) for event in message_events(seq, index, turn.deltas)]
+            index += 1
         last = t == len(exchange.turns) - 1
         if exchange.rollout and not last and turn.calls:
             calls = [f"call_{t}_{c}" for c in range(turn.calls)]
@@ -80,6 +80,23 @@ def server_events(rid: str, exchange: Exchange) -> list[tuple[Any, list[str]]]:
     end = p.ResponseCompleted(sequence_number=next(seq), response=_response(rid, "completed"))
     out.append((end, []))
     return out
+
+
+def message_events(seq: Iterator[int], index: int, deltas: int) -> list[Any]:
+    """An assistant message streamed whole, at `output_index` `index`: the item grammar."""
+    item_id, text = f"msg_{index}", "x" * deltas
+    at = {"item_id": item_id, "output_index": index, "content_index": 0}
+    item = p.Message(id=item_id, role="assistant", status="in_progress", content=[])
+    part = p.OutputText(text=text)
+    done = p.Message(id=item_id, role="assistant", status="completed", content=[part])
+    return [
+        p.OutputItemAdded(sequence_number=next(seq), output_index=index, item=item),
+        p.ContentPartAdded(sequence_number=next(seq), part=p.OutputText(text=""), **at),
+        *(p.OutputTextDelta(sequence_number=next(seq), delta="x", **at) for _ in range(deltas)),
+        p.OutputTextDone(sequence_number=next(seq), text=text, **at),
+        p.ContentPartDone(sequence_number=next(seq), part=part, **at),
+        p.OutputItemDone(sequence_number=next(seq), output_index=index, item=done),
+    ]
 
 
 exchanges = st.builds(
@@ -413,3 +430,169 @@ def test_garbage_in_only_protocol_errors_out(frames: list[str]) -> None:
             continue  # not JSON: the wrapper's json.loads refuses it first
         except p.ProtocolError:
             continue
+
+
+# --- the item grammar ----------------------------------------------------------------------------
+
+
+def _late_delta_stream() -> list[Any]:
+    """A message whose text goes on after its part is done (before the item is)."""
+    seq = iter(range(10_000))
+    events: list[Any] = [
+        p.ResponseCreated(sequence_number=next(seq), response=_response("resp_x")),
+        p.ResponseInProgress(sequence_number=next(seq), response=_response("resp_x")),
+        *message_events(seq, 0, 2)[:-1],  # ... content_part.done
+    ]
+    at = {"item_id": "msg_0", "output_index": 0, "content_index": 0}
+    number = events[-1].sequence_number + 1
+    events.append(p.OutputTextDelta(sequence_number=number, delta="late", **at))
+    return events
+
+
+def test_a_delta_after_its_part_is_done_is_refused_by_both_ends() -> None:
+    """The item grammar (`_state.py`) is followed by both ends: the server refuses to send a
+    text delta after its `content_part.done`, the client to receive it (from typed events
+    and from parsed JSON alike)."""
+    *legal, late = _late_delta_stream()
+    server = p.ServerConnection()
+    server.receive_text(p.ClientConnection().send(p.ResponseCreate(model="m", input="hi")))
+    server.start_next()
+    for event in legal:
+        server.send(event)
+    with pytest.raises(p.LocalProtocolError, match="text outside an open content part"):
+        server.send(late)
+    for receive in ("receive_text", "receive_json"):
+        client = p.ClientConnection()
+        client.send(p.ResponseCreate(model="m", input="hi"))
+        for event in legal:
+            frame = p.encode_json(event)
+            client.receive_text(frame) if receive == "receive_text" else client.receive_json(
+                json.loads(frame)
+            )
+        frame = p.encode_json(late)
+        with pytest.raises(p.RemoteProtocolError, match="text outside an open content part"):
+            client.receive_text(frame) if receive == "receive_text" else client.receive_json(
+                json.loads(frame)
+            )
+        assert client.phase is p.Phase.ERROR
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("output_index", 1, "output_index 1, expected 0"),
+        ("item_id", "msg_9", "item_id 'msg_9', expected the item id 'msg_0'"),
+        ("content_index", 1, "content_index 1, expected 0"),
+    ],
+)
+def test_a_delta_naming_another_item_or_part_is_refused_by_the_client(
+    field: str, value: Any, reason: str
+) -> None:
+    client = p.ClientConnection()
+    client.send(p.ResponseCreate(model="m", input="hi"))
+    *legal, _ = _late_delta_stream()
+    for event in legal[:4]:  # created, in_progress, output_item.added, content_part.added
+        client.receive_json(json.loads(p.encode_json(event)))
+    delta = json.loads(p.encode_json(legal[4]))
+    delta[field] = value
+    with pytest.raises(p.RemoteProtocolError, match=re.escape(reason)):
+        client.receive_json(delta)
+
+
+# --- checked once: a builder driving its lane's tracker ------------------------------------------
+
+
+def _driven(rollout: bool = False) -> tuple[p.ServerConnection, p.ResponseStream]:
+    server = p.ServerConnection()
+    server.receive_text(p.ClientConnection().send(p.ResponseCreate(model="m", rollout=rollout)))
+    server.start_next()
+    lane = server.lane(None)
+    assert lane is not None
+    return server, p.ResponseStream(_response("resp_1"), tracker=lane.tracker)
+
+
+def test_a_builder_driving_its_lanes_tracker_is_checked_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the lane's tracker, every event is checked where it is built; `send` does not
+    apply the grammar again (it checks only that events go out in the order built), and what
+    goes out is what a client accepts."""
+    server, stream = _driven(rollout=True)
+    client = p.ClientConnection()
+    client.send(p.ResponseCreate(model="m", rollout=True))
+    built: list[Any] = [*stream.start(), *stream.begin_message("msg_1")]
+    built += [stream.text_delta("a"), stream.text_delta("b"), *stream.end_message()]
+    built += stream.begin_call("fc_1", "call_1", "f")
+    built += [stream.arguments_delta("{}"), *stream.end_call(), stream.suspend(["call_1"])]
+    calls = 0
+    advance = _state.ResponseTracker.advance
+    lane = server.lane(None)
+    assert lane is not None
+
+    def counted(self: _state.ResponseTracker, *args: Any, **kwargs: Any) -> p.Move:
+        nonlocal calls
+        calls += self is lane.tracker  # (not the client's)
+        return advance(self, *args, **kwargs)
+
+    monkeypatch.setattr(_state.ResponseTracker, "advance", counted)
+    for event in built:
+        client.receive_text(server.send(event))
+    assert calls == 0  # sent without a second check
+    appended = p.ResponseAppend(
+        response_id="resp_1", input=[p.FunctionCallOutput(call_id="call_1", output="ok")]
+    )
+    server.receive_text(client.send(appended))
+    rest = [stream.resume(), stream.complete(usage=p.Usage(), completed_at=1)]
+    assert calls == 2  # each checked once, as built
+    for event in rest:
+        client.receive_text(server.send(event))
+    assert calls == 2
+    assert server.phase is p.Phase.IDLE and client.phase is p.Phase.IDLE
+    assert "resp_1" not in server._in_flight and server.lane_of("resp_1") is None
+
+
+def test_a_driven_lane_sends_only_what_its_builder_built_in_order() -> None:
+    server, stream = _driven()
+    created, _in_progress = stream.start()
+    server.send(created)
+    with pytest.raises(p.LocalProtocolError, match="not the next event the lane's builder built"):
+        server.send(  # hand-built, past what the builder built
+            p.OutputItemAdded(
+                sequence_number=2,
+                output_index=0,
+                item=p.Message(id="m", role="assistant", status="in_progress", content=[]),
+            )
+        )
+    assert server.phase is p.Phase.ERROR
+
+
+def test_a_driven_builder_refuses_a_late_delta_and_can_still_end_the_response() -> None:
+    """The builder's refusal (the grammar's, on the lane's tracker) leaves the lane as it
+    was: the connection is not broken and `abort` ends the response."""
+    server, stream = _driven()
+    for event in [*stream.start(), *stream.begin_message("msg_1"), *stream.end_message()]:
+        server.send(event)
+    with pytest.raises(p.LocalProtocolError, match="text outside an open content part"):
+        stream.text_delta("late")
+    failed = stream.abort(error=p.ResponseError(code="server_error", message="x"), usage=None)
+    assert failed is not None
+    server.send(failed)
+    assert server.phase is p.Phase.IDLE
+
+
+def test_steering_answers_numbered_by_a_driven_builder_are_checked_when_sent() -> None:
+    server, stream = _driven()
+    for event in stream.start():
+        server.send(event)
+    steer = p.SteerRef(id="steer_1", previous_response_id="resp_1")
+    accepted = p.ResponseSteerAccepted(sequence_number=stream.steer_sequence_number(), steer=steer)
+    delta_events = stream.begin_message("msg_1")  # built after the number was taken
+    server.send(accepted)
+    for event in delta_events:
+        server.send(event)
+    lane = server.lane(None)
+    assert lane is not None and lane.tracker.steers_owed == 1
+    elsewhere = p.SteerRef(id="steer_2", previous_response_id="resp_0")
+    wrong = p.ResponseSteerAccepted(sequence_number=stream.steer_sequence_number(), steer=elsewhere)
+    with pytest.raises(p.LocalProtocolError, match="answers steering of 'resp_0'"):
+        server.send(wrong)

@@ -25,7 +25,14 @@ from hypothesis import strategies as st
 from rollout import protocol as p
 from rollout.protocol import _connection
 
-from tests.test_protocol_connection import Exchange, Turn, _outputs, exchanges, server_events
+from tests.test_protocol_connection import (
+    Exchange,
+    Turn,
+    _outputs,
+    exchanges,
+    message_events,
+    server_events,
+)
 
 
 def create(lane: str | None = None, **fields: Any) -> p.ResponseCreate:
@@ -399,12 +406,7 @@ def test_an_event_moved_to_another_lane_is_refused_by_both_ends(
         p.ResponseCreated(sequence_number=0, response=_response("resp_b")),
         p.ResponseInProgress(sequence_number=1, response=_response("resp_b")),
     ]
-    ahead += [
-        p.OutputTextDelta(
-            sequence_number=n, item_id="m", output_index=0, content_index=0, delta="x"
-        )
-        for n in range(2, 100)
-    ]
+    ahead += message_events(iter(range(2, 100)), 0, 90)[:-3]  # its text is streaming
     for event in ahead:
         client.receive_text(server.send(event, stream_id="b"))
     for i, event in enumerate(events):
