@@ -61,7 +61,7 @@ response's lane with `send_about(response_id, event)`.
 
 from __future__ import annotations
 
-import collections
+import enum
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -92,13 +92,17 @@ from rollout.protocol import (
 )
 
 from ._engine import Rollout, Session, server_error
+from ._outbox import DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_SEND_STALL_LIMIT, Outbox, SlowConsumer
 
 __all__ = [
     "DEFAULT_CONNECTION_AGE_LIMIT",
     "DEFAULT_IDLE_LIMIT",
+    "DEFAULT_MAX_BUFFERED_BYTES",
     "DEFAULT_MAX_QUEUED_CREATES",
     "DEFAULT_PING_INTERVAL",
     "DEFAULT_PING_TIMEOUT",
+    "DEFAULT_SEND_STALL_LIMIT",
+    "SlowConsumer",
     "WebSocketConnection",
     "WebSocketLimits",
     "WebSocketTransport",
@@ -108,13 +112,6 @@ log = logging.getLogger("rollout.ws")
 
 # The OpenAI API closes WebSocket-mode connections after 60 minutes.
 DEFAULT_CONNECTION_AGE_LIMIT = 3600.0
-# Encoded frames a connection may hold for a client that reads slower than the server writes:
-# enough for thousands of deltas or a large response.completed, small enough that a thousand
-# such clients cost a few GB at most.
-DEFAULT_MAX_BUFFERED_BYTES = 4 * 1024 * 1024
-# How long a response may stay paused on a full outbox, or one write wait on the peer, before
-# the client is taken for one that has stopped reading.
-DEFAULT_SEND_STALL_LIMIT = 30.0
 # How long a connection may stay idle (no response running or waiting, no client message)
 # before it is closed: as long as a suspended rollout waits for its tool outputs
 # (`DEFAULT_ROLLOUT_SUSPEND_LIMIT`), so a conversation quiet longer than a tool call may take
@@ -166,8 +163,14 @@ class WebSocketTransport(Protocol):
         ...
 
 
-class SlowConsumer(trio.ClosedResourceError):
-    """The client stopped reading: the connection is being torn down."""
+class _Life(enum.IntEnum):
+    """Where a connection is in its life; it only moves forward (`_become`)."""
+
+    OPEN = 0  # answering
+    CLOSING = 1  # a close frame is queued behind the frames ahead of it
+    CLOSED = 2  # answering is over: the writer ends once it has written what is queued
+    GONE = 3  # the peer closed or went away: nothing more is written
+    CUT = 4  # cut off (stalled, or a ping unanswered): responses cancelled, TCP aborted
 
 
 def _error(message: str, *, code: str, param: str | None = None, status: int = 400) -> ErrorEvent:
@@ -192,14 +195,14 @@ class WebSocketConnection:
         self._receive = receive
         self.limits = limits
         self.timing = timing
-        self._outbox: collections.deque[tuple[dict[str, Any], int]] = collections.deque()
-        self._buffered = 0  # bytes of text in the outbox (and the frame being sent)
-        self._queued = trio.Event()  # the writer has something to send
-        self._drained = trio.Event()  # the writer sent a frame (room in the outbox)
+        self._outbox = Outbox(
+            max_buffered_bytes=limits.max_buffered_bytes,
+            send_stall_limit=limits.send_stall_limit,
+            on_stall=self._slow_consumer,
+        )
+        self._life = _Life.OPEN
         self._tasks = trio.CancelScope()  # the reader, the responses and the shutdown watcher
         self._responses: trio.Nursery | None = None  # where each started create runs
-        self._closing = False  # a close frame is queued
-        self._disconnected = False  # the peer closed or went away
         self._opened_at = trio.current_time()
         self._expired = False  # past the age limit: creates are refused, then it closes
         self._age_told = False  # a create was refused for the age (no farewell error then)
@@ -216,7 +219,6 @@ class WebSocketConnection:
         self._ping_payload: bytes | None = None  # the ping written, awaiting its pong
         self._ping_written_at = math.inf
         self._pings = 0
-        self._cut = False  # cut off (stalled, or no pong): responses cancelled, aborted
         self._serving = False  # the responses' nursery is open
         self.protocol = ServerConnection(
             max_message_size=limits.max_message_size,
@@ -229,7 +231,6 @@ class WebSocketConnection:
         # lets wait), handed to its response when it starts.
         self._decode_timings: dict[int, dict[str, float]] = {}
         self._rollouts: dict[str | None, Rollout] = {}  # the rollout running on each lane
-        self._closed = False
         self._shutting_down = shutting_down if shutting_down is not None else trio.Event()
         self._idle = trio.Event()  # set while no response runs and none is queued
         self._idle.set()
@@ -239,7 +240,20 @@ class WebSocketConnection:
     @property
     def cut_off(self) -> bool:
         """Whether the peer was cut off (stalled, or a ping unanswered)."""
-        return self._cut
+        return self._life is _Life.CUT
+
+    def _become(self, life: _Life) -> bool:
+        """Move the connection on to `life` (never back); False if it was there already or
+        past it. The outbox follows: closed, it ends the writer after what is queued; gone or
+        cut, at once."""
+        if life <= self._life:
+            return False
+        self._life = life
+        if life is _Life.CLOSED:
+            self._outbox.stop()
+        elif life > _Life.CLOSED:
+            self._outbox.stop(drop=True)
+        return True
 
     # --- output ---
     async def send_event(
@@ -262,7 +276,7 @@ class WebSocketConnection:
             )
             text = self.protocol.send(event, stream_id=stream_id)
         self.session.engine.counters.ws_frame_encoded(text, suspension=suspension)
-        await self._enqueue({"type": "websocket.send", "text": text}, len(text))
+        await self._outbox.put({"type": "websocket.send", "text": text}, len(text))
 
     async def send_about(self, response_id: str, event: ServerEvent | dict[str, Any]) -> None:
         """Send an event about a response of this connection from outside its stream (an ack
@@ -277,41 +291,19 @@ class WebSocketConnection:
     def _queue_close(self, code: int, reason: str | None = None) -> None:
         """Queue the close frame after the frames already queued (it takes no room: if those
         cannot be written, the stalled write cuts the connection off)."""
-        if not self._closing and not self._closed:
-            self._closing = True
+        if self._life is _Life.OPEN:
+            self._life = _Life.CLOSING
             message: dict[str, Any] = {"type": "websocket.close", "code": code}
             if reason is not None:
                 message["reason"] = reason
-            self._outbox.append((message, 0))
-            self._queued.set()
-
-    async def _enqueue(self, message: dict[str, Any], size: int) -> None:
-        if self._closed or self._closing:
-            raise trio.ClosedResourceError("the WebSocket is closed")
-        limit = self.limits.max_buffered_bytes
-        if self._buffered and self._buffered + size > limit:
-            with trio.move_on_after(self.limits.send_stall_limit) as waited:
-                while self._buffered and self._buffered + size > limit:
-                    await self._drained.wait()
-                    if self._closed:
-                        raise trio.ClosedResourceError("the WebSocket is closed")
-            if waited.cancelled_caught:
-                self._stalled()
-        self._outbox.append((message, size))
-        self._buffered += size
-        self._queued.set()
-
-    def _stalled(self) -> None:
-        """The outbox has had no room for the stall limit: cut the client off."""
-        self._slow_consumer()
-        raise SlowConsumer("the client stopped reading")
+            self._outbox.put_control(message, last=True)
 
     def _slow_consumer(self) -> None:
-        if not self._cut:
+        if self._life is not _Life.CUT:
             self.session.engine.counters.slow_consumers += 1
             log.warning(
                 "a WebSocket client stopped reading (%d bytes waiting for %g s): cutting it off",
-                self._buffered,
+                self._outbox.buffered,
                 self.limits.send_stall_limit,
             )
         self._cut_off()
@@ -320,11 +312,8 @@ class WebSocketConnection:
         """Stop serving a peer that cannot be written to or does not answer: cancel the
         responses (their usage is recorded as interrupted), drop the queued frames, and abort
         the TCP connection (ending the write blocked on it, releasing its buffers)."""
-        if self._cut:
+        if not self._become(_Life.CUT):
             return
-        self._cut = self._closed = True
-        self._outbox.clear()
-        self._queued.set()
         self._tasks.cancel()
         if self._transport is not None and self._transport.abort():
             self.session.engine.counters.ws_aborts += 1
@@ -334,14 +323,10 @@ class WebSocketConnection:
         (`_write_started`): the watchdog cuts off a peer that holds one past the stall limit."""
         stall = self.limits.send_stall_limit
         while True:
-            while not self._outbox:
-                if self._closed or self._disconnected:
-                    return
-                self._queued = trio.Event()
-                await self._queued.wait()
-            if self._disconnected:  # the peer is gone: nothing more can be delivered
+            taken = await self._outbox.get()
+            if taken is None:  # closed and written, or the peer is gone
                 return
-            message, size = self._outbox.popleft()
+            message, size = taken
             self._write_started = started = trio.current_time()
             if started + stall < self._wake_at:
                 self._poke.set()
@@ -352,16 +337,14 @@ class WebSocketConnection:
                     await self._send(message)
             except Exception:  # the transport failed under us: the connection is over
                 log.info("sending a WebSocket frame failed; closing", exc_info=True)
-                self._closed = True
+                self._become(_Life.CLOSED)
                 self._tasks.cancel()
                 return
             finally:
                 self._write_started = None
-                self._buffered -= size
-                self._drained.set()
-                self._drained = trio.Event()
+                self._outbox.written(size)
             if message["type"] == "websocket.close":
-                self._closed = True
+                self._become(_Life.CLOSED)
                 self._tasks.cancel()
                 return
             if message["type"] != _PING:
@@ -415,7 +398,7 @@ class WebSocketConnection:
                         self._cut_off()
                         return
                     wake = min(wake, self._ping_written_at + limits.ping_timeout)
-                if not (self._closing or self._closed):
+                if self._life is _Life.OPEN:
                     wake = min(wake, self._tick(now))
                 self._wake_at = wake
                 with trio.move_on_at(wake):
@@ -443,8 +426,7 @@ class WebSocketConnection:
         if self._transport is not None and not self._pinging:
             if now >= self._ping_due:
                 self._pinging = True
-                self._outbox.append(({"type": _PING}, 0))
-                self._queued.set()
+                self._outbox.put_control({"type": _PING})
             else:
                 wake = min(wake, self._ping_due)
         return wake
@@ -472,8 +454,7 @@ class WebSocketConnection:
             finally:
                 # The reader is done (disconnect, close, slow consumer): stop the writer once
                 # it has sent what is queued (a frame it is sending finishes or fails alone).
-                self._closed = True
-                self._queued.set()
+                self._become(_Life.CLOSED)
 
     async def _write_then_stop_watching(self) -> None:
         try:
@@ -510,8 +491,7 @@ class WebSocketConnection:
             message = await self._receive()
             kind = message["type"]
             if kind == "websocket.disconnect":
-                self._closed = self._disconnected = True
-                self._queued.set()
+                self._become(_Life.GONE)
                 return
             if kind != "websocket.receive":
                 continue
@@ -635,8 +615,7 @@ class WebSocketConnection:
                 self._responses.start_soon(self._respond, request, timings)
         except LocalProtocolError:  # a bug of ours broke the protocol: the connection is over
             log.exception("a WebSocket connection broke the protocol; closing it")
-            self._closed = True
-            self._queued.set()
+            self._become(_Life.CLOSED)
             self._tasks.cancel()
             return
         if self.protocol.queued or self.protocol.in_flight:
@@ -663,7 +642,7 @@ class WebSocketConnection:
             # reader's cancellation reaches us). The connection is over; not an error.
             return
         finally:
-            if not self._closed:
+            if self._life < _Life.CLOSED:
                 self._dispatch()
 
     def _past_age_limit(self) -> bool:
@@ -711,7 +690,7 @@ class WebSocketConnection:
         that no event of its response went out)."""
         text = self.protocol.refuse(error, stream_id=lane)
         self.session.engine.counters.ws_frame_encoded(text)
-        await self._enqueue({"type": "websocket.send", "text": text}, len(text))
+        await self._outbox.put({"type": "websocket.send", "text": text}, len(text))
 
     def _emitter(
         self, lane: str | None, timings: dict[str, float], rollout: Rollout | None
