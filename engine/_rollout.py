@@ -50,17 +50,18 @@ which attributes its items to the root agent on the wire only.
 
 A response runs on its request's lane (`request.stream_id`, the default lane without one): the
 WebSocket server runs one response per busy lane at once, each in this coroutine, and the
-emitter it hands over puts the events on that lane. The final state joins the connection's
-cache as its lane's latest; a failure evicts the parent only when the parent is of the same
-lane (a failed fork from another lane keeps it: `_cache.py`).
+`EventSink` it hands over (`_sink.py`) puts the events on that lane. The final state joins
+the connection's cache as its lane's latest; a failure evicts the parent only when the
+parent is of the same lane (a failed fork from another lane keeps it: `_cache.py`).
 
 Steering never cuts a tool-call item: once the model has made a client tool call in a turn,
 the turn ends normally and the calls are owed. A suspended rollout that is steered stays
 suspended (its calls are owed, and started tools are not cancelled); the client's outputs
 resume it, and it stops `steered` at the boundary before the next turn.
 
-Every event leaves through `Steering.emit`, which keeps steering acknowledgements (sent from
-the connection's reader) in sequence with the events the coroutine builds.
+Every event leaves through `Steering.emit` into the response's sink, one downward chain of
+calls; the gate keeps steering acknowledgements (sent from the connection's reader) in
+sequence with the events the coroutine builds.
 
 `_Run.end` is the one exit: whatever ended the response (completion, a flag, a backend
 failure, a shutdown, a bug), its usage is committed and then its one terminal event is sent.
@@ -72,7 +73,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -102,6 +102,7 @@ from ._interfaces import Flag, Holder, StoredResponse, UsageRecord
 from ._postinfer import PostJob, WriteFailed
 from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
+from ._sink import Emit, EventSink
 from ._state import ResponseState
 from ._steer import Steering
 from ._suspend import Rollout
@@ -120,7 +121,6 @@ __all__ = [
     "steering_unsupported",
 ]
 
-Emit = Callable[[ServerEvent], Awaitable[None]]
 _Terminal = ResponseCompleted | ResponseIncomplete
 
 log = logging.getLogger("rollout.engine")
@@ -163,14 +163,14 @@ async def run_response(
     session: ConnectionScope,
     prepared: Prepared,
     request: ResponseCreate,
-    emit: Emit,
+    sink: EventSink,
     rollout: Rollout | None,
     steering: Steering | None = None,
 ) -> ResponseState | None:
-    """Run one response whose pre-inference is done (`Session.prepare`); its events go to
-    `emit` (through `steering`, which takes its steering input). Returns the final state
+    """Run one response whose pre-inference is done (`Session.prepare`); its events go into
+    `sink` (through `steering`, which takes its steering input). Returns the final state
     (None when it failed)."""
-    run = _Run(session, request, emit, rollout, prepared, steering)
+    run = _Run(session, request, sink, rollout, prepared, steering)
     await run.start()
     try:
         return await run.drive()
@@ -198,7 +198,7 @@ class _Run:
         self,
         session: ConnectionScope,
         request: ResponseCreate,
-        emit: Emit,
+        sink: EventSink,
         rollout: Rollout | None,
         prepared: Prepared,
         steering: Steering | None = None,
@@ -206,7 +206,7 @@ class _Run:
         self.session = session
         self.engine = session.engine
         self.request = request
-        self.steering = steering or Steering(emit, unsupported=steering_unsupported(request))
+        self.steering = steering or Steering(sink, unsupported=steering_unsupported(request))
         self.emit: Emit = self.steering.emit
         if rollout is not None and rollout.multi_agent:  # (a multi-agent response is not steered)
             self.emit = _root_agent(self.emit)
@@ -236,7 +236,7 @@ class _Run:
         if self.rollout is not None:
             # Named before `response.created` goes out: a client may answer that event at once
             # (an early append must get `rollout_not_suspended`, not `rollout_not_found`).
-            self.rollout._begin(self.response_id)
+            self.rollout.begin(self.response_id)
         self.steering.open(self.stream, self.response_id)
         for event in self.stream.start():
             await self.emit(event)
@@ -319,13 +319,13 @@ class _Run:
         assert self.rollout is not None
         rollout = self.rollout
         limit = self.engine.rollout_suspend_limit
-        rollout._suspend(state, self.stream.snapshot)  # appends are accepted from here on
+        rollout.suspend(state, self.stream.snapshot)  # appends are accepted from here on
         if rollout.multi_agent:
-            resumed = await rollout._wait_injected(limit, self._answer_inject)
+            resumed = await rollout.wait_injected(limit, self._answer_inject)
         else:
             await self.emit(self.stream.suspend([cid for cid, _ in state.open_calls]))
             self.engine.counters.rollout_suspensions += 1
-            resumed = await rollout._wait_resume(limit)
+            resumed = await rollout.wait_resume(limit)
         self.session.last_timings = rollout.timings
         if resumed is None:
             return None
@@ -472,7 +472,7 @@ class _Run:
         self.steering.close()
         self.holder.close()
         if self.rollout is not None:
-            self.rollout._finished()
+            self.rollout.finish()
         if not self.committed:
             self._close_step()
             self.engine.post.submit_nowait(PostJob(records=self.records))

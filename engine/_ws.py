@@ -77,9 +77,7 @@ from rollout.protocol import (
     ErrorBody,
     ErrorEvent,
     LocalProtocolError,
-    Phase,
     RemoteProtocolError,
-    ResponseAppend,
     ResponseCreate,
     ResponseInject,
     ResponseInjectFailed,
@@ -87,11 +85,11 @@ from rollout.protocol import (
     ResponseSteerFailed,
     ServerConnection,
     ServerEvent,
-    inject_failed,
-    multi_agent_enabled,
 )
 
-from ._engine import Rollout, Session, server_error
+from ._deliveries import Deliveries
+from ._engine import Session, server_error
+from ._lanes import Lanes
 from ._outbox import DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_SEND_STALL_LIMIT, Outbox, SlowConsumer
 
 __all__ = [
@@ -227,10 +225,8 @@ class WebSocketConnection:
             max_in_flight=limits.max_in_flight,
             betas=betas,
         )
-        # The decode timings of each waiting create (by its id(); as many as the connection
-        # lets wait), handed to its response when it starts.
-        self._decode_timings: dict[int, dict[str, float]] = {}
-        self._rollouts: dict[str | None, Rollout] = {}  # the rollout running on each lane
+        self.lanes = Lanes(session, self.protocol, self._outbox, timing=timing)
+        self._deliveries = Deliveries(self.lanes)
         self._shutting_down = shutting_down if shutting_down is not None else trio.Event()
         self._idle = trio.Event()  # set while no response runs and none is queued
         self._idle.set()
@@ -256,33 +252,11 @@ class WebSocketConnection:
         return True
 
     # --- output ---
-    async def send_event(
-        self, event: ServerEvent | dict[str, Any], *, stream_id: str | None = None
-    ) -> None:
-        """Queue a frame (in order), on lane `stream_id`. Waits while the outbox is full;
-        raises `SlowConsumer` when it stays full for the stall limit, `ClosedResourceError`
-        once closed."""
-        if isinstance(event, dict):  # an extension frame outside the grammar (`rollout.timing`)
-            text = _dumps({**event, "stream_id": stream_id} if stream_id is not None else event)
-            suspension = False
-        else:
-            # A rollout's suspension events: its response.done and the response.in_progress
-            # that resumes it (counted apart: they must not grow with the rollout, RX-2.5).
-            lane = self.protocol.lane(stream_id if stream_id is not None else event.stream_id)
-            suspension = event.type == "response.done" or (
-                event.type == "response.in_progress"
-                and lane is not None
-                and lane.phase is Phase.SUSPENDED
-            )
-            text = self.protocol.send(event, stream_id=stream_id)
-        self.session.engine.counters.ws_frame_encoded(text, suspension=suspension)
-        await self._outbox.put({"type": "websocket.send", "text": text}, len(text))
-
-    async def send_about(self, response_id: str, event: ServerEvent | dict[str, Any]) -> None:
-        """Send an event about a response of this connection from outside its stream (an ack
-        of input sent to it): it goes out on that response's lane, running or ended
-        (`ServerConnection.lane_of`)."""
-        await self.send_event(event, stream_id=self.protocol.lane_of(response_id))
+    async def send_event(self, event: ServerEvent, *, stream_id: str | None = None) -> None:
+        """Queue a frame (in order), on lane `stream_id` (None: the lane the event names).
+        Waits while the outbox is full; raises `SlowConsumer` when it stays full for the
+        stall limit, `ClosedResourceError` once closed."""
+        await self.lanes.sink(stream_id).send(event)
 
     async def close(self, code: int = 1000, reason: str | None = None) -> None:
         """Close after the frames already queued (not for a slow consumer: see `_cut_off`)."""
@@ -535,75 +509,17 @@ class WebSocketConnection:
             elif isinstance(event, ResponseInjectFailed):
                 await self.send_event(event)  # on the lane the failure names
             elif isinstance(event, ResponseInject):
-                await self._inject(event)
+                await self._deliveries.inject(event)
             elif isinstance(event, ResponseCreate):
-                self._decode_timings[id(event)] = timings
+                self.lanes.hold(event, timings)
                 self._dispatch()
             elif isinstance(event, ResponseSteer):
-                await self._steer(event)
+                await self._deliveries.steer(event)
             else:
-                await self._append(event, timings)
+                await self._deliveries.append(event, timings)
 
-    async def _answer_error(
-        self, exc: RemoteProtocolError, *, stream_id: str | None = None
-    ) -> None:
-        self.session.engine.counters.request_errors += 1
-        await self.send_event(exc.error_event(), stream_id=stream_id)
-
-    async def _append(self, event: ResponseAppend, timings: dict[str, float]) -> None:
-        """Deliver an append the connection let through (to a suspended rollout) to that
-        rollout, which checks the items (pending call ids, item kinds). `timings`: its
-        decode's, reported with the resumed turn's stages."""
-        lane = self.protocol.lane_of(event.response_id)
-        rollout = self._rollouts.get(lane)
-        try:
-            if rollout is None or rollout.response_id != event.response_id:
-                # The rollout ended as the append arrived.
-                raise RemoteProtocolError.invalid(
-                    "The rollout is not suspended: append tool outputs after response.done.",
-                    code="rollout_not_suspended",
-                    param="response_id",
-                )
-            rollout.append(event.input)
-            for stage, seconds in timings.items():
-                rollout.timings[stage] = rollout.timings.get(stage, 0.0) + seconds
-        except RemoteProtocolError as exc:
-            await self._answer_error(exc, stream_id=lane)
-        except Exception:  # a bug: this append fails, the rollout and the socket live on
-            log.exception("response.append failed unexpectedly")
-            await self._answer_error(server_error(), stream_id=lane)
-
-    async def _steer(self, event: ResponseSteer) -> None:
-        """Deliver a steer the connection let through to the running response it names,
-        which answers it in its stream (on its lane); a response that is ending answers out of
-        any stream, on its lane."""
-        try:
-            failed = await self.session.steer(event)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise  # the connection is going away
-        except Exception:  # a bug: this steer fails, the response and the socket live on
-            log.exception("response.steer failed unexpectedly")
-            await self._answer_error(
-                server_error(), stream_id=self.protocol.lane_of(event.previous_response_id)
-            )
-            return
-        if failed is not None:
-            await self.send_about(event.previous_response_id, failed)
-
-    async def _inject(self, event: ResponseInject) -> None:
-        """Queue an inject the connection let through (to a running multi-agent response) on
-        that response's handle; the coroutine commits and acknowledges it."""
-        lane = self.protocol.lane_of(event.response_id)
-        rollout = self._rollouts.get(lane)
-        if rollout is None or rollout.done or rollout.response_id != event.response_id:
-            # The response ended as the inject arrived.
-            failed = inject_failed(event, "response_already_completed", stream_id=lane)
-            await self.send_event(failed)
-            return
-        try:
-            rollout.inject(event)
-        except RemoteProtocolError as exc:
-            await self._answer_error(exc, stream_id=lane)
+    async def _answer_error(self, exc: RemoteProtocolError) -> None:
+        await self.lanes.sink(None).answer(exc)
 
     # --- the lanes ---
     def _dispatch(self) -> None:
@@ -611,7 +527,7 @@ class WebSocketConnection:
         assert self._responses is not None
         try:
             while (request := self.protocol.start_next()) is not None:
-                timings = self._decode_timings.pop(id(request), {})
+                timings = self.lanes.timings_of(request)
                 self._responses.start_soon(self._respond, request, timings)
         except LocalProtocolError:  # a bug of ours broke the protocol: the connection is over
             log.exception("a WebSocket connection broke the protocol; closing it")
@@ -633,9 +549,9 @@ class WebSocketConnection:
         try:
             if self._past_age_limit():
                 self._age_told = True
-                await self._refuse(lane, self._age_error())
+                await self.lanes.sink(lane).refuse(self._age_error())
                 return
-            await self._run_one(request, timings)
+            await self.lanes.run(request, timings)
         except trio.ClosedResourceError:
             # The client closed the socket while this request was answered: `send_event` can
             # see it closed after taking its lock (a shielded checkpoint, so before the
@@ -658,74 +574,3 @@ class WebSocketConnection:
                     # (the error first, unsolicited: the client learns why, as a create would)
                     self._responses.start_soon(self._close_when_idle, 1000, self._age_error())
         return self._expired
-
-    async def _run_one(self, request: ResponseCreate, timings: dict[str, float]) -> None:
-        """Run one create (`timings`: its decode's) on its lane."""
-        lane = request.stream_id
-        multi_agent = multi_agent_enabled(request)  # (the connection checked the beta)
-        rollout = (
-            Rollout(self.session, multi_agent=multi_agent)
-            if request.rollout or multi_agent
-            else None
-        )
-        emit = self._emitter(lane, timings, rollout)
-        try:
-            if rollout is not None:
-                self._rollouts[lane] = rollout
-                await self.session.run_rollout(request, emit, rollout, timings=timings)
-            else:
-                await self.session.create(request, emit, timings=timings)
-        except RemoteProtocolError as exc:
-            self.session.engine.counters.request_errors += 1
-            await self._refuse(lane, exc)
-        finally:
-            self._rollouts.pop(lane, None)
-        if rollout is not None:
-            for event in rollout._unanswered():  # the response ended before taking them
-                failed = inject_failed(event, "response_already_completed", stream_id=lane)
-                await self.send_event(failed)
-
-    async def _refuse(self, lane: str | None, error: RemoteProtocolError | ErrorEvent) -> None:
-        """Answer the started create of `lane` with a request error (the connection checks
-        that no event of its response went out)."""
-        text = self.protocol.refuse(error, stream_id=lane)
-        self.session.engine.counters.ws_frame_encoded(text)
-        await self._outbox.put({"type": "websocket.send", "text": text}, len(text))
-
-    def _emitter(
-        self, lane: str | None, timings: dict[str, float], rollout: Rollout | None
-    ) -> Callable[[ServerEvent], Awaitable[None]]:
-        """The emitter of one response: its events go out on its lane. With timing frames on,
-        each `response.in_progress` (a create's, and each resumed rollout turn's) is followed
-        by a `rollout.timing` frame with that turn's pre-inference stages: the create's
-        (`timings`, which pre-inference fills), then those of the appends that resumed it."""
-        if not self.timing:
-
-            async def emit(event: ServerEvent) -> None:
-                await self.send_event(event, stream_id=lane)
-
-            return emit
-        turns = 0
-
-        async def emit_timed(event: ServerEvent) -> None:
-            nonlocal turns
-            await self.send_event(event, stream_id=lane)
-            if event.type == "response.in_progress":
-                stages = rollout.timings if turns and rollout is not None else timings
-                turns += 1
-                await self.send_event(
-                    {
-                        "type": "rollout.timing",
-                        "response_id": event.response.id,
-                        "stages": {k: round(v, 9) for k, v in stages.items()},
-                    },
-                    stream_id=lane,
-                )
-
-        return emit_timed
-
-
-def _dumps(obj: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(obj, separators=(",", ":"))
