@@ -1,8 +1,8 @@
-"""WebSocket mode: one connection, one Session, its lanes' responses running concurrently.
+"""WebSocket mode: one connection's ASGI loop and its life (open, closing, closed, gone, cut),
+its reader, its writer and its clock; its lanes, deliveries and outbox are rooms of their own.
 
-Long because one connection object still holds the outbox and its backpressure, lane dispatch,
-age limits, the in-flight deliveries (append, steer, inject) and the timing extension; issue 33
-moves them into rooms of their own.
+Long because the connection's life has many ends, each with its own rule: a clean close, the
+peer gone, a slow consumer or an unanswered ping cut off, the idle and age limits, shutdown.
 
 The rules of the connection live in `rollout.protocol.ServerConnection` (sans-IO): it decodes
 client messages, decides what a create or an append may do (admission, lanes, the queue, the
@@ -10,15 +10,15 @@ suspended rollout), says which create to answer next (`start_next`: the oldest w
 whose lane is free, while fewer than `max_in_flight` responses run), and encodes every event
 after checking it against its lane's response grammar. This wrapper is thin and mechanical
 (after trio-websocket): a reader task feeds frames to it and either queues a
-`response.create`, delivers a `response.append` to its rollout, or a `response.steer` to the
-running response it names (`Session.steer`, which answers it in that response's stream); each
-create the connection starts runs through the session in a task of its own (one per busy
-lane; a steered response's successor runs in the same task), with an emitter that
-puts its events on its lane (`stream_id`); a writer task sends the frames in order from a
-bounded outbox, so the lanes' events interleave there. Request-scoped errors are answered with
-the nested `error` event (on the request's lane) and never close the socket. A connection
-older than its age limit answers every create it starts with
-`websocket_connection_limit_reached`, and closes cleanly (1000) once no response runs.
+`response.create` or hands a `response.append`, `response.steer` or `response.inject` to the
+response it names (`_deliveries.py`); each create the connection starts runs in a task of its
+own (one per busy lane; a steered response's successor runs in the same task) through the
+lanes (`_lanes.py`), which hand the session that lane's `EventSink`: each event goes down
+from the sampling loop through the protocol into the bounded outbox (`_outbox.py`), and a
+writer task sends the frames in order from there, so the lanes' events interleave.
+Request-scoped errors are answered with the nested `error` event (on the request's lane) and
+never close the socket. A connection older than its age limit answers every create it starts
+with `websocket_connection_limit_reached`, and closes cleanly (1000) once no response runs.
 
 On a connection opened with the multi-agent beta (`OpenAI-Beta: responses_multi_agent=v1`), a
 create with `multi_agent: {enabled: true}` runs as a rollout through the beta's door (the
@@ -56,7 +56,7 @@ Without a transport (an ASGI server other than rollout's hypercorn) there are no
 cut-off cannot abort: the responses are still cancelled and the frames dropped.
 
 Events about a response from outside its stream (an ack of input sent to it) go out on that
-response's lane with `send_about(response_id, event)`.
+response's lane, through that lane's sink (`Lanes.sink`).
 """
 
 from __future__ import annotations
@@ -131,7 +131,10 @@ ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
 
 @attrs.frozen(kw_only=True)
 class WebSocketLimits:
-    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    """The limits of one WebSocket connection, declared once (`ServerConfig.websocket_limits`,
+    `rollout serve`'s flags); each default's reason is beside its constant. The largest
+    message is the server's (`max_message_size`), for HTTP bodies too."""
+
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
     max_lanes: int = DEFAULT_MAX_LANES
@@ -187,6 +190,7 @@ class WebSocketConnection:
         shutting_down: trio.Event | None = None,
         betas: frozenset[str] = frozenset(),
         transport: WebSocketTransport | None = None,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     ) -> None:
         self.session = session
         self._send = send
@@ -219,7 +223,7 @@ class WebSocketConnection:
         self._pings = 0
         self._serving = False  # the responses' nursery is open
         self.protocol = ServerConnection(
-            max_message_size=limits.max_message_size,
+            max_message_size=max_message_size,
             max_queued_creates=limits.max_queued_creates,
             max_lanes=limits.max_lanes,
             max_in_flight=limits.max_in_flight,
