@@ -24,7 +24,7 @@ terminal event.
       otherwise             the response is complete (or incomplete: max_output_tokens)
     post-inference, once    usage (and, with store: true, the response) committed; only then
                             the terminal event goes out
-    after the end           queued steering input (the session, `Session._respond`): a
+    after the end           queued steering input (`_steered.run_steered`): a
                             successor response continues from this one with it, through
                             this same coroutine (pre-inference of the new input only); or,
                             when the response owes client tool results, each submission is
@@ -104,7 +104,7 @@ from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
 from ._sink import Emit, EventSink
 from ._state import ResponseState
-from ._steer import Steering
+from ._steer import Steering, steering_unsupported
 from ._suspend import Rollout
 
 if TYPE_CHECKING:
@@ -118,7 +118,6 @@ __all__ = [
     "Prepared",
     "Rollout",
     "run_response",
-    "steering_unsupported",
 ]
 
 _Terminal = ResponseCompleted | ResponseIncomplete
@@ -165,18 +164,20 @@ async def run_response(
     request: ResponseCreate,
     sink: EventSink,
     rollout: Rollout | None,
-    steering: Steering | None = None,
-) -> ResponseState | None:
-    """Run one response whose pre-inference is done (`Session.prepare`); its events go into
-    `sink` (through `steering`, which takes its steering input). Returns the final state
-    (None when it failed)."""
-    run = _Run(session, request, sink, rollout, prepared, steering)
+    *,
+    steerable: dict[str, Steering] | None = None,
+) -> tuple[ResponseState | None, Steering]:
+    """Run one response whose pre-inference is done (`Session.prepare`); its events go down
+    into `sink`, through its `Steering` (registered in `steerable`, the connection's running
+    responses, while it takes steering input). Returns the final state (None when it failed)
+    and the steering, with the input queued when it ended."""
+    run = _Run(session, request, sink, rollout, prepared, steerable)
     await run.start()
     try:
-        return await run.drive()
+        return await run.drive(), run.steering
     except Exception as exc:
         await run.crashed(exc)
-        return None
+        return None, run.steering
     finally:
         run.release()
 
@@ -201,12 +202,18 @@ class _Run:
         sink: EventSink,
         rollout: Rollout | None,
         prepared: Prepared,
-        steering: Steering | None = None,
+        steerable: dict[str, Steering] | None = None,
     ) -> None:
         self.session = session
         self.engine = session.engine
         self.request = request
-        self.steering = steering or Steering(sink, unsupported=steering_unsupported(request))
+        self.steering = Steering(
+            sink,
+            unsupported=steering_unsupported(request),
+            stream_id=request.stream_id,
+            registry=steerable,
+            counters=self.engine.counters,
+        )
         self.emit: Emit = self.steering.emit
         if rollout is not None and rollout.multi_agent:  # (a multi-agent response is not steered)
             self.emit = _root_agent(self.emit)
@@ -422,7 +429,7 @@ class _Run:
             self.committed = True
         if failed is not None:
             self._evict_parent()
-            with contextlib.suppress(Exception):  # the emitter itself may be what broke
+            with contextlib.suppress(Exception):  # the sink itself may be what broke
                 await self._end(failed, "failed", None)
 
     async def _end(
@@ -556,21 +563,6 @@ class _Run:
 _RUNNING = frozenset(
     {BuilderState.ACTIVE, BuilderState.IN_MESSAGE, BuilderState.IN_CALL, BuilderState.SUSPENDED}
 )
-
-
-def steering_unsupported(request: ResponseCreate) -> str | None:
-    """Why a response takes no steering input (`steering_not_supported`), or None: OpenAI
-    steers neither responses bound to a conversation (rollout refuses `conversation`) nor
-    those using automatic compaction, nor multi-agent ones; a warm-up samples nothing."""
-    if request.context_management:
-        return "responses using automatic compaction (context_management)"
-    if (request.multi_agent or {}).get("enabled") is True:
-        return "multi-agent responses"
-    if request.conversation is not None:
-        return "responses bound to a conversation"
-    if request.generate is False:
-        return "a warm-up (generate: false), which samples nothing"
-    return None
 
 
 def _root_agent(emit: Emit) -> Emit:

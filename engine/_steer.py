@@ -5,8 +5,8 @@ response, its acknowledgements, the safe boundary, and input parked for a contin
   a steer and answers it in the response's stream (`response.steer.accepted`, or a failure:
   `steering_not_supported`, `too_many_pending_steers`); from then on `requested` is true, and
   the coroutine stops at its next safe boundary (`wait_here`, `_sampling.sample_turn`; between
-  sampling steps, `_Run.loop`) with `response.incomplete`, reason `steered`. The session then
-  commits the queued input to a successor (`Session._respond`), or, when the response ended
+  sampling steps, `_Run.loop`) with `response.incomplete`, reason `steered`. The successor loop then
+  commits the queued input to a successor (`_steered.run_steered`), or, when the response ended
   owing client tool results, answers each steer with `response.steer.pending` and parks it.
 - `ParkedSteers` is the connection's side: input accepted for a response that ended owing tool
   results, prepended (in submission order) to the client's next create continuing it.
@@ -34,6 +34,7 @@ from rollout.protocol import (
     Item,
     RemoteProtocolError,
     RequiredInput,
+    ResponseCreate,
     ResponseSteer,
     ResponseSteerAccepted,
     ResponseSteerFailed,
@@ -61,6 +62,7 @@ __all__ = [
     "QueuedSteer",
     "Steering",
     "required_input",
+    "steering_unsupported",
 ]
 
 log = logging.getLogger("rollout.engine")
@@ -82,6 +84,21 @@ class QueuedSteer:
     id: str
     steer: ResponseSteer
     items: list[Item]
+
+
+def steering_unsupported(request: ResponseCreate) -> str | None:
+    """Why a response takes no steering input (`steering_not_supported`), or None: OpenAI
+    steers neither responses bound to a conversation (rollout refuses `conversation`) nor
+    those using automatic compaction, nor multi-agent ones; a warm-up samples nothing."""
+    if request.context_management:
+        return "responses using automatic compaction (context_management)"
+    if (request.multi_agent or {}).get("enabled") is True:
+        return "multi-agent responses"
+    if request.conversation is not None:
+        return "responses bound to a conversation"
+    if request.generate is False:
+        return "a warm-up (generate: false), which samples nothing"
+    return None
 
 
 class Steering:

@@ -17,7 +17,7 @@ from typing import Protocol
 import attrs
 from rollout.protocol import RemoteProtocolError, ResponseCreate, ResponseSteer, ResponseSteerFailed
 
-from ._rollout import Prepared, Rollout, run_response, steering_unsupported
+from ._rollout import Prepared, Rollout, run_response
 from ._services import ConnectionScope
 from ._sink import DISCARD, EventSink
 from ._state import ResponseState
@@ -55,16 +55,10 @@ async def run_steered(
 ) -> ResponseState | None:
     """Run a prepared response into `sink`; then, while it ended with steering input queued,
     its successor. Returns the last final state (None when the last response failed)."""
-    counters = scope.engine.counters
     while True:
-        steering = Steering(
-            sink,
-            unsupported=steering_unsupported(request),
-            stream_id=request.stream_id,
-            registry=scope.steerable,
-            counters=counters,
+        state, steering = await run_response(
+            scope, prepared, request, sink, rollout, steerable=scope.steerable
         )
-        state = await run_response(scope, prepared, request, sink, rollout, steering)
         if not steering.queued:
             return state
         successor = await _successor(scope, request, state, steering)

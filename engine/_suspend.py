@@ -123,7 +123,7 @@ class Rollout:
 
     async def _iterate(self) -> AsyncIterator[ServerEvent]:
         if self._events is None:
-            raise RuntimeError("this rollout streams to its emitter; it can't be iterated")
+            raise RuntimeError("this rollout streams into its sink; it can't be iterated")
         async for event in self._events:
             response = response_of(event)
             if response is not None:
