@@ -2,6 +2,11 @@
 `previous_response_id` (the cache, else the store, hydrated) and runs pre-inference
 (`prepare`) once per response.
 
+Long because pre-inference has many sources to reconcile: the parent (this connection's cache,
+else the store, hydrated from stored renderings or re-rendered), item references, compaction
+items, parked steering input, the render cache's renderings, and large requests' work moved
+off the event loop.
+
 - `prepare` is pre-inference, once per response: the parent, the input's references and
   compaction items, then the pipeline's validate / render / classify / route on the new items.
   Steering input parked for the parent (`parked`) is prepended to the new items.
@@ -37,21 +42,17 @@ from rollout.protocol import (
     ResponseSteer,
     ResponseSteerFailed,
     ServerEvent,
-    Usage,
-    as_listed,
     multi_agent_enabled,
     response_of,
-    to_wire,
 )
 
 from ._cache import ResponseCache
-from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, restore_state
+from ._compact import DEFAULT_COMPACT_BUDGET, restore_state
+from ._compaction import compaction
 from ._errors import previous_response_not_found, server_error, shutting_down
-from ._ids import new_id
 from ._input_memo import KeyedInput
-from ._interfaces import Holder, StoredResponse, UsageRecord
+from ._interfaces import Holder, StoredResponse
 from ._pipeline import Prepared as PipelinePrepared
-from ._postinfer import PostJob, WriteFailed
 from ._rollout import Prepared, Rollout
 from ._segments import restore_segments
 from ._sink import DISCARD, CallbackSink, Emit, EventSink
@@ -322,42 +323,8 @@ class Session:
     ) -> dict[str, Any]:
         """`POST /v1/responses/compact`: the compacted window of a conversation (given as
         input items or previous_response_id), ending with its compaction item."""
-        engine = self.engine
         source = await self.prepare_only(request)
-        window, item = compact_state(
-            engine.pipeline,
-            source,
-            CompactionPolicy(budget_tokens=budget_tokens),
-            engine.seal,
-            owner=self.owner,
-        )
-        usage = Usage.of(input_tokens=source.context_tokens, output_tokens=window.item_tokens)
-        compaction_id = new_id("resp")
-        # What the client is told it used goes into the ledger before the reply, as a
-        # response's usage does before its terminal event: one record, step 0.
-        record = UsageRecord(
-            response_id=compaction_id,
-            step=0,
-            owner=self.owner,
-            model=source.route.model,
-            input_tokens=usage.input_tokens,
-            cached_tokens=0,
-            output_tokens=usage.output_tokens,
-            complete=True,
-            created_at=engine.wall_clock(),
-        )
-        try:
-            await engine.post.commit(PostJob(records=(record,)))
-        except WriteFailed:
-            log.warning("compaction %s failed: its usage did not go through", compaction_id)
-            raise server_error() from None
-        return {
-            "id": compaction_id,
-            "object": "response.compaction",
-            "created_at": engine.now(),
-            "output": [to_wire(as_listed(i)) for i in [*window.items, item]],
-            "usage": to_wire(usage),
-        }
+        return await compaction(self.engine, source, budget_tokens=budget_tokens, owner=self.owner)
 
     # --- pre-inference ---
     async def prepare(
