@@ -512,6 +512,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .engine._logging import configure_logging
     from .engine._pg import StoreError
     from .engine._serve import ServerConfig, StartupError, api_keys_from_env, serve
+    from .engine._ws import WebSocketLimits
 
     configure_logging(args.log_level, args.log_format)
     registry = None
@@ -566,14 +567,16 @@ def _serve(args: argparse.Namespace) -> int:
         websocket_inflate_budget=int(args.websocket_inflate_budget_mb * 2**20),
         websocket_inflate_rate=args.websocket_inflate_rate_mb * 2**20,
         max_message_size=args.max_message_size,
-        connection_age_limit=args.connection_age_limit,
-        max_queued_creates=args.max_queued_creates,
+        websocket_limits=WebSocketLimits(
+            connection_age_limit=args.connection_age_limit,
+            max_queued_creates=args.max_queued_creates,
+            max_buffered_bytes=args.max_buffered_bytes,
+            send_stall_limit=args.send_stall_limit,
+            idle_limit=args.websocket_idle_limit,
+            ping_interval=args.websocket_ping_interval,
+            ping_timeout=args.websocket_ping_timeout,
+        ),
         max_connections=args.max_connections,
-        max_buffered_bytes=args.max_buffered_bytes,
-        send_stall_limit=args.send_stall_limit,
-        idle_limit=args.websocket_idle_limit,
-        ping_interval=args.websocket_ping_interval,
-        ping_timeout=args.websocket_ping_timeout,
         key_connection_share=args.key_connection_share,
         max_tcp_connections=args.max_tcp_connections,
         keep_alive_timeout=args.keep_alive_timeout,

@@ -288,6 +288,7 @@ class RolloutApp:
             send,
             receive,
             limits=self.config.ws_limits,
+            max_message_size=self.config.max_message_size,
             timing=headers.get("x-rollout-timing", "").lower() in ("1", "true", "yes"),
             shutting_down=self.shutting_down,
             betas=betas_of(

@@ -24,7 +24,7 @@ terminal event.
       otherwise             the response is complete (or incomplete: max_output_tokens)
     post-inference, once    usage (and, with store: true, the response) committed; only then
                             the terminal event goes out
-    after the end           queued steering input (the session, `Session._respond`): a
+    after the end           queued steering input (`_steered.run_steered`): a
                             successor response continues from this one with it, through
                             this same coroutine (pre-inference of the new input only); or,
                             when the response owes client tool results, each submission is
@@ -50,17 +50,18 @@ which attributes its items to the root agent on the wire only.
 
 A response runs on its request's lane (`request.stream_id`, the default lane without one): the
 WebSocket server runs one response per busy lane at once, each in this coroutine, and the
-emitter it hands over puts the events on that lane. The final state joins the connection's
-cache as its lane's latest; a failure evicts the parent only when the parent is of the same
-lane (a failed fork from another lane keeps it: `_cache.py`).
+`EventSink` it hands over (`_sink.py`) puts the events on that lane. The final state joins
+the connection's cache as its lane's latest; a failure evicts the parent only when the
+parent is of the same lane (a failed fork from another lane keeps it: `_cache.py`).
 
 Steering never cuts a tool-call item: once the model has made a client tool call in a turn,
 the turn ends normally and the calls are owed. A suspended rollout that is steered stays
 suspended (its calls are owed, and started tools are not cancelled); the client's outputs
 resume it, and it stops `steered` at the boundary before the next turn.
 
-Every event leaves through `Steering.emit`, which keeps steering acknowledgements (sent from
-the connection's reader) in sequence with the events the coroutine builds.
+Every event leaves through `Steering.emit` into the response's sink, one downward chain of
+calls; the gate keeps steering acknowledgements (sent from the connection's reader) in
+sequence with the events the coroutine builds.
 
 `_Run.end` is the one exit: whatever ended the response (completion, a flag, a backend
 failure, a shutdown, a bug), its usage is committed and then its one terminal event is sent.
@@ -72,7 +73,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -102,8 +102,9 @@ from ._interfaces import Flag, Holder, StoredResponse, UsageRecord
 from ._postinfer import PostJob, WriteFailed
 from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
+from ._sink import Emit, EventSink
 from ._state import ResponseState
-from ._steer import Steering
+from ._steer import Steering, steering_unsupported
 from ._suspend import Rollout
 
 if TYPE_CHECKING:
@@ -117,10 +118,8 @@ __all__ = [
     "Prepared",
     "Rollout",
     "run_response",
-    "steering_unsupported",
 ]
 
-Emit = Callable[[ServerEvent], Awaitable[None]]
 _Terminal = ResponseCompleted | ResponseIncomplete
 
 log = logging.getLogger("rollout.engine")
@@ -163,20 +162,22 @@ async def run_response(
     session: ConnectionScope,
     prepared: Prepared,
     request: ResponseCreate,
-    emit: Emit,
+    sink: EventSink,
     rollout: Rollout | None,
-    steering: Steering | None = None,
-) -> ResponseState | None:
-    """Run one response whose pre-inference is done (`Session.prepare`); its events go to
-    `emit` (through `steering`, which takes its steering input). Returns the final state
-    (None when it failed)."""
-    run = _Run(session, request, emit, rollout, prepared, steering)
+    *,
+    steerable: dict[str, Steering] | None = None,
+) -> tuple[ResponseState | None, Steering]:
+    """Run one response whose pre-inference is done (`Session.prepare`); its events go down
+    into `sink`, through its `Steering` (registered in `steerable`, the connection's running
+    responses, while it takes steering input). Returns the final state (None when it failed)
+    and the steering, with the input queued when it ended."""
+    run = _Run(session, request, sink, rollout, prepared, steerable)
     await run.start()
     try:
-        return await run.drive()
+        return await run.drive(), run.steering
     except Exception as exc:
         await run.crashed(exc)
-        return None
+        return None, run.steering
     finally:
         run.release()
 
@@ -198,15 +199,21 @@ class _Run:
         self,
         session: ConnectionScope,
         request: ResponseCreate,
-        emit: Emit,
+        sink: EventSink,
         rollout: Rollout | None,
         prepared: Prepared,
-        steering: Steering | None = None,
+        steerable: dict[str, Steering] | None = None,
     ) -> None:
         self.session = session
         self.engine = session.engine
         self.request = request
-        self.steering = steering or Steering(emit, unsupported=steering_unsupported(request))
+        self.steering = Steering(
+            sink,
+            unsupported=steering_unsupported(request),
+            stream_id=request.stream_id,
+            registry=steerable,
+            counters=self.engine.counters,
+        )
         self.emit: Emit = self.steering.emit
         if rollout is not None and rollout.multi_agent:  # (a multi-agent response is not steered)
             self.emit = _root_agent(self.emit)
@@ -236,7 +243,7 @@ class _Run:
         if self.rollout is not None:
             # Named before `response.created` goes out: a client may answer that event at once
             # (an early append must get `rollout_not_suspended`, not `rollout_not_found`).
-            self.rollout._begin(self.response_id)
+            self.rollout.begin(self.response_id)
         self.steering.open(self.stream, self.response_id)
         for event in self.stream.start():
             await self.emit(event)
@@ -319,13 +326,13 @@ class _Run:
         assert self.rollout is not None
         rollout = self.rollout
         limit = self.engine.rollout_suspend_limit
-        rollout._suspend(state, self.stream.snapshot)  # appends are accepted from here on
+        rollout.suspend(state, self.stream.snapshot)  # appends are accepted from here on
         if rollout.multi_agent:
-            resumed = await rollout._wait_injected(limit, self._answer_inject)
+            resumed = await rollout.wait_injected(limit, self._answer_inject)
         else:
             await self.emit(self.stream.suspend([cid for cid, _ in state.open_calls]))
             self.engine.counters.rollout_suspensions += 1
-            resumed = await rollout._wait_resume(limit)
+            resumed = await rollout.wait_resume(limit)
         self.session.last_timings = rollout.timings
         if resumed is None:
             return None
@@ -422,7 +429,7 @@ class _Run:
             self.committed = True
         if failed is not None:
             self._evict_parent()
-            with contextlib.suppress(Exception):  # the emitter itself may be what broke
+            with contextlib.suppress(Exception):  # the sink itself may be what broke
                 await self._end(failed, "failed", None)
 
     async def _end(
@@ -472,7 +479,7 @@ class _Run:
         self.steering.close()
         self.holder.close()
         if self.rollout is not None:
-            self.rollout._finished()
+            self.rollout.finish()
         if not self.committed:
             self._close_step()
             self.engine.post.submit_nowait(PostJob(records=self.records))
@@ -556,21 +563,6 @@ class _Run:
 _RUNNING = frozenset(
     {BuilderState.ACTIVE, BuilderState.IN_MESSAGE, BuilderState.IN_CALL, BuilderState.SUSPENDED}
 )
-
-
-def steering_unsupported(request: ResponseCreate) -> str | None:
-    """Why a response takes no steering input (`steering_not_supported`), or None: OpenAI
-    steers neither responses bound to a conversation (rollout refuses `conversation`) nor
-    those using automatic compaction, nor multi-agent ones; a warm-up samples nothing."""
-    if request.context_management:
-        return "responses using automatic compaction (context_management)"
-    if (request.multi_agent or {}).get("enabled") is True:
-        return "multi-agent responses"
-    if request.conversation is not None:
-        return "responses bound to a conversation"
-    if request.generate is False:
-        return "a warm-up (generate: false), which samples nothing"
-    return None
 
 
 def _root_agent(emit: Emit) -> Emit:

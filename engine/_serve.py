@@ -38,7 +38,7 @@ import trio
 from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
-from rollout.protocol import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_LANES, DEFAULT_MAX_MESSAGE_SIZE
+from rollout.protocol import DEFAULT_MAX_MESSAGE_SIZE
 
 from ._app import DEFAULT_KEY_CONNECTION_SHARE, DEFAULT_MAX_CONNECTIONS, AppConfig, RolloutApp
 from ._defaults import default_registry
@@ -71,13 +71,6 @@ from ._transport import offer_transport
 from ._warmup import warm_up, warm_up_needed
 from ._write import write_directly
 from ._ws import (
-    DEFAULT_CONNECTION_AGE_LIMIT,
-    DEFAULT_IDLE_LIMIT,
-    DEFAULT_MAX_BUFFERED_BYTES,
-    DEFAULT_MAX_QUEUED_CREATES,
-    DEFAULT_PING_INTERVAL,
-    DEFAULT_PING_TIMEOUT,
-    DEFAULT_SEND_STALL_LIMIT,
     WebSocketLimits,
 )
 from ._ws_deflate import (
@@ -122,18 +115,11 @@ class ServerConfig:
     # With deflate: inflated bytes a second across connections (`_ws_deflate.InflatePace`).
     websocket_inflate_rate: float = DEFAULT_INFLATE_RATE
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
-    connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
-    max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
-    max_lanes: int = DEFAULT_MAX_LANES
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    # Each WebSocket connection's limits (`_ws.py`): its age, its queue, lanes and responses
+    # in flight, its outbox and stall limit, its idle limit, pings and their pongs.
+    websocket_limits: WebSocketLimits = attrs.field(factory=WebSocketLimits)
     max_connections: int = DEFAULT_MAX_CONNECTIONS
-    max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES
-    send_stall_limit: float = DEFAULT_SEND_STALL_LIMIT
-    # WebSocket liveness (`_ws.py`): idle connections closed, pings and their pongs, and the
-    # fraction of `max_connections` one key (without auth, one client address) may hold.
-    idle_limit: float = DEFAULT_IDLE_LIMIT
-    ping_interval: float = DEFAULT_PING_INTERVAL
-    ping_timeout: float = DEFAULT_PING_TIMEOUT
+    # The fraction of `max_connections` one key (without auth, one client address) may hold.
     key_connection_share: float = DEFAULT_KEY_CONNECTION_SHARE
     # The transport (`_http_limits.py`): TCP connections at once (fitted under the descriptor
     # limit), the idle time between requests (and for a request's headers), a body's time and
@@ -177,18 +163,7 @@ class ServerConfig:
             api_keys=self.api_keys,
             websocket=self.websocket,
             max_message_size=self.max_message_size,
-            ws_limits=WebSocketLimits(
-                max_message_size=self.max_message_size,
-                connection_age_limit=self.connection_age_limit,
-                max_queued_creates=self.max_queued_creates,
-                max_lanes=self.max_lanes,
-                max_in_flight=self.max_in_flight,
-                max_buffered_bytes=self.max_buffered_bytes,
-                send_stall_limit=self.send_stall_limit,
-                idle_limit=self.idle_limit,
-                ping_interval=self.ping_interval,
-                ping_timeout=self.ping_timeout,
-            ),
+            ws_limits=self.websocket_limits,
             max_connections=self.max_connections,
             key_connection_share=self.key_connection_share,
             max_tcp_connections=self.max_tcp_connections,

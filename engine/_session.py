@@ -1,24 +1,26 @@
-"""The connection scope: a `Session` resolves parents (its cache, else the store) and runs
-responses through the rollout coroutine (`_rollout.py`).
+"""The connection scope: a `Session` holds a connection's cache of response states, resolves a
+`previous_response_id` (the cache, else the store, hydrated) and runs pre-inference
+(`prepare`) once per response.
 
-Long because it holds the entry points of three transports (HTTP, WebSocket, embedded) beside
-resolution, hydration and `prepare`, and the steering successor loop; issue 33 cuts it to one
-purpose.
+Long because pre-inference has many sources to reconcile: the parent (this connection's cache,
+else the store, hydrated from stored renderings or re-rendered), item references, compaction
+items, parked steering input, the render cache's renderings, and large requests' work moved
+off the event loop.
 
-- `create` runs a response, stateless or continuing a parent; `open_rollout` runs the rollout
-  extension (one long-lived response that suspends at tool calls); `respond`, `prepare_only`
-  and `compact` serve the HTTP API's other routes.
 - `prepare` is pre-inference, once per response: the parent, the input's references and
   compaction items, then the pipeline's validate / render / classify / route on the new items.
-- `steer` hands a `response.steer` to the running response it names (`_steer.Steering`);
-  after a response ends with steering input queued, `_respond` runs its successor (a create
-  continuing it with that input and its settings) through the same coroutine, or parks the
-  input for the client's continuation (`response.steer.pending`), which gets it prepended.
+  Steering input parked for the parent (`parked`) is prepended to the new items.
 - Hydration rebuilds a state from stored responses when the parent is not cached.
 - Each model renders with its route's renderer (`Pipeline.renderer_for`): a request's route is
   resolved before the render cache is looked up (for that renderer's renderings) and before a
   compaction item is restored (whose snapshot must be of that renderer); a routing error is
   raised by the pipeline's route stage, in its usual place among the request's errors.
+
+The transports enter through thin doors: `run` (the WebSocket lanes hand their `EventSink`;
+`prepare`, then `_steered.run_steered`, the rollout coroutine and any steered successors),
+`create` and `respond` (HTTP, embedded: a function as the sink), `open_rollout` (embedded: a
+memory channel as the sink, read by the `Rollout` handle), `steer` (`_steered.steer`), and
+`prepare_only` and `compact` for the HTTP API's other routes.
 """
 
 from __future__ import annotations
@@ -40,25 +42,23 @@ from rollout.protocol import (
     ResponseSteer,
     ResponseSteerFailed,
     ServerEvent,
-    Usage,
-    as_listed,
     multi_agent_enabled,
     response_of,
-    to_wire,
 )
 
 from ._cache import ResponseCache
-from ._compact import DEFAULT_COMPACT_BUDGET, CompactionPolicy, compact_state, restore_state
+from ._compact import DEFAULT_COMPACT_BUDGET, restore_state
+from ._compaction import compaction
 from ._errors import previous_response_not_found, server_error, shutting_down
-from ._ids import new_id
 from ._input_memo import KeyedInput
-from ._interfaces import Holder, StoredResponse, UsageRecord
+from ._interfaces import Holder, StoredResponse
 from ._pipeline import Prepared as PipelinePrepared
-from ._postinfer import PostJob, WriteFailed
-from ._rollout import Emit, Prepared, Rollout, run_response, steering_unsupported
+from ._rollout import Prepared, Rollout
 from ._segments import restore_segments
+from ._sink import DISCARD, CallbackSink, Emit, EventSink
 from ._state import ResponseState, Route
 from ._steer import ParkedSteers, QueuedSteer, Steering
+from ._steered import run_steered, steer
 from ._validate import invalid, normalize_input
 
 if TYPE_CHECKING:
@@ -212,7 +212,24 @@ class Session:
         root = attrs.evolve(hit.state, response=empty.response, stored=True)
         return root, items[hit.n_items :]
 
-    # --- responses ---
+    # --- the transports' doors: thin adapters onto `run` ---
+    async def run(
+        self,
+        request: ResponseCreate,
+        sink: EventSink,
+        rollout: Rollout | None = None,
+        *,
+        timings: dict[str, float] | None = None,
+    ) -> ResponseState | None:
+        """Run one response into `sink` (a rollout's with `rollout`): pre-inference here, then
+        the rollout coroutine and any steered successors (`_steered.run_steered`), which push
+        their events down into the sink. Returns the final state (None when the response
+        failed). Request errors raise `RemoteProtocolError` before any event is sent.
+        `timings`: stages already timed for this request (its decode); pre-inference adds its
+        stages to it (and `last_timings` is it)."""
+        prepared = await self.prepare(request, timings)
+        return await run_steered(self, prepared, request, sink, rollout)
+
     async def create(
         self,
         request: ResponseCreate,
@@ -220,11 +237,8 @@ class Session:
         *,
         timings: dict[str, float] | None = None,
     ) -> ResponseState | None:
-        """Run one response (stateless or continuing), sending its events to `emit`.
-        Returns the final state (None when the response failed). Request errors raise
-        `RemoteProtocolError` before any event is sent. `timings`: stages already timed for
-        this request (its decode); pre-inference adds its stages to it (and `last_timings`
-        is it)."""
+        """HTTP's and the embedded API's door: `run` a response that is no rollout, sending
+        its events to `emit` (a function)."""
         if request.rollout:
             raise invalid(
                 "Use open_rollout() (or the WebSocket transport) for rollout mode.",
@@ -237,7 +251,9 @@ class Session:
                 code="unsupported_parameter",
                 param="multi_agent",
             )
-        return await self._respond(request, emit or _discard, None, timings)
+        return await self.run(
+            request, DISCARD if emit is None else CallbackSink(emit), None, timings=timings
+        )
 
     async def respond(self, request: ResponseCreate) -> Response:
         """Run one response and return the final Response object."""
@@ -248,16 +264,17 @@ class Session:
             if response is not None:
                 final[:] = [response]
 
-        await self._respond(request, keep, None)
+        await self.run(request, CallbackSink(keep))
         return final[-1]
 
     @asynccontextmanager
     async def open_rollout(self, request: ResponseCreate) -> AsyncIterator[Rollout]:
-        """Run `request` as a rollout: iterate the Rollout for events up to each suspension,
-        `append` the tool outputs, iterate again, until `rollout.response` is final. A
-        multi-agent request (`multi_agent: {enabled: true}`) is the beta's door instead:
-        iterate to the end, and `inject` each call's output (at any time: it is taken when
-        the response waits, and acknowledged in the events)."""
+        """The embedded API's door to a rollout: iterate the Rollout for events up to each
+        suspension, `append` the tool outputs, iterate again, until `rollout.response` is
+        final. A multi-agent request (`multi_agent: {enabled: true}`) is the beta's door
+        instead: iterate to the end, and `inject` each call's output (at any time: it is taken
+        when the response waits, and acknowledged in the events). The sink is a memory
+        channel the handle reads."""
         send, recv = trio.open_memory_channel[ServerEvent](ROLLOUT_EVENT_BUFFER)
         rollout = Rollout(self, recv, multi_agent=multi_agent_enabled(request))
         async with trio.open_nursery() as nursery:
@@ -267,7 +284,7 @@ class Session:
                 # checkpoint would let the reader leave the block and cancel this task while
                 # an exception is on its way out, and Cancelled would replace (lose) it.
                 try:
-                    await self._respond(request, send.send, rollout)
+                    await self.run(request, send, rollout)
                 except RemoteProtocolError as exc:
                     # Kept without its traceback: the traceback's frames hold `rollout`,
                     # which would hold the error back (a reference cycle per failed rollout).
@@ -284,6 +301,10 @@ class Session:
                 # one that ended is left to finish its post-inference hand-off.
                 if not rollout.ended:
                     nursery.cancel_scope.cancel()
+
+    async def steer(self, event: ResponseSteer) -> ResponseSteerFailed | None:
+        """Hand a steer to the running response it names (`_steered.steer`)."""
+        return await steer(self, event)
 
     async def prepare_only(self, request: ResponseCreate) -> ResponseState:
         """The state a request would sample from (validated, rendered, classified), without
@@ -302,120 +323,8 @@ class Session:
     ) -> dict[str, Any]:
         """`POST /v1/responses/compact`: the compacted window of a conversation (given as
         input items or previous_response_id), ending with its compaction item."""
-        engine = self.engine
         source = await self.prepare_only(request)
-        window, item = compact_state(
-            engine.pipeline,
-            source,
-            CompactionPolicy(budget_tokens=budget_tokens),
-            engine.seal,
-            owner=self.owner,
-        )
-        usage = Usage.of(input_tokens=source.context_tokens, output_tokens=window.item_tokens)
-        compaction_id = new_id("resp")
-        # What the client is told it used goes into the ledger before the reply, as a
-        # response's usage does before its terminal event: one record, step 0.
-        record = UsageRecord(
-            response_id=compaction_id,
-            step=0,
-            owner=self.owner,
-            model=source.route.model,
-            input_tokens=usage.input_tokens,
-            cached_tokens=0,
-            output_tokens=usage.output_tokens,
-            complete=True,
-            created_at=engine.wall_clock(),
-        )
-        try:
-            await engine.post.commit(PostJob(records=(record,)))
-        except WriteFailed:
-            log.warning("compaction %s failed: its usage did not go through", compaction_id)
-            raise server_error() from None
-        return {
-            "id": compaction_id,
-            "object": "response.compaction",
-            "created_at": engine.now(),
-            "output": [to_wire(as_listed(i)) for i in [*window.items, item]],
-            "usage": to_wire(usage),
-        }
-
-    async def run_rollout(
-        self,
-        request: ResponseCreate,
-        emit: Emit,
-        rollout: Rollout,
-        *,
-        timings: dict[str, float] | None = None,
-    ) -> None:
-        """Server-side form: run the rollout in the caller's task, emitting to `emit`."""
-        await self._respond(request, emit, rollout, timings)
-
-    async def _respond(
-        self,
-        request: ResponseCreate,
-        emit: Emit,
-        rollout: Rollout | None,
-        timings: dict[str, float] | None = None,
-    ) -> ResponseState | None:
-        """Pre-inference here, then the rollout coroutine (which never calls back up); then,
-        while the response ended with steering input queued, its successor."""
-        prepared = await self.prepare(request, timings)
-        while True:
-            steering = Steering(
-                emit,
-                unsupported=steering_unsupported(request),
-                stream_id=request.stream_id,
-                registry=self.steerable,
-                counters=self.engine.counters,
-            )
-            state = await run_response(self, prepared, request, emit, rollout, steering)
-            if not steering.queued:
-                return state
-            successor = await self._after_steered(request, state, steering)
-            if successor is None:
-                return state
-            request, prepared = successor
-
-    async def _after_steered(
-        self, request: ResponseCreate, state: ResponseState | None, steering: Steering
-    ) -> tuple[ResponseCreate, Prepared] | None:
-        """A response ended with steering input queued: its successor, prepared (the
-        commit point is its `response.created`); or None when the input was answered
-        otherwise: `response.steer.pending` (parked) when the response owes client tool
-        results, a failure when it failed or the successor can't be created."""
-        if state is None:
-            await steering.fail_queued(
-                "response_not_active", "The response failed; its steering input was not applied."
-            )
-            return None
-        if state.open_calls:
-            self.parked.park(state.id, await steering.report_pending(state))
-            return None
-        successor = attrs.evolve(
-            request,
-            previous_response_id=state.id,
-            input=[item for q in steering.queued for item in q.items],
-            generate=None,
-        )
-        try:
-            prepared = await self.prepare(successor, None, steers=())
-        except RemoteProtocolError as exc:
-            self.cache.put(state)  # a failed successor does not evict the steered response
-            await steering.fail_queued(
-                "successor_creation_failed",
-                f"The successor response could not be created: {exc.body.message}",
-            )
-            return None
-        self.engine.counters.steer_successors += 1
-        return successor, prepared
-
-    async def steer(self, event: ResponseSteer) -> ResponseSteerFailed | None:
-        """Hand a steer to the running response it names; returns the failure to send (out of
-        any stream) when that response takes no more steering input."""
-        steering = self.steerable.get(event.previous_response_id)
-        if steering is None:
-            steering = Steering(_discard)  # not accepting: answers response_not_active
-        return await steering.submit(event)
+        return await compaction(self.engine, source, budget_tokens=budget_tokens, owner=self.owner)
 
     # --- pre-inference ---
     async def prepare(
@@ -658,8 +567,4 @@ def _compact_threshold(request: ResponseCreate) -> int | None:
                 "context_management compaction needs a positive integer compact_threshold.",
                 param="context_management",
             )
-    return None
-
-
-async def _discard(_event: ServerEvent) -> None:
     return None

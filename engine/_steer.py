@@ -5,16 +5,19 @@ response, its acknowledgements, the safe boundary, and input parked for a contin
   a steer and answers it in the response's stream (`response.steer.accepted`, or a failure:
   `steering_not_supported`, `too_many_pending_steers`); from then on `requested` is true, and
   the coroutine stops at its next safe boundary (`wait_here`, `_sampling.sample_turn`; between
-  sampling steps, `_Run.loop`) with `response.incomplete`, reason `steered`. The session then
-  commits the queued input to a successor (`Session._respond`), or, when the response ended
+  sampling steps, `_Run.loop`) with `response.incomplete`, reason `steered`. The successor loop then
+  commits the queued input to a successor (`_steered.run_steered`), or, when the response ended
   owing client tool results, answers each steer with `response.steer.pending` and parks it.
 - `ParkedSteers` is the connection's side: input accepted for a response that ended owing tool
   results, prepended (in submission order) to the client's next create continuing it.
 
+- The successor loop that runs a response and, after a steered end, its successor lives
+  beside this module (`_steered.py`).
+
 The acknowledgements are events of the response's stream, numbered after the events already
-built: `emit` is the response's one way out, a gate that lets an acknowledgement (sent from
-the connection's reader task) through only when no event the coroutine built is waiting to be
-sent, so sequence numbers go out in order.
+built: `emit` is the response's one way out into its `EventSink`, a gate that lets an
+acknowledgement (sent from the connection's reader task) through only when no event the
+coroutine built is waiting to be sent, so sequence numbers go out in order.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -31,6 +34,7 @@ from rollout.protocol import (
     Item,
     RemoteProtocolError,
     RequiredInput,
+    ResponseCreate,
     ResponseSteer,
     ResponseSteerAccepted,
     ResponseSteerFailed,
@@ -44,6 +48,7 @@ from rollout.protocol import (
 )
 
 from ._ids import new_id
+from ._sink import EventSink
 from ._validate import check_part
 
 if TYPE_CHECKING:
@@ -57,11 +62,10 @@ __all__ = [
     "QueuedSteer",
     "Steering",
     "required_input",
+    "steering_unsupported",
 ]
 
 log = logging.getLogger("rollout.engine")
-
-Emit = Callable[[ServerEvent], Awaitable[None]]
 
 # Steering submissions one response may hold queued (accepted, not yet committed to a
 # successor). A person or a supervising agent sends a few corrections per response; the bound
@@ -82,12 +86,27 @@ class QueuedSteer:
     items: list[Item]
 
 
+def steering_unsupported(request: ResponseCreate) -> str | None:
+    """Why a response takes no steering input (`steering_not_supported`), or None: OpenAI
+    steers neither responses bound to a conversation (rollout refuses `conversation`) nor
+    those using automatic compaction, nor multi-agent ones; a warm-up samples nothing."""
+    if request.context_management:
+        return "responses using automatic compaction (context_management)"
+    if (request.multi_agent or {}).get("enabled") is True:
+        return "multi-agent responses"
+    if request.conversation is not None:
+        return "responses bound to a conversation"
+    if request.generate is False:
+        return "a warm-up (generate: false), which samples nothing"
+    return None
+
+
 class Steering:
     """The steering side of one response in flight (see the module)."""
 
     def __init__(
         self,
-        emit: Emit,
+        sink: EventSink,
         *,
         unsupported: str | None = None,
         stream_id: str | None = None,
@@ -96,7 +115,7 @@ class Steering:
         counters: Counters | None = None,
     ) -> None:
         self._counters = counters
-        self._emit = emit
+        self._send_out = sink.send  # (bound once: it is called for every event)
         self._registry = registry  # the connection's running responses, by id
         self.unsupported = unsupported  # why this response takes no steering, if it doesn't
         self.stream_id = stream_id  # the lane of the response (its answers carry it)
@@ -124,14 +143,21 @@ class Steering:
         try:
             while self._sending:
                 await self._wait_sent()
-            await self._send(event)
+            self._sending = True  # (`_send`, inlined: this runs for every event)
+            try:
+                await self._send_out(event)
+            finally:
+                self._sending = False
+                if self._waiting:
+                    self._sent.set()
+                    self._sent = trio.Event()
         finally:
             self._unsent -= 1
 
     async def _send(self, event: ServerEvent) -> None:
         self._sending = True
         try:
-            await self._emit(event)
+            await self._send_out(event)
         finally:
             self._sending = False
             if self._waiting:  # (an Event per event only when someone waits: ~1 us saved)

@@ -1,16 +1,22 @@
 """The handle on a rollout in flight: the client side of the coroutine's suspensions.
 
-The coroutine (`_rollout.py`) suspends by handing its state to `Rollout._suspend` and waiting
-in `_wait_resume`; `Rollout.append` stages the client's tool outputs onto that state
+The handle has two faces. The client's: iterate it (embedded API), `append` tool outputs,
+`inject` (multi-agent beta), and `unanswered` once it ended. The coroutine's (`_rollout.py`):
+`begin` a response on it, `suspend` with its state, `wait_resume` (or `wait_injected`), and
+`finish`. The coroutine suspends by handing its state to `suspend` and waiting in
+`wait_resume`; `Rollout.append` stages the client's tool outputs onto that state
 (validated, rendered and classified once, as they arrive) and wakes the coroutine when every
 pending call has its output. The embedded API iterates the handle for events; the WebSocket
 handler routes `response.append` to it.
 
 The multi-agent beta is the other door to the same suspension: the WebSocket handler queues
 each `response.inject` on the handle (`inject`, at any time while the response runs), and
-the suspended coroutine takes them in order (`_next_inject`), commits each through the same
+the suspended coroutine takes them in order (`wait_injected`), commits each through the same
 `append` and acknowledges it in the response's stream. Injects the response never took
-(it ended first) are answered `response_already_completed` by the handler (`_unanswered`).
+(it ended first) are answered `response_already_completed` by the handler (`unanswered`).
+
+An append for a rollout that is not suspended is refused with `not_suspended()`, here or by
+the handler when the rollout it names has ended.
 """
 
 from __future__ import annotations
@@ -39,12 +45,21 @@ from ._validate import invalid
 if TYPE_CHECKING:
     from ._services import ConnectionScope
 
-__all__ = ["DEFAULT_MAX_QUEUED_INJECTS", "Rollout"]
+__all__ = ["DEFAULT_MAX_QUEUED_INJECTS", "Rollout", "not_suspended"]
 
 # Injects a multi-agent response holds until its coroutine takes them (they may arrive while
 # it samples; it takes them when it waits): the Agents SDK sends one per pending call, and a
 # turn's parallel calls are a handful. Each is bounded by the message size.
 DEFAULT_MAX_QUEUED_INJECTS = 32
+
+
+def not_suspended() -> RemoteProtocolError:
+    """The refusal of an append for a rollout that is not suspended (or no longer runs)."""
+    return invalid(
+        "The rollout is not suspended: append tool outputs after response.done.",
+        code="rollout_not_suspended",
+        param="response_id",
+    )
 
 
 class Rollout:
@@ -108,7 +123,7 @@ class Rollout:
 
     async def _iterate(self) -> AsyncIterator[ServerEvent]:
         if self._events is None:
-            raise RuntimeError("this rollout streams to its emitter; it can't be iterated")
+            raise RuntimeError("this rollout streams into its sink; it can't be iterated")
         async for event in self._events:
             response = response_of(event)
             if response is not None:
@@ -133,11 +148,7 @@ class Rollout:
             items = items.input
         state = self._state
         if state is None:
-            raise invalid(
-                "The rollout is not suspended: append tool outputs after response.done.",
-                code="rollout_not_suspended",
-                param="response_id",
-            )
+            raise not_suspended()
         engine = self.session.engine
         staged = engine.pipeline.stage(
             items,
@@ -180,19 +191,27 @@ class Rollout:
             await self._inject_ready.wait()
         return self._injects.popleft()
 
-    def _unanswered(self) -> list[ResponseInject]:
+    # --- the client's side, once the response ended ---
+
+    def unanswered(self) -> list[ResponseInject]:
         """Injects queued and never taken (the response ended first), oldest first."""
         taken, self._injects = list(self._injects), collections.deque()
         return taken
 
-    def _suspend(self, state: ResponseState, snapshot: Callable[[], Response]) -> None:
+    # --- the coroutine's side ---
+
+    def suspend(self, state: ResponseState, snapshot: Callable[[], Response]) -> None:
+        """The coroutine suspends at `state` (its pending calls); appends are taken from now.
+        `snapshot` builds the response so far (called only when the handle is iterated)."""
         self._state = state
         self._snapshot = snapshot
         self._flags = ()
         self.timings = {}
         self._wake = trio.Event()
 
-    async def _wait_resume(self, limit: float) -> tuple[ResponseState, tuple[Any, ...]] | None:
+    async def wait_resume(self, limit: float) -> tuple[ResponseState, tuple[Any, ...]] | None:
+        """The state with every pending call answered and the classifier flags of the input
+        appended; None when `limit` seconds passed first."""
         try:
             with trio.move_on_after(limit if math.isfinite(limit) else math.inf):
                 await self._wake.wait()
@@ -202,12 +221,12 @@ class Rollout:
         finally:
             self._state = None
 
-    async def _wait_injected(
+    async def wait_injected(
         self, limit: float, answer: Callable[[RemoteProtocolError | None], Awaitable[None]]
     ) -> tuple[ResponseState, tuple[Any, ...]] | None:
         """Multi-agent: take queued injects in order, each committed by `append` (atomically:
         all its items or none) and answered (`answer(None)`, or the error that refused it),
-        until no call is owed; like `_wait_resume` otherwise."""
+        until no call is owed; like `wait_resume` otherwise."""
         try:
             with trio.move_on_after(limit if math.isfinite(limit) else math.inf):
                 while not self._wake.is_set():
@@ -224,13 +243,14 @@ class Rollout:
         finally:
             self._state = None
 
-    def _begin(self, response_id: str) -> None:
+    def begin(self, response_id: str) -> None:
         """The coroutine starts a response on this handle (a steered rollout's successor
         reuses its parent's handle: it is running again, under the successor's id)."""
         self.response_id = response_id
         self._done = False
 
-    def _finished(self) -> None:
+    def finish(self) -> None:
+        """The response on this handle ended (a successor may `begin` again)."""
         self._done = True
         self._state = None
         self._snapshot = None

@@ -1,8 +1,8 @@
-"""WebSocket mode: one connection, one Session, its lanes' responses running concurrently.
+"""WebSocket mode: one connection's ASGI loop and its life (open, closing, closed, gone, cut),
+its reader, its writer and its clock; its lanes, deliveries and outbox are rooms of their own.
 
-Long because one connection object still holds the outbox and its backpressure, lane dispatch,
-age limits, the in-flight deliveries (append, steer, inject) and the timing extension; issue 33
-moves them into rooms of their own.
+Long because the connection's life has many ends, each with its own rule: a clean close, the
+peer gone, a slow consumer or an unanswered ping cut off, the idle and age limits, shutdown.
 
 The rules of the connection live in `rollout.protocol.ServerConnection` (sans-IO): it decodes
 client messages, decides what a create or an append may do (admission, lanes, the queue, the
@@ -10,15 +10,15 @@ suspended rollout), says which create to answer next (`start_next`: the oldest w
 whose lane is free, while fewer than `max_in_flight` responses run), and encodes every event
 after checking it against its lane's response grammar. This wrapper is thin and mechanical
 (after trio-websocket): a reader task feeds frames to it and either queues a
-`response.create`, delivers a `response.append` to its rollout, or a `response.steer` to the
-running response it names (`Session.steer`, which answers it in that response's stream); each
-create the connection starts runs through the session in a task of its own (one per busy
-lane; a steered response's successor runs in the same task), with an emitter that
-puts its events on its lane (`stream_id`); a writer task sends the frames in order from a
-bounded outbox, so the lanes' events interleave there. Request-scoped errors are answered with
-the nested `error` event (on the request's lane) and never close the socket. A connection
-older than its age limit answers every create it starts with
-`websocket_connection_limit_reached`, and closes cleanly (1000) once no response runs.
+`response.create` or hands a `response.append`, `response.steer` or `response.inject` to the
+response it names (`_deliveries.py`); each create the connection starts runs in a task of its
+own (one per busy lane; a steered response's successor runs in the same task) through the
+lanes (`_lanes.py`), which hand the session that lane's `EventSink`: each event goes down
+from the sampling loop through the protocol into the bounded outbox (`_outbox.py`), and a
+writer task sends the frames in order from there, so the lanes' events interleave.
+Request-scoped errors are answered with the nested `error` event (on the request's lane) and
+never close the socket. A connection older than its age limit answers every create it starts
+with `websocket_connection_limit_reached`, and closes cleanly (1000) once no response runs.
 
 On a connection opened with the multi-agent beta (`OpenAI-Beta: responses_multi_agent=v1`), a
 create with `multi_agent: {enabled: true}` runs as a rollout through the beta's door (the
@@ -56,12 +56,12 @@ Without a transport (an ASGI server other than rollout's hypercorn) there are no
 cut-off cannot abort: the responses are still cancelled and the frames dropped.
 
 Events about a response from outside its stream (an ack of input sent to it) go out on that
-response's lane with `send_about(response_id, event)`.
+response's lane, through that lane's sink (`Lanes.sink`).
 """
 
 from __future__ import annotations
 
-import collections
+import enum
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -77,9 +77,7 @@ from rollout.protocol import (
     ErrorBody,
     ErrorEvent,
     LocalProtocolError,
-    Phase,
     RemoteProtocolError,
-    ResponseAppend,
     ResponseCreate,
     ResponseInject,
     ResponseInjectFailed,
@@ -87,18 +85,22 @@ from rollout.protocol import (
     ResponseSteerFailed,
     ServerConnection,
     ServerEvent,
-    inject_failed,
-    multi_agent_enabled,
 )
 
-from ._engine import Rollout, Session, server_error
+from ._deliveries import Deliveries
+from ._engine import Session, server_error
+from ._lanes import Lanes
+from ._outbox import DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_SEND_STALL_LIMIT, Outbox, SlowConsumer
 
 __all__ = [
     "DEFAULT_CONNECTION_AGE_LIMIT",
     "DEFAULT_IDLE_LIMIT",
+    "DEFAULT_MAX_BUFFERED_BYTES",
     "DEFAULT_MAX_QUEUED_CREATES",
     "DEFAULT_PING_INTERVAL",
     "DEFAULT_PING_TIMEOUT",
+    "DEFAULT_SEND_STALL_LIMIT",
+    "SlowConsumer",
     "WebSocketConnection",
     "WebSocketLimits",
     "WebSocketTransport",
@@ -108,13 +110,6 @@ log = logging.getLogger("rollout.ws")
 
 # The OpenAI API closes WebSocket-mode connections after 60 minutes.
 DEFAULT_CONNECTION_AGE_LIMIT = 3600.0
-# Encoded frames a connection may hold for a client that reads slower than the server writes:
-# enough for thousands of deltas or a large response.completed, small enough that a thousand
-# such clients cost a few GB at most.
-DEFAULT_MAX_BUFFERED_BYTES = 4 * 1024 * 1024
-# How long a response may stay paused on a full outbox, or one write wait on the peer, before
-# the client is taken for one that has stopped reading.
-DEFAULT_SEND_STALL_LIMIT = 30.0
 # How long a connection may stay idle (no response running or waiting, no client message)
 # before it is closed: as long as a suspended rollout waits for its tool outputs
 # (`DEFAULT_ROLLOUT_SUSPEND_LIMIT`), so a conversation quiet longer than a tool call may take
@@ -136,7 +131,10 @@ ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
 
 @attrs.frozen(kw_only=True)
 class WebSocketLimits:
-    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    """The limits of one WebSocket connection, declared once (`ServerConfig.websocket_limits`,
+    `rollout serve`'s flags); each default's reason is beside its constant. The largest
+    message is the server's (`max_message_size`), for HTTP bodies too."""
+
     connection_age_limit: float = DEFAULT_CONNECTION_AGE_LIMIT
     max_queued_creates: int = DEFAULT_MAX_QUEUED_CREATES
     max_lanes: int = DEFAULT_MAX_LANES
@@ -166,8 +164,14 @@ class WebSocketTransport(Protocol):
         ...
 
 
-class SlowConsumer(trio.ClosedResourceError):
-    """The client stopped reading: the connection is being torn down."""
+class _Life(enum.IntEnum):
+    """Where a connection is in its life; it only moves forward (`_become`)."""
+
+    OPEN = 0  # answering
+    CLOSING = 1  # a close frame is queued behind the frames ahead of it
+    CLOSED = 2  # answering is over: the writer ends once it has written what is queued
+    GONE = 3  # the peer closed or went away: nothing more is written
+    CUT = 4  # cut off (stalled, or a ping unanswered): responses cancelled, TCP aborted
 
 
 def _error(message: str, *, code: str, param: str | None = None, status: int = 400) -> ErrorEvent:
@@ -186,20 +190,21 @@ class WebSocketConnection:
         shutting_down: trio.Event | None = None,
         betas: frozenset[str] = frozenset(),
         transport: WebSocketTransport | None = None,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
     ) -> None:
         self.session = session
         self._send = send
         self._receive = receive
         self.limits = limits
         self.timing = timing
-        self._outbox: collections.deque[tuple[dict[str, Any], int]] = collections.deque()
-        self._buffered = 0  # bytes of text in the outbox (and the frame being sent)
-        self._queued = trio.Event()  # the writer has something to send
-        self._drained = trio.Event()  # the writer sent a frame (room in the outbox)
+        self._outbox = Outbox(
+            max_buffered_bytes=limits.max_buffered_bytes,
+            send_stall_limit=limits.send_stall_limit,
+            on_stall=self._slow_consumer,
+        )
+        self._life = _Life.OPEN
         self._tasks = trio.CancelScope()  # the reader, the responses and the shutdown watcher
         self._responses: trio.Nursery | None = None  # where each started create runs
-        self._closing = False  # a close frame is queued
-        self._disconnected = False  # the peer closed or went away
         self._opened_at = trio.current_time()
         self._expired = False  # past the age limit: creates are refused, then it closes
         self._age_told = False  # a create was refused for the age (no farewell error then)
@@ -216,20 +221,16 @@ class WebSocketConnection:
         self._ping_payload: bytes | None = None  # the ping written, awaiting its pong
         self._ping_written_at = math.inf
         self._pings = 0
-        self._cut = False  # cut off (stalled, or no pong): responses cancelled, aborted
         self._serving = False  # the responses' nursery is open
         self.protocol = ServerConnection(
-            max_message_size=limits.max_message_size,
+            max_message_size=max_message_size,
             max_queued_creates=limits.max_queued_creates,
             max_lanes=limits.max_lanes,
             max_in_flight=limits.max_in_flight,
             betas=betas,
         )
-        # The decode timings of each waiting create (by its id(); as many as the connection
-        # lets wait), handed to its response when it starts.
-        self._decode_timings: dict[int, dict[str, float]] = {}
-        self._rollouts: dict[str | None, Rollout] = {}  # the rollout running on each lane
-        self._closed = False
+        self.lanes = Lanes(session, self.protocol, self._outbox, timing=timing)
+        self._deliveries = Deliveries(self.lanes)
         self._shutting_down = shutting_down if shutting_down is not None else trio.Event()
         self._idle = trio.Event()  # set while no response runs and none is queued
         self._idle.set()
@@ -239,36 +240,27 @@ class WebSocketConnection:
     @property
     def cut_off(self) -> bool:
         """Whether the peer was cut off (stalled, or a ping unanswered)."""
-        return self._cut
+        return self._life is _Life.CUT
+
+    def _become(self, life: _Life) -> bool:
+        """Move the connection on to `life` (never back); False if it was there already or
+        past it. The outbox follows: closed, it ends the writer after what is queued; gone or
+        cut, at once."""
+        if life <= self._life:
+            return False
+        self._life = life
+        if life is _Life.CLOSED:
+            self._outbox.stop()
+        elif life > _Life.CLOSED:
+            self._outbox.stop(drop=True)
+        return True
 
     # --- output ---
-    async def send_event(
-        self, event: ServerEvent | dict[str, Any], *, stream_id: str | None = None
-    ) -> None:
-        """Queue a frame (in order), on lane `stream_id`. Waits while the outbox is full;
-        raises `SlowConsumer` when it stays full for the stall limit, `ClosedResourceError`
-        once closed."""
-        if isinstance(event, dict):  # an extension frame outside the grammar (`rollout.timing`)
-            text = _dumps({**event, "stream_id": stream_id} if stream_id is not None else event)
-            suspension = False
-        else:
-            # A rollout's suspension events: its response.done and the response.in_progress
-            # that resumes it (counted apart: they must not grow with the rollout, RX-2.5).
-            lane = self.protocol.lane(stream_id if stream_id is not None else event.stream_id)
-            suspension = event.type == "response.done" or (
-                event.type == "response.in_progress"
-                and lane is not None
-                and lane.phase is Phase.SUSPENDED
-            )
-            text = self.protocol.send(event, stream_id=stream_id)
-        self.session.engine.counters.ws_frame_encoded(text, suspension=suspension)
-        await self._enqueue({"type": "websocket.send", "text": text}, len(text))
-
-    async def send_about(self, response_id: str, event: ServerEvent | dict[str, Any]) -> None:
-        """Send an event about a response of this connection from outside its stream (an ack
-        of input sent to it): it goes out on that response's lane, running or ended
-        (`ServerConnection.lane_of`)."""
-        await self.send_event(event, stream_id=self.protocol.lane_of(response_id))
+    async def send_event(self, event: ServerEvent, *, stream_id: str | None = None) -> None:
+        """Queue a frame (in order), on lane `stream_id` (None: the lane the event names).
+        Waits while the outbox is full; raises `SlowConsumer` when it stays full for the
+        stall limit, `ClosedResourceError` once closed."""
+        await self.lanes.sink(stream_id).send(event)
 
     async def close(self, code: int = 1000, reason: str | None = None) -> None:
         """Close after the frames already queued (not for a slow consumer: see `_cut_off`)."""
@@ -277,41 +269,19 @@ class WebSocketConnection:
     def _queue_close(self, code: int, reason: str | None = None) -> None:
         """Queue the close frame after the frames already queued (it takes no room: if those
         cannot be written, the stalled write cuts the connection off)."""
-        if not self._closing and not self._closed:
-            self._closing = True
+        if self._life is _Life.OPEN:
+            self._life = _Life.CLOSING
             message: dict[str, Any] = {"type": "websocket.close", "code": code}
             if reason is not None:
                 message["reason"] = reason
-            self._outbox.append((message, 0))
-            self._queued.set()
-
-    async def _enqueue(self, message: dict[str, Any], size: int) -> None:
-        if self._closed or self._closing:
-            raise trio.ClosedResourceError("the WebSocket is closed")
-        limit = self.limits.max_buffered_bytes
-        if self._buffered and self._buffered + size > limit:
-            with trio.move_on_after(self.limits.send_stall_limit) as waited:
-                while self._buffered and self._buffered + size > limit:
-                    await self._drained.wait()
-                    if self._closed:
-                        raise trio.ClosedResourceError("the WebSocket is closed")
-            if waited.cancelled_caught:
-                self._stalled()
-        self._outbox.append((message, size))
-        self._buffered += size
-        self._queued.set()
-
-    def _stalled(self) -> None:
-        """The outbox has had no room for the stall limit: cut the client off."""
-        self._slow_consumer()
-        raise SlowConsumer("the client stopped reading")
+            self._outbox.put_control(message, last=True)
 
     def _slow_consumer(self) -> None:
-        if not self._cut:
+        if self._life is not _Life.CUT:
             self.session.engine.counters.slow_consumers += 1
             log.warning(
                 "a WebSocket client stopped reading (%d bytes waiting for %g s): cutting it off",
-                self._buffered,
+                self._outbox.buffered,
                 self.limits.send_stall_limit,
             )
         self._cut_off()
@@ -320,11 +290,8 @@ class WebSocketConnection:
         """Stop serving a peer that cannot be written to or does not answer: cancel the
         responses (their usage is recorded as interrupted), drop the queued frames, and abort
         the TCP connection (ending the write blocked on it, releasing its buffers)."""
-        if self._cut:
+        if not self._become(_Life.CUT):
             return
-        self._cut = self._closed = True
-        self._outbox.clear()
-        self._queued.set()
         self._tasks.cancel()
         if self._transport is not None and self._transport.abort():
             self.session.engine.counters.ws_aborts += 1
@@ -334,14 +301,10 @@ class WebSocketConnection:
         (`_write_started`): the watchdog cuts off a peer that holds one past the stall limit."""
         stall = self.limits.send_stall_limit
         while True:
-            while not self._outbox:
-                if self._closed or self._disconnected:
-                    return
-                self._queued = trio.Event()
-                await self._queued.wait()
-            if self._disconnected:  # the peer is gone: nothing more can be delivered
+            taken = await self._outbox.get()
+            if taken is None:  # closed and written, or the peer is gone
                 return
-            message, size = self._outbox.popleft()
+            message, size = taken
             self._write_started = started = trio.current_time()
             if started + stall < self._wake_at:
                 self._poke.set()
@@ -352,16 +315,14 @@ class WebSocketConnection:
                     await self._send(message)
             except Exception:  # the transport failed under us: the connection is over
                 log.info("sending a WebSocket frame failed; closing", exc_info=True)
-                self._closed = True
+                self._become(_Life.CLOSED)
                 self._tasks.cancel()
                 return
             finally:
                 self._write_started = None
-                self._buffered -= size
-                self._drained.set()
-                self._drained = trio.Event()
+                self._outbox.written(size)
             if message["type"] == "websocket.close":
-                self._closed = True
+                self._become(_Life.CLOSED)
                 self._tasks.cancel()
                 return
             if message["type"] != _PING:
@@ -415,7 +376,7 @@ class WebSocketConnection:
                         self._cut_off()
                         return
                     wake = min(wake, self._ping_written_at + limits.ping_timeout)
-                if not (self._closing or self._closed):
+                if self._life is _Life.OPEN:
                     wake = min(wake, self._tick(now))
                 self._wake_at = wake
                 with trio.move_on_at(wake):
@@ -443,8 +404,7 @@ class WebSocketConnection:
         if self._transport is not None and not self._pinging:
             if now >= self._ping_due:
                 self._pinging = True
-                self._outbox.append(({"type": _PING}, 0))
-                self._queued.set()
+                self._outbox.put_control({"type": _PING})
             else:
                 wake = min(wake, self._ping_due)
         return wake
@@ -472,8 +432,7 @@ class WebSocketConnection:
             finally:
                 # The reader is done (disconnect, close, slow consumer): stop the writer once
                 # it has sent what is queued (a frame it is sending finishes or fails alone).
-                self._closed = True
-                self._queued.set()
+                self._become(_Life.CLOSED)
 
     async def _write_then_stop_watching(self) -> None:
         try:
@@ -510,8 +469,7 @@ class WebSocketConnection:
             message = await self._receive()
             kind = message["type"]
             if kind == "websocket.disconnect":
-                self._closed = self._disconnected = True
-                self._queued.set()
+                self._become(_Life.GONE)
                 return
             if kind != "websocket.receive":
                 continue
@@ -555,75 +513,17 @@ class WebSocketConnection:
             elif isinstance(event, ResponseInjectFailed):
                 await self.send_event(event)  # on the lane the failure names
             elif isinstance(event, ResponseInject):
-                await self._inject(event)
+                await self._deliveries.inject(event)
             elif isinstance(event, ResponseCreate):
-                self._decode_timings[id(event)] = timings
+                self.lanes.hold(event, timings)
                 self._dispatch()
             elif isinstance(event, ResponseSteer):
-                await self._steer(event)
+                await self._deliveries.steer(event)
             else:
-                await self._append(event, timings)
+                await self._deliveries.append(event, timings)
 
-    async def _answer_error(
-        self, exc: RemoteProtocolError, *, stream_id: str | None = None
-    ) -> None:
-        self.session.engine.counters.request_errors += 1
-        await self.send_event(exc.error_event(), stream_id=stream_id)
-
-    async def _append(self, event: ResponseAppend, timings: dict[str, float]) -> None:
-        """Deliver an append the connection let through (to a suspended rollout) to that
-        rollout, which checks the items (pending call ids, item kinds). `timings`: its
-        decode's, reported with the resumed turn's stages."""
-        lane = self.protocol.lane_of(event.response_id)
-        rollout = self._rollouts.get(lane)
-        try:
-            if rollout is None or rollout.response_id != event.response_id:
-                # The rollout ended as the append arrived.
-                raise RemoteProtocolError.invalid(
-                    "The rollout is not suspended: append tool outputs after response.done.",
-                    code="rollout_not_suspended",
-                    param="response_id",
-                )
-            rollout.append(event.input)
-            for stage, seconds in timings.items():
-                rollout.timings[stage] = rollout.timings.get(stage, 0.0) + seconds
-        except RemoteProtocolError as exc:
-            await self._answer_error(exc, stream_id=lane)
-        except Exception:  # a bug: this append fails, the rollout and the socket live on
-            log.exception("response.append failed unexpectedly")
-            await self._answer_error(server_error(), stream_id=lane)
-
-    async def _steer(self, event: ResponseSteer) -> None:
-        """Deliver a steer the connection let through to the running response it names,
-        which answers it in its stream (on its lane); a response that is ending answers out of
-        any stream, on its lane."""
-        try:
-            failed = await self.session.steer(event)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise  # the connection is going away
-        except Exception:  # a bug: this steer fails, the response and the socket live on
-            log.exception("response.steer failed unexpectedly")
-            await self._answer_error(
-                server_error(), stream_id=self.protocol.lane_of(event.previous_response_id)
-            )
-            return
-        if failed is not None:
-            await self.send_about(event.previous_response_id, failed)
-
-    async def _inject(self, event: ResponseInject) -> None:
-        """Queue an inject the connection let through (to a running multi-agent response) on
-        that response's handle; the coroutine commits and acknowledges it."""
-        lane = self.protocol.lane_of(event.response_id)
-        rollout = self._rollouts.get(lane)
-        if rollout is None or rollout.done or rollout.response_id != event.response_id:
-            # The response ended as the inject arrived.
-            failed = inject_failed(event, "response_already_completed", stream_id=lane)
-            await self.send_event(failed)
-            return
-        try:
-            rollout.inject(event)
-        except RemoteProtocolError as exc:
-            await self._answer_error(exc, stream_id=lane)
+    async def _answer_error(self, exc: RemoteProtocolError) -> None:
+        await self.lanes.sink(None).answer(exc)
 
     # --- the lanes ---
     def _dispatch(self) -> None:
@@ -631,12 +531,11 @@ class WebSocketConnection:
         assert self._responses is not None
         try:
             while (request := self.protocol.start_next()) is not None:
-                timings = self._decode_timings.pop(id(request), {})
+                timings = self.lanes.timings_of(request)
                 self._responses.start_soon(self._respond, request, timings)
         except LocalProtocolError:  # a bug of ours broke the protocol: the connection is over
             log.exception("a WebSocket connection broke the protocol; closing it")
-            self._closed = True
-            self._queued.set()
+            self._become(_Life.CLOSED)
             self._tasks.cancel()
             return
         if self.protocol.queued or self.protocol.in_flight:
@@ -654,16 +553,16 @@ class WebSocketConnection:
         try:
             if self._past_age_limit():
                 self._age_told = True
-                await self._refuse(lane, self._age_error())
+                await self.lanes.sink(lane).refuse(self._age_error())
                 return
-            await self._run_one(request, timings)
+            await self.lanes.run(request, timings)
         except trio.ClosedResourceError:
             # The client closed the socket while this request was answered: `send_event` can
             # see it closed after taking its lock (a shielded checkpoint, so before the
             # reader's cancellation reaches us). The connection is over; not an error.
             return
         finally:
-            if not self._closed:
+            if self._life < _Life.CLOSED:
                 self._dispatch()
 
     def _past_age_limit(self) -> bool:
@@ -679,74 +578,3 @@ class WebSocketConnection:
                     # (the error first, unsolicited: the client learns why, as a create would)
                     self._responses.start_soon(self._close_when_idle, 1000, self._age_error())
         return self._expired
-
-    async def _run_one(self, request: ResponseCreate, timings: dict[str, float]) -> None:
-        """Run one create (`timings`: its decode's) on its lane."""
-        lane = request.stream_id
-        multi_agent = multi_agent_enabled(request)  # (the connection checked the beta)
-        rollout = (
-            Rollout(self.session, multi_agent=multi_agent)
-            if request.rollout or multi_agent
-            else None
-        )
-        emit = self._emitter(lane, timings, rollout)
-        try:
-            if rollout is not None:
-                self._rollouts[lane] = rollout
-                await self.session.run_rollout(request, emit, rollout, timings=timings)
-            else:
-                await self.session.create(request, emit, timings=timings)
-        except RemoteProtocolError as exc:
-            self.session.engine.counters.request_errors += 1
-            await self._refuse(lane, exc)
-        finally:
-            self._rollouts.pop(lane, None)
-        if rollout is not None:
-            for event in rollout._unanswered():  # the response ended before taking them
-                failed = inject_failed(event, "response_already_completed", stream_id=lane)
-                await self.send_event(failed)
-
-    async def _refuse(self, lane: str | None, error: RemoteProtocolError | ErrorEvent) -> None:
-        """Answer the started create of `lane` with a request error (the connection checks
-        that no event of its response went out)."""
-        text = self.protocol.refuse(error, stream_id=lane)
-        self.session.engine.counters.ws_frame_encoded(text)
-        await self._enqueue({"type": "websocket.send", "text": text}, len(text))
-
-    def _emitter(
-        self, lane: str | None, timings: dict[str, float], rollout: Rollout | None
-    ) -> Callable[[ServerEvent], Awaitable[None]]:
-        """The emitter of one response: its events go out on its lane. With timing frames on,
-        each `response.in_progress` (a create's, and each resumed rollout turn's) is followed
-        by a `rollout.timing` frame with that turn's pre-inference stages: the create's
-        (`timings`, which pre-inference fills), then those of the appends that resumed it."""
-        if not self.timing:
-
-            async def emit(event: ServerEvent) -> None:
-                await self.send_event(event, stream_id=lane)
-
-            return emit
-        turns = 0
-
-        async def emit_timed(event: ServerEvent) -> None:
-            nonlocal turns
-            await self.send_event(event, stream_id=lane)
-            if event.type == "response.in_progress":
-                stages = rollout.timings if turns and rollout is not None else timings
-                turns += 1
-                await self.send_event(
-                    {
-                        "type": "rollout.timing",
-                        "response_id": event.response.id,
-                        "stages": {k: round(v, 9) for k, v in stages.items()},
-                    },
-                    stream_id=lane,
-                )
-
-        return emit_timed
-
-
-def _dumps(obj: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(obj, separators=(",", ":"))

@@ -23,6 +23,7 @@ import httpx
 import pytest
 import trio
 import trio_websocket
+from rollout.engine._ws import WebSocketLimits
 
 from tests.server_harness import fetch_counters, open_test_server, open_ws, parse_metrics
 
@@ -35,7 +36,8 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_usage_recorded(
 ) -> None:
     with trio.fail_after(DEADLINE):
         async with open_test_server(
-            tmp_path, max_buffered_bytes=64 * 1024, send_stall_limit=STALL
+            tmp_path,
+            websocket_limits=WebSocketLimits(max_buffered_bytes=64 * 1024, send_stall_limit=STALL),
         ) as url:
             # The stalled client: a create for ~1M tokens, then it never reads again (its
             # library stops reading the socket once one message waits unread). The server

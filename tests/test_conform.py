@@ -32,6 +32,7 @@ from rich.console import Console
 from rollout import spec
 from rollout.engine import ModelRegistry, ModelSpec, SampleEvent, SampleRequest, SimBackend
 from rollout.engine._serve import ServerConfig, open_server
+from rollout.engine._ws import WebSocketLimits
 from rollout.spec._catalog import CHECKS
 from rollout.spec._checks_errors import ERROR_ROWS
 from rollout.spec._report import print_table
@@ -51,10 +52,11 @@ def server_config(**overrides: Any) -> ServerConfig:
         "port": 0,
         "data_dir": None,
         "api_keys": (API_KEY,),
-        "connection_age_limit": AGE_LIMIT,
+        "websocket_limits": WebSocketLimits(
+            connection_age_limit=AGE_LIMIT, max_queued_creates=MAX_QUEUED
+        ),
         "max_message_size": MAX_MESSAGE_SIZE,
         "rollout_suspend_limit": SUSPEND_LIMIT,
-        "max_queued_creates": MAX_QUEUED,
         "graceful_timeout": 1.0,
     }
     settings.update(overrides)

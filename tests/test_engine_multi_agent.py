@@ -6,7 +6,7 @@
   pre-inference and one post-inference for the whole loop.
 - An inject whose input is refused commits nothing and is answered with the error; the
   response keeps waiting; a response that waits past the suspend limit ends `incomplete`
-  (`rollout_timeout`); injects it never took are handed back (`_unanswered`).
+  (`rollout_timeout`); injects it never took are handed back (`unanswered`).
 - Its queue of injects is bounded (`too_many_queued_requests`).
 - The root agent's attribution is on the wire only: the cached state holds the items as the
   model made them.
@@ -134,8 +134,8 @@ async def test_waiting_past_the_limit_ends_incomplete_and_hands_back_late_inject
             async with engine.session().open_rollout(request()) as rollout:
                 events = [e async for e in rollout]
             late = inject(rollout, "call_late")
-            assert rollout._unanswered() == [late]
-            assert rollout._unanswered() == []
+            assert rollout.unanswered() == [late]
+            assert rollout.unanswered() == []
     final = events[-1]
     assert isinstance(final, p.ResponseIncomplete)
     assert final.response.incomplete_details is not None
@@ -160,7 +160,7 @@ async def test_a_late_injects_input_continues_in_a_new_response(
             call = next(e.item for e in events if isinstance(e, p.OutputItemDone))
             assert isinstance(call, p.FunctionCall)
             inject(rollout, call.call_id)  # too late: the response has ended
-            (late,) = rollout._unanswered()
+            (late,) = rollout.unanswered()
             follow = request(
                 "sim:steps=1,parallel=1",
                 previous_response_id=rollout.response_id,
@@ -245,7 +245,7 @@ async def waited_too_long(session: Session) -> Rollout:
         async for _event in rollout:
             pass
     inject(rollout, "call_late")
-    rollout._unanswered()
+    rollout.unanswered()
     return rollout
 
 

@@ -52,6 +52,7 @@ from rollout.engine._interfaces import (
     TextStart,
 )
 from rollout.engine._sim import SimBackend
+from rollout.engine._sink import CallbackSink
 from rollout.engine._steer import MAX_PENDING_STEERS, QueuedSteer, Steering
 
 DEADLINE = 60
@@ -114,7 +115,7 @@ class Wire:
         await session.create(self.accept(request), self.emit)
 
     async def rollout(self, session: Session, request: p.ResponseCreate, handle: Rollout) -> None:
-        await session.run_rollout(self.accept(request), self.emit, handle)
+        await session.run(self.accept(request), CallbackSink(self.emit), handle)
 
     async def steer(self, session: Session, target: str, value: Any) -> None:
         """Send a steer as a client would; the answer is among `events`."""
@@ -473,7 +474,7 @@ async def test_an_answer_waits_for_the_events_already_built(
             await release.wait()  # the client is slow to read
         sent.append(event)
 
-    steering = Steering(emit)
+    steering = Steering(CallbackSink(emit))
     stream = p.ResponseStream(p.Response(id="resp_1", created_at=0, model="m"))
     steering.open(stream, "resp_1")
     with trio.fail_after(DEADLINE):
@@ -505,7 +506,7 @@ async def test_an_answer_waits_for_the_events_already_built(
 
 
 async def test_a_response_that_is_ending_takes_no_more_input() -> None:
-    steering = Steering(_ignore)
+    steering = Steering(CallbackSink(_ignore))
     steering.open(p.ResponseStream(p.Response(id="resp_1", created_at=0, model="m")), "resp_1")
     steering.close()  # the end is decided
     failed = await steering.submit(p.ResponseSteer(previous_response_id="resp_1", input="x"))

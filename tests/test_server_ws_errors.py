@@ -20,6 +20,7 @@ import pytest
 import trio
 import trio_websocket
 from rollout import protocol as p
+from rollout.engine._ws import WebSocketLimits
 
 from tests.server_harness import (
     WEATHER_TOOLS,
@@ -410,7 +411,10 @@ async def test_too_many_queued_creates() -> None:
     """With one create allowed in the queue, the third of three sent at once is refused
     (429); the first two run to completion in the order sent."""
     with trio.fail_after(DEADLINE):
-        async with open_test_server(max_queued_creates=1) as url, open_ws(url) as client:
+        async with (
+            open_test_server(websocket_limits=WebSocketLimits(max_queued_creates=1)) as url,
+            open_ws(url) as client,
+        ):
             for n in range(3):
                 await client.send(
                     create(
@@ -441,7 +445,10 @@ async def test_connection_age_limit() -> None:
     response runs. (An idle connection past its age closes at once, without a create, after
     an unsolicited `websocket_connection_limit_reached` error.)"""
     with trio.fail_after(DEADLINE):
-        async with open_test_server(connection_age_limit=0.5) as url, open_ws(url) as client:
+        async with (
+            open_test_server(websocket_limits=WebSocketLimits(connection_age_limit=0.5)) as url,
+            open_ws(url) as client,
+        ):
             # One second of streaming, then a create queued behind it on its lane: it starts
             # past the age limit.
             await client.send(create(model="sim:tokens=40,tps=40", store=False))
@@ -465,7 +472,10 @@ async def test_connection_age_limit() -> None:
                 )
             # No response was started for the second request.
             assert [f["type"] for f in client.raw].count("response.created") == 1
-        async with open_test_server(connection_age_limit=0.5) as url, open_ws(url) as client:
+        async with (
+            open_test_server(websocket_limits=WebSocketLimits(connection_age_limit=0.5)) as url,
+            open_ws(url) as client,
+        ):
             # Idle past its age: the error says why, unsolicited, then the close.
             error = await client.error()
             assert error.error.code == "websocket_connection_limit_reached"

@@ -453,8 +453,8 @@ async def test_every_lane_busy_holds_a_bounded_number_of_creates(
             await trio.testing.wait_all_tasks_blocked()
             assert conn.protocol.in_flight == p.DEFAULT_MAX_IN_FLIGHT
             assert conn.protocol.queued == p.DEFAULT_MAX_QUEUED_CREATES
-            assert len(conn._decode_timings) == p.DEFAULT_MAX_QUEUED_CREATES
-            assert len(conn._rollouts) == p.DEFAULT_MAX_IN_FLIGHT
+            assert len(conn.lanes._decode_timings) == p.DEFAULT_MAX_QUEUED_CREATES
+            assert len(conn.lanes._rollouts) == p.DEFAULT_MAX_IN_FLIGHT
             assert {(f.event["status"], f.event["error"]["code"]) for f in refused} == {
                 (429, "too_many_queued_requests")
             }
@@ -482,7 +482,7 @@ async def test_every_lane_busy_holds_a_bounded_number_of_creates(
                     assert frame.type != "error", frame.event
             await trio.testing.wait_all_tasks_blocked()
             assert conn.protocol.in_flight == conn.protocol.queued == 0
-            assert not conn._decode_timings and not conn._rollouts
+            assert not conn.lanes._decode_timings and not conn.lanes._rollouts
             assert not peer.client.awaiting
 
 
