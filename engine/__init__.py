@@ -72,6 +72,7 @@ from ._store import SQLiteResponseStore, open_sqlite_store
 from ._tokenizer import O200kTokenizer
 from ._upstream import UpstreamBackend, UpstreamConfig
 from ._validate import ConversationValidator, Validator
+from ._ws import WebSocketLimits
 
 __version__ = "0.1.0"
 
@@ -127,6 +128,7 @@ __all__ = [
     "UsageLedger",
     "UsageRecord",
     "Validator",
+    "WebSocketLimits",
     "default_classifiers",
     "default_registry",
     "load_registry",

@@ -62,9 +62,22 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 
-from . import _events as ev
 from ._errors import LocalProtocolError
-from ._events import RESPONSE_END_TYPES, ServerEvent, SseErrorEvent
+from ._events import (
+    RESPONSE_END_TYPES,
+    ContentPartAdded,
+    ContentPartDone,
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputTextDelta,
+    OutputTextDone,
+    ServerEvent,
+    SseErrorEvent,
+)
 from ._items import CustomToolCall, FunctionCall, Message
 
 __all__ = [
@@ -606,12 +619,12 @@ class ResponseTracker:
         return self.phase in (Phase.QUEUED, Phase.CREATED, Phase.RUNNING, Phase.SUSPENDED)
 
 
-_PART_EVENTS = (ev.OutputTextDelta, ev.OutputTextDone, ev.ContentPartAdded, ev.ContentPartDone)
+_PART_EVENTS = (OutputTextDelta, OutputTextDone, ContentPartAdded, ContentPartDone)
 _CALL_EVENTS = (
-    ev.FunctionCallArgumentsDelta,
-    ev.FunctionCallArgumentsDone,
-    ev.CustomToolCallInputDelta,
-    ev.CustomToolCallInputDone,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
 )
 _STREAMED_ITEMS = (Message, FunctionCall, CustomToolCall)
 
@@ -636,7 +649,7 @@ def advance_item(tracker: ResponseTracker, event: ServerEvent) -> Move:
             output_index=event.output_index,
             item_id=event.item_id,
         )
-    if isinstance(event, ev.OutputItemAdded):
+    if isinstance(event, OutputItemAdded):
         item = event.item
         streamed = isinstance(item, _STREAMED_ITEMS)
         return tracker.advance(
@@ -647,7 +660,7 @@ def advance_item(tracker: ResponseTracker, event: ServerEvent) -> Move:
             item_id=item.id if streamed else None,
             item_type=item.type if streamed else None,
         )
-    if isinstance(event, ev.OutputItemDone):
+    if isinstance(event, OutputItemDone):
         return tracker.advance(
             event.type, event.sequence_number, None, output_index=event.output_index
         )
@@ -661,11 +674,11 @@ def item_fields(event: ServerEvent | SseErrorEvent) -> tuple[object, object, obj
         return event.output_index, event.content_index, event.item_id, None
     if isinstance(event, _CALL_EVENTS):
         return event.output_index, None, event.item_id, None
-    if isinstance(event, ev.OutputItemAdded):
+    if isinstance(event, OutputItemAdded):
         item = event.item
         if isinstance(item, _STREAMED_ITEMS):
             return event.output_index, None, item.id, item.type
         return event.output_index, None, None, None
-    if isinstance(event, ev.OutputItemDone):
+    if isinstance(event, OutputItemDone):
         return event.output_index, None, None, None
     return None, None, None, None
