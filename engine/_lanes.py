@@ -25,7 +25,6 @@ from rollout.protocol import (
     Phase,
     RemoteProtocolError,
     ResponseCreate,
-    ResponseTracker,
     ServerConnection,
     ServerEvent,
     inject_failed,
@@ -52,13 +51,6 @@ class LaneSink:
         self._counters = counters
         self._outbox = outbox
         self.lane = lane  # None: the default lane, or the lane the event itself names
-
-    @property
-    def tracker(self) -> ResponseTracker | None:
-        """The tracker of this sink's lane, which the response's builder drives (`TrackedSink`):
-        `send` then checks only that the events go out as they were built."""
-        lane = self._protocol.lane(self.lane)
-        return lane.tracker if lane is not None else None
 
     async def send(self, event: ServerEvent) -> None:
         """Check, encode, count and queue one event (waits while the outbox is full; raises

@@ -15,7 +15,6 @@ import trio
 from rollout.engine import open_engine
 from rollout.engine._outbox import Outbox
 from rollout.engine._ws import WebSocketConnection, WebSocketLimits
-from rollout.protocol import ResponseTracker
 
 DEADLINE = 30
 
@@ -66,38 +65,3 @@ async def test_a_delta_goes_down_from_the_sampling_turn_to_the_outbox_in_one_cha
         "_rollout.py",
         "_rollout.py",
     ]
-
-
-async def test_each_event_of_a_lane_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The response's builder drives its lane's tracker (`TrackedSink`): the connection's
-    `send` does not check the same event again."""
-    checked: list[str] = []
-    advance = ResponseTracker.advance
-
-    def advance_counted(self: ResponseTracker, event_type: str, *a: Any, **kw: Any) -> Any:
-        checked.append(event_type)
-        return advance(self, event_type, *a, **kw)
-
-    monkeypatch.setattr(ResponseTracker, "advance", advance_counted)
-    inbox_send, inbox_recv = trio.open_memory_channel[dict[str, Any]](math.inf)
-    outbox_send, outbox_recv = trio.open_memory_channel[dict[str, Any]](math.inf)
-    sent: list[str] = []
-    with trio.fail_after(DEADLINE):
-        async with open_engine() as engine, trio.open_nursery() as nursery:
-            conn = WebSocketConnection(
-                engine.session(owner="k"),
-                outbox_send.send,
-                inbox_recv.receive,
-                limits=WebSocketLimits(ping_interval=math.inf),
-            )
-            nursery.start_soon(conn.run)
-            create = {"type": "response.create", "model": "sim:tokens=4", "input": "Hi"}
-            await inbox_send.send({"type": "websocket.receive", "text": json.dumps(create)})
-            while (kind := json.loads((await outbox_recv.receive())["text"])["type"]) != (
-                "response.completed"
-            ):
-                sent.append(kind)
-            sent.append(kind)
-            await inbox_send.send({"type": "websocket.disconnect"})
-    assert len(sent) > 8  # created, in_progress, the message's events, completed
-    assert checked == sent

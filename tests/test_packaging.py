@@ -93,7 +93,6 @@ EXPECTED_PROTOCOL_NAMES = {
     "BuilderState",
     "InvalidToolPayload",
     "ResponseStream",
-    "ResponseTracker",
     "iter_chunks",
     # client events
     "ClientEvent",
