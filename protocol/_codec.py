@@ -435,7 +435,7 @@ def _encode_delta(
         return None
     parts = ['{"type":', _json_str(event.type)]
     for name, integer in fields:
-        value = getattr(event, name)
+        value = getattr(event, name)  # (see above: the table names the fields)
         if integer and type(value) is int:
             parts += (',"', name, '":', str(value))
         elif not integer and type(value) is str:
