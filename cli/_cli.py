@@ -292,7 +292,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=_POSITIVE_INT,
         default=DEFAULT_MAX_BUFFERED_BYTES,
         metavar="BYTES",
-        help="bytes of outgoing frames a WebSocket holds for a slow reader "
+        help="bytes of outgoing frames a WebSocket (or an SSE response) holds for a slow reader "
         f"(default {DEFAULT_MAX_BUFFERED_BYTES})",
     )
     p.add_argument(

@@ -207,8 +207,9 @@ class RolloutApp:
         (with `/*`, trailing slashes are ignored); the id patterns end in `$`, which also
         takes one trailing newline (a `%0A`), as these routes always have."""
         size = self.config.max_message_size
-        responses = ResponsesApi(self.engine, max_message_size=size)
-        chat = ChatApi(self.engine, max_message_size=size)
+        buffered = self.config.ws_limits.max_buffered_bytes  # (an SSE response's outbox too)
+        responses = ResponsesApi(self.engine, max_message_size=size, max_buffered_bytes=buffered)
+        chat = ChatApi(self.engine, max_message_size=size, max_buffered_bytes=buffered)
         return (
             _route(r"/healthz\Z", public=True, ANY=self._health),
             _route(r"/metrics\Z", ANY=self._metrics_text),

@@ -16,21 +16,24 @@ from rollout.protocol import RemoteProtocolError, ResponseCreate
 from ._asgi import HttpRequest, read_json, send_json
 from ._chat_serve import ChatCompletionEmitter, request_from_chat
 from ._engine import Engine
-from ._http_stream import EventStream, run_until_disconnect, sse_data
+from ._http_stream import EventStream, sse_data
 
 __all__ = ["ChatApi"]
 
 
 class ChatApi:
-    def __init__(self, engine: Engine, *, max_message_size: int) -> None:
+    def __init__(self, engine: Engine, *, max_message_size: int, max_buffered_bytes: int) -> None:
         self.engine = engine
         self.max_message_size = max_message_size
+        self.max_buffered_bytes = max_buffered_bytes  # a streamed completion's queued chunks
 
     async def completions(self, req: HttpRequest) -> int:
         body, request = await read_json(req.receive, self.max_message_size, _decode_chat)
         streaming = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        stream = EventStream(req.send, counters=self.engine.counters)
+        stream = EventStream(
+            req.send, counters=self.engine.counters, max_buffered_bytes=self.max_buffered_bytes
+        )
         emitter = ChatCompletionEmitter(
             request.model or "",
             stream=streaming,
@@ -38,7 +41,7 @@ class ChatApi:
             send_chunk=lambda chunk: stream.frame(sse_data(chunk)),
         )
         session = self.engine.session(owner=req.owner, max_cached_responses=1)
-        error = await run_until_disconnect(req.receive, session.create(request, emitter))
+        error = await stream.serve(req.receive, session.create(request, emitter))
         if error is not None and not stream.started:
             raise error
         if emitter.error is not None:

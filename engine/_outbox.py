@@ -104,6 +104,10 @@ class Outbox:
             await self._queued.wait()
         return self._frames.popleft()
 
+    def get_nowait(self) -> tuple[dict[str, Any], int] | None:
+        """The next frame if one is queued (a writer gathering frames into one write)."""
+        return self._frames.popleft() if self._frames else None
+
     def written(self, size: int) -> None:
         """The frame taken last is written (or failed): its room is free."""
         self.buffered -= size

@@ -38,9 +38,10 @@ class ResponsesApi:
     """The `/v1/responses` routes over one engine. HTTP requests are stateless: each gets a
     throwaway session (previous_response_id resolves through the store)."""
 
-    def __init__(self, engine: Engine, *, max_message_size: int) -> None:
+    def __init__(self, engine: Engine, *, max_message_size: int, max_buffered_bytes: int) -> None:
         self.engine = engine
         self.max_message_size = max_message_size
+        self.max_buffered_bytes = max_buffered_bytes  # an SSE response's queued events
 
     def _session(self, owner: str | None) -> Session:
         return self.engine.session(owner=owner, max_cached_responses=1)
@@ -96,14 +97,13 @@ class ResponsesApi:
             req.send,
             lambda: [(b"server-timing", _server_timing(session.last_timings).encode())],
             counters=self.engine.counters,
+            max_buffered_bytes=self.max_buffered_bytes,
         )
 
         async def emit(event: ServerEvent) -> None:
             await stream.frame(sse_event(event))
 
-        error = await run_until_disconnect(
-            req.receive, session.create(request, emit, timings=timings)
-        )
+        error = await stream.serve(req.receive, session.create(request, emit, timings=timings))
         if error is not None:
             raise error
         return await stream.end()
