@@ -82,7 +82,7 @@ from ._http_limits import (
 )
 from ._metrics import MetricsExporter
 from ._responses_api import ResponsesApi
-from ._transport import TRANSPORT_EXTENSION, WriteWatch
+from ._transport import TRANSPORT_EXTENSION, WriteWatch, WriteWatchdog
 from ._trim import release_freed_memory
 from ._ws import WebSocketConnection, WebSocketLimits
 
@@ -201,6 +201,8 @@ class RolloutApp:
         self._access_log = access_log if config.access_log else _NO_ACCESS_LOG
         self.metrics = MetricsExporter(engine, self, shared_dir=config.metrics_dir)
         self._routes = self._route_table()
+        # Every HTTP request's writes, watched by one task (started with the lifespan).
+        self._watchdog = WriteWatchdog(config.ws_limits.send_stall_limit)
 
     def _route_table(self) -> tuple[Route, ...]:
         """Tried in order, each pattern from the start of the path. Fixed paths end in `\\Z`
@@ -238,14 +240,19 @@ class RolloutApp:
             await self._lifespan(receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                self.shutting_down.set()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        """Startup starts the HTTP write watchdog, which runs until shutdown."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    if math.isfinite(self._watchdog.limit) and not self._watchdog.running:
+                        nursery.start_soon(self._watchdog.run)
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    self.shutting_down.set()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    nursery.cancel_scope.cancel()
+                    return
 
     # --- WebSocket ---
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -378,7 +385,15 @@ class RolloutApp:
             await self._http_request(scope, receive, send)
             return
         watch = WriteWatch(send, transport, limit, functools.partial(self._http_stalled, scope))
-        async with trio.open_nursery() as nursery:
+        watchdog = self._watchdog
+        if watchdog.running:
+            watchdog.add(watch)
+            try:
+                await self._http_request(scope, receive, watch.send)
+            finally:
+                watchdog.discard(watch)
+            return
+        async with trio.open_nursery() as nursery:  # (served without lifespan: no watchdog)
             nursery.start_soon(watch.watch)
             try:
                 await self._http_request(scope, receive, watch.send)

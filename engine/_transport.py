@@ -20,10 +20,10 @@ pongs, so it cannot tell a peer that stopped answering.
 
 An HTTP response's writes are shielded the same way: a client that stops reading a
 server-sent-event stream (or a large JSON body) holds the write, the response and the
-connection's buffers for as long as it likes. `WriteWatch` times each write of one request
-and, beside it, resets the connection once a write has waited `limit`: hypercorn then tells the
-app `http.disconnect`, which cancels the response (its usage recorded as for any client that
-leaves).
+connection's buffers for as long as it likes. `WriteWatch` times each write of one request,
+and the server's one `WriteWatchdog` task resets the connection of any request whose write has
+waited `limit`: hypercorn then tells the app `http.disconnect`, which cancels the response (its
+usage recorded as for any client that leaves).
 
 `offer_transport()` patches hypercorn's `WSStream.handle` and `HTTPStream.handle`
 (idempotent) so that each WebSocket's and HTTP request's ASGI scope carries
@@ -52,7 +52,13 @@ from typing import Any
 
 import trio
 
-__all__ = ["TRANSPORT_EXTENSION", "HypercornTransport", "WriteWatch", "offer_transport"]
+__all__ = [
+    "TRANSPORT_EXTENSION",
+    "HypercornTransport",
+    "WriteWatch",
+    "WriteWatchdog",
+    "offer_transport",
+]
 
 # The ASGI scope extension holding a WebSocket's `HypercornTransport`.
 TRANSPORT_EXTENSION = "rollout.transport"
@@ -157,10 +163,11 @@ class _WithTransport:
 
 
 class WriteWatch:
-    """One HTTP request's writes, timed (`send` wraps the ASGI send); `watch()`, run beside
-    the request, resets its TCP connection through `transport` once a write has waited
-    `limit` seconds, and calls `on_stall` (no later than 1.5 x `limit` after the write
-    began: an idle watch looks every `limit / 2`)."""
+    """One HTTP request's writes, timed (`send` wraps the ASGI send). A write held `limit`
+    seconds resets the request's TCP connection through `transport` and calls `on_stall`:
+    found by the server's `WriteWatchdog`, or where the server runs none (an app served
+    without lifespan) by `watch()`, run beside the request. Either looks every `limit / 2`,
+    so a held write is cut off no later than 1.5 x `limit` after it began."""
 
     def __init__(
         self,
@@ -182,16 +189,54 @@ class WriteWatch:
         finally:
             self._started = None
 
+    def overdue(self, now: float) -> bool:
+        """A write has been held `limit` seconds by `now`: the connection is reset (once)."""
+        started = self._started
+        if started is None or now < started + self.limit:
+            return False
+        if self._transport is not None and self._transport.abort():
+            self._on_stall()
+        return True
+
     async def watch(self) -> None:
-        while True:
-            started, now = self._started, trio.current_time()
-            if started is not None and now >= started + self.limit:
-                if self._transport is not None and self._transport.abort():
-                    self._on_stall()
-                return
+        while not self.overdue(now := trio.current_time()):
+            started = self._started
             await trio.sleep_until(
                 started + self.limit if started is not None else now + self.limit / 2
             )
+
+
+class WriteWatchdog:
+    """The write watches of every HTTP request in flight, looked over by one task (`run`,
+    beside the server: the app starts it with its lifespan) instead of a task beside each
+    request. A request `add`s its watch and `discard`s it when done; every `limit / 2` the
+    task asks each watch whether a write is `overdue`. The set holds one entry per request in
+    flight (bounded by the server's connections)."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.running = False  # `run` is looking: requests need no watch task of their own
+        self._watches: set[WriteWatch] = set()
+
+    def add(self, watch: WriteWatch) -> None:
+        self._watches.add(watch)
+
+    def discard(self, watch: WriteWatch) -> None:
+        self._watches.discard(watch)
+
+    def __len__(self) -> int:
+        return len(self._watches)
+
+    async def run(self) -> None:
+        self.running = True
+        try:
+            while True:
+                await trio.sleep(self.limit / 2)
+                now = trio.current_time()
+                for watch in [w for w in self._watches if w.overdue(now)]:
+                    self._watches.discard(watch)
+        finally:
+            self.running = False
 
 
 def offer_transport() -> None:
