@@ -22,10 +22,12 @@ counted. Four clients (`MODES`): a WebSocket chain (`previous_response_id`), an 
 WebSocket stateless client (the whole history in each `response.create`). Every conversation
 has its own API key, so each starts cold in the server's owner-scoped caches; the content is
 the same, so the upstream must receive the same bytes from every client (checked: a digest of
-every upstream body, per turn, compared across clients).
+every upstream body, per turn, compared across clients). A repetition's conversations run side
+by side, a turn of each in turn (`run_conversations`), so a machine whose speed drifts between
+minutes moves every point alike.
 
 The stage table is the server's own `rollout_stage_seconds` (from `/metrics`, before and after
-each conversation's counted turns), per turn; what the stages do not cover is the transport
+each counted turn), per turn; what the stages do not cover is the transport
 (the client library, the kernel, hypercorn's framing).
 
 Goals (`GOALS`), on medians of the counted turns of every repetition: the WebSocket chain at
@@ -181,10 +183,17 @@ class _UpstreamProcess:
     def __init__(self, port: int, client: httpx.AsyncClient) -> None:
         self.port = port
         self.client = client
+        self.seen = 0  # arrivals taken by `new_arrivals` so far
 
     async def arrivals(self, since: int) -> list[Arrival]:
         answer = await self.client.get(f"http://127.0.0.1:{self.port}/arrivals?since={since}")
         return [Arrival(at=a, nbytes=n, digest=d) for a, n, d in answer.json()]
+
+    async def new_arrivals(self) -> list[Arrival]:
+        """The arrivals since the last call."""
+        arrived = await self.arrivals(self.seen)
+        self.seen += len(arrived)
+        return arrived
 
 
 @asynccontextmanager
@@ -529,6 +538,83 @@ def _finished(mode: str, event: dict[str, Any]) -> dict[str, Any]:
     return response
 
 
+class _Conversation:
+    """One conversation of one client: its turns, taken one at a time (`step`), and the
+    server's stage seconds of its counted turns."""
+
+    def __init__(
+        self,
+        mode: str,
+        endpoint: Endpoint,
+        size: int,
+        plan: GatewayPlan,
+        upstream: _UpstreamProcess,
+    ) -> None:
+        self.mode = mode
+        self.size = size
+        self.plan = plan
+        self.upstream = upstream
+        self.client = _Client(mode, endpoint, size, plan)
+        self.turn = 0
+        self.turns: list[TurnResult] = []
+        self.stages: dict[str, float] = {}
+
+    async def step(self, metrics: Callable[[], Any]) -> None:
+        """One turn; a counted turn's stages are the server's stage sums just before and
+        just after it (nothing else runs on the server in between)."""
+        turn, plan = self.turn, self.plan
+        counted = turn >= plan.warm
+        before = await metrics() if counted else {}
+        sent, ended, nbytes, response = await self.client.turn()
+        arrived = await self.upstream.new_arrivals()
+        if len(arrived) != 1:
+            raise ServerError(
+                f"{self.mode}: turn {turn} made {len(arrived)} upstream requests, not one"
+            )
+        if counted:
+            after = await metrics()
+            for k, v in after.items():
+                self.stages[k] = self.stages.get(k, 0.0) + v - before.get(k, 0.0)
+            self.turns.append(
+                TurnResult(
+                    overhead=arrived[0].at - sent,
+                    turn_time=ended - sent,
+                    request_bytes=nbytes,
+                    upstream_bytes=arrived[0].nbytes,
+                    digest=arrived[0].digest,
+                )
+            )
+        self.client.next_input(response, turn)
+        self.turn += 1
+
+    def result(self) -> dict[str, Any]:
+        stages = {k: v / self.plan.turns for k, v in self.stages.items()}
+        return {
+            "mode": self.mode,
+            "size": self.size,
+            "history_bytes": len(_dumps(history(self.size)).encode()),
+            "turns": [attrs.asdict(t) for t in self.turns],
+            "stages_s": {k: v for k, v in sorted(stages.items()) if v > 0},
+        }
+
+
+async def run_conversations(
+    conversations: list[_Conversation], metrics: Callable[[], Any]
+) -> list[dict[str, Any]]:
+    """The conversations side by side, a turn of each in turn (their order rotating each
+    round), so every client and size is measured in the same minutes: a machine whose speed
+    drifts between minutes moves them all alike, and the ratios between them hold."""
+    async with AsyncExitStack() as stack:
+        for conversation in conversations:
+            await conversation.client.open(stack)
+        rounds = conversations[0].plan.warm + conversations[0].plan.turns
+        for n in range(rounds):
+            shift = n % len(conversations)
+            for conversation in [*conversations[shift:], *conversations[:shift]]:
+                await conversation.step(metrics)
+    return [c.result() for c in conversations]
+
+
 async def run_conversation(
     mode: str,
     endpoint: Endpoint,
@@ -537,44 +623,10 @@ async def run_conversation(
     upstream: _UpstreamProcess,
     metrics: Callable[[], Any],
 ) -> dict[str, Any]:
-    """One conversation: its counted turns and the server's stage seconds per counted turn."""
-    client = _Client(mode, endpoint, size, plan)
-    turns: list[TurnResult] = []
-    stages: dict[str, float] = {}
-    async with AsyncExitStack() as stack:
-        await client.open(stack)
-        before: dict[str, float] = {}
-        count = len(await upstream.arrivals(0))
-        for turn in range(plan.warm + plan.turns):
-            if turn == plan.warm:
-                before = await metrics()
-            sent, ended, nbytes, response = await client.turn()
-            arrived = await upstream.arrivals(count)
-            count += len(arrived)
-            if len(arrived) != 1:
-                raise ServerError(
-                    f"{mode}: turn {turn} made {len(arrived)} upstream requests, not one"
-                )
-            if turn >= plan.warm:
-                turns.append(
-                    TurnResult(
-                        overhead=arrived[0].at - sent,
-                        turn_time=ended - sent,
-                        request_bytes=nbytes,
-                        upstream_bytes=arrived[0].nbytes,
-                        digest=arrived[0].digest,
-                    )
-                )
-            client.next_input(response, turn)
-        after = await metrics()
-    stages = {k: (after.get(k, 0.0) - before.get(k, 0.0)) / plan.turns for k in after}
-    return {
-        "mode": mode,
-        "size": size,
-        "history_bytes": len(_dumps(history(size)).encode()),
-        "turns": [attrs.asdict(t) for t in turns],
-        "stages_s": {k: v for k, v in sorted(stages.items()) if v > 0},
-    }
+    """One conversation alone: its counted turns and the server's stage seconds per counted
+    turn."""
+    conversation = _Conversation(mode, endpoint, size, plan, upstream)
+    return (await run_conversations([conversation], metrics))[0]
 
 
 @asynccontextmanager
@@ -613,16 +665,21 @@ async def run_gateway(
             warm = attrs.evolve(plan, warm=1, turns=1)
             await run_conversation(mode, endpoint, plan.sizes[0], warm, upstream, metrics)
         for rep in range(plan.repetitions):
-            for size in plan.sizes:
-                shift = rep % len(plan.modes)
-                for mode in [*plan.modes[shift:], *plan.modes[:shift]]:
-                    progress(f"repetition {rep + 1}/{plan.repetitions}: {mode} at ~{size}")
-                    key = conversation_key(mode, size, rep)
-                    run = await run_conversation(
-                        mode, attrs.evolve(base, api_key=key), size, plan, upstream, metrics
-                    )
-                    run["repetition"] = rep
-                    runs.append(run)
+            progress(f"repetition {rep + 1}/{plan.repetitions}: every client at every size")
+            conversations = [
+                _Conversation(
+                    mode,
+                    attrs.evolve(base, api_key=conversation_key(mode, size, rep)),
+                    size,
+                    plan,
+                    upstream,
+                )
+                for size in plan.sizes
+                for mode in plan.modes
+            ]
+            for run in await run_conversations(conversations, metrics):
+                run["repetition"] = rep
+                runs.append(run)
     return build_results(plan, runs, started)
 
 
