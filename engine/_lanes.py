@@ -8,11 +8,17 @@ for the in-flight deliveries (`_deliveries.py`) while it runs; the session runs 
 response never took are answered `response_already_completed` once it has ended.
 
 A `LaneSink` is the per-event path to the socket, one downward chain: the connection's
-protocol checks the event against its lane's grammar and encodes it, the counters count the
-frame, the outbox queues it (and holds the response there while the client reads slower than
-it samples: backpressure). With timing frames on (`x-rollout-timing`), a `TimedLaneSink`
-follows each `response.in_progress` (a create's, and each resumed rollout turn's) with a
-`rollout.timing` frame: that turn's pre-inference stages.
+protocol encodes the event, the counters count the frame, the outbox queues it (and holds the
+response there while the client reads slower than it samples: backpressure). Each event is
+checked once, where it is built: the sink is a `TrackedSink` (`_sink.py`) whose `tracker`, its
+lane's, the response's builder drives, so the protocol only checks that the events go out in
+the order they were built. The lane stays busy until the last event built for it went out (a
+terminal event built while its response commits holds the lane: `Lane.free`), so a response's
+tracker passes to the next create, or to a steered successor, only with nothing unsent.
+
+With timing frames on (`x-rollout-timing`), a `TimedLaneSink` follows each
+`response.in_progress` (a create's, and each resumed rollout turn's) with a `rollout.timing`
+frame: that turn's pre-inference stages.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from typing import Any
 
 from rollout.protocol import (
     ErrorEvent,
-    Phase,
     RemoteProtocolError,
     ResponseCreate,
+    ResponseInProgress,
+    ResponseRef,
+    ResponseTracker,
     ServerConnection,
     ServerEvent,
     inject_failed,
@@ -52,20 +60,25 @@ class LaneSink:
         self._outbox = outbox
         self.lane = lane  # None: the default lane, or the lane the event itself names
 
+    @property
+    def tracker(self) -> ResponseTracker | None:
+        """The tracker of this sink's lane, which the response's builder drives (`TrackedSink`):
+        `send` then checks only that the events go out as they were built."""
+        lane = self._protocol.lane(self.lane)
+        return lane.tracker if lane is not None else None
+
     async def send(self, event: ServerEvent) -> None:
         """Check, encode, count and queue one event (waits while the outbox is full; raises
         `SlowConsumer` when it stays full for the stall limit, `ClosedResourceError` once the
         connection closed)."""
-        protocol = self._protocol
-        lane = self.lane
         # A rollout's suspension events: its response.done and the response.in_progress that
-        # resumes it (counted apart: they must not grow with the rollout, RX-2.5).
-        kind = event.type
-        suspension = kind == "response.done"
-        if kind == "response.in_progress":
-            state = protocol.lane(lane if lane is not None else event.stream_id)
-            suspension = state is not None and state.phase is Phase.SUSPENDED
-        text = protocol.send(event, stream_id=lane)
+        # resumes it (counted apart: they must not grow with the rollout, RX-2.5). A resume
+        # names its response (`ResponseRef`), a start carries it: told apart by the event
+        # itself, not by the lane's phase (which the builder moved when it built the event).
+        suspension = event.type == "response.done" or (
+            isinstance(event, ResponseInProgress) and isinstance(event.response, ResponseRef)
+        )
+        text = self._protocol.send(event, stream_id=self.lane)
         self._counters.ws_frame_encoded(text, suspension=suspension)
         await self._outbox.put({"type": "websocket.send", "text": text}, len(text))
 

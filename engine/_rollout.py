@@ -102,7 +102,7 @@ from ._interfaces import Flag, Holder, StoredResponse, UsageRecord
 from ._postinfer import PostJob, WriteFailed
 from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
-from ._sink import Emit, EventSink
+from ._sink import Emit, EventSink, TrackedSink
 from ._state import ResponseState
 from ._steer import Steering, steering_unsupported
 from ._suspend import Rollout
@@ -220,7 +220,9 @@ class _Run:
         self.rollout = rollout
         self.prepared = prepared
         self.response = _new_response(request, self.engine.now())
-        self.stream = ResponseStream(self.response)
+        # On a WebSocket lane the builder drives the lane's tracker: each event checked once.
+        tracker = sink.tracker if isinstance(sink, TrackedSink) else None
+        self.stream = ResponseStream(self.response, tracker=tracker)
         self.records: list[UsageRecord] = []  # one per sampling step
         self.total = Usage()
         self.progress = Progress()  # of the step being sampled

@@ -12,11 +12,11 @@ again.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from rollout.protocol import ServerEvent
+from rollout.protocol import ResponseTracker, ServerEvent
 
-__all__ = ["DISCARD", "CallbackSink", "Emit", "EventSink"]
+__all__ = ["DISCARD", "CallbackSink", "Emit", "EventSink", "TrackedSink"]
 
 Emit = Callable[[ServerEvent], Awaitable[None]]
 
@@ -30,6 +30,18 @@ class EventSink(Protocol):
 
     def close(self) -> None:
         """No response sends into this sink again."""
+        ...
+
+
+@runtime_checkable
+class TrackedSink(EventSink, Protocol):
+    """A sink that checks each event against the protocol's tracker on its way out (a
+    WebSocket lane's): the response's builder drives that same tracker (`ResponseStream`'s
+    `tracker`), so each event is checked once, where it is built."""
+
+    @property
+    def tracker(self) -> ResponseTracker | None:
+        """The tracker of the sink's lane (None: none yet)."""
         ...
 
 

@@ -136,7 +136,7 @@ from ._sse import (
     encode_sse,
     encode_sse_event,
 )
-from ._state import Move, Phase, sequence_problem
+from ._state import Move, Phase, ResponseTracker, sequence_problem
 from ._steer import (
     OUT_OF_STREAM,
     STEER_EVENT_TYPES,
@@ -275,6 +275,7 @@ __all__ = [
     "ResponseSteerFailed",
     "ResponseSteerPending",
     "ResponseStream",
+    "ResponseTracker",
     "RootAgentView",
     "ServerConnection",
     "ServerEvent",

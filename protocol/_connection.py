@@ -39,7 +39,9 @@ that breaks it raises `LocalProtocolError`, and the connection refuses further u
 is checked once: a response built by a `ResponseStream` given its lane's tracker
 (`ResponseStream(response, tracker=connection.lane(stream_id).tracker)`, after
 `start_next`) was checked as it was built, and `send` checks only that its events go out in
-the order built (and the steering answers numbered in its stream, in full).
+the order built (and the steering answers numbered in its stream, in full). Such a tracker's
+phase is what was built: the lane stays busy (`Lane.free`) until every event built for it
+went out, so the next create starts only after the previous response's terminal event.
 
 The client's side is `ClientConnection` (`_client_connection.py`), following the same rules.
 
@@ -205,10 +207,16 @@ class Lane:
 
     @property
     def free(self) -> bool:
-        """No response runs, and the last one owes no answer to steering input it accepted
-        (its `response.steer.pending`, a failure, or its successor)."""
+        """No response runs, the last one owes no answer to steering input it accepted (its
+        `response.steer.pending`, a failure, or its successor), and every event its builder
+        built went out (a builder driving the tracker moves it when it builds an event: the
+        slot is not free until the terminal event it built was sent)."""
         tracker = self.tracker
-        return tracker.phase is Phase.IDLE and not (tracker.ended and tracker.steers_owed)
+        return (
+            tracker.phase is Phase.IDLE
+            and not (tracker.ended and tracker.steers_owed)
+            and not tracker.unsent
+        )
 
     @property
     def queued(self) -> int:

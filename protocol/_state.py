@@ -51,7 +51,8 @@ client's connection re-raises it as the peer's (`RemoteProtocolError`), as h11 d
 
 One tracker, three drivers: the builder (`_builder.py`'s `ResponseStream` checks each event
 as it builds it), the server's connection (each event it sends; once only, when the lane's
-builder drives the lane's tracker: `driven`, `send_built`), and the client's connection
+builder drives the lane's tracker: `driven`, `send_built`; the slot passes to another
+response only once nothing built is `unsent`), and the client's connection
 (each event it receives, which is also how `spec/`'s order analysis replays a stream). The
 per-event path (an item, part or delta event of a running response) reads string-keyed rows
 compiled from `ITEM_TRANSITIONS` and hashes no enum.
@@ -392,6 +393,21 @@ class ResponseTracker:
         self.parts = 0  # the open message's content parts done (the next content_index)
         self.next_output_index = first_output_index
 
+    @property
+    def unsent(self) -> int:
+        """Events a driving builder built that have not gone out yet (0 when no builder
+        drives this tracker: then nothing is ahead of what was sent)."""
+        return self.next_sequence_number - self.sent if self.driven else 0
+
+    def _check_all_sent(self, what: str) -> None:
+        """The slot passes to another response only once every event the last one built
+        went out: the tracker is shared (a builder drives it), its phase is what was built."""
+        if self.driven and self.sent < self.next_sequence_number:
+            raise LocalProtocolError(
+                f"{what} while {self.next_sequence_number - self.sent} event(s) built for "
+                f"{self.response_id} have not gone out"
+            )
+
     def start(
         self, *, rollout: bool, first_sequence_number: int = 0, first_output_index: int = 0
     ) -> None:
@@ -399,6 +415,7 @@ class ResponseTracker:
         and its items, from elsewhere than 0)."""
         if self.phase is not Phase.IDLE:
             raise LocalProtocolError(f"a create can't start in phase {self.phase.name}")
+        self._check_all_sent("a create can't start")
         self.phase, self.rollout = Phase.STARTING, rollout
         self.response_id, self.pending_call_ids = None, ()
         self.next_sequence_number = self.sent = first_sequence_number
@@ -477,6 +494,7 @@ class ResponseTracker:
         if move is Move.STEER:
             return self._steer(event_type, sequence_number, response_id, steer_id, after)
         if move is Move.CREATED and self.phase is Phase.IDLE:  # a successor: a stream of its own
+            self._check_all_sent("a successor can't start")
             self.response_id, self.next_sequence_number, self.pending_call_ids = None, 0, ()
             self.ended, self.steers_owed, self.sent, self._reserved = False, 0, 0, []
             self._reset_items()

@@ -93,6 +93,7 @@ EXPECTED_PROTOCOL_NAMES = {
     "BuilderState",
     "InvalidToolPayload",
     "ResponseStream",
+    "ResponseTracker",
     "iter_chunks",
     # client events
     "ClientEvent",

@@ -596,3 +596,27 @@ def test_steering_answers_numbered_by_a_driven_builder_are_checked_when_sent() -
     wrong = p.ResponseSteerAccepted(sequence_number=stream.steer_sequence_number(), steer=elsewhere)
     with pytest.raises(p.LocalProtocolError, match="answers steering of 'resp_0'"):
         server.send(wrong)
+
+
+def test_a_driven_lane_is_busy_until_the_terminal_event_its_builder_built_went_out() -> None:
+    """The builder moves the lane's tracker when it builds an event, the connection's
+    scheduling reads what was sent: a response whose terminal event is built (say, while its
+    usage commits) still holds its lane, so the next create on it waits, and its tracker
+    passes to that create only once nothing built is unsent (found by the fuzzer: the lane
+    was handed on at the build, and the next response's events overtook the terminal)."""
+    server, stream = _driven()
+    server.receive_text(p.ClientConnection().send(p.ResponseCreate(model="m", input="next")))
+    for event in [*stream.start(), *stream.begin_message("msg_1"), *stream.end_message()]:
+        server.send(event)
+    completed = stream.complete(usage=p.Usage(), completed_at=1)
+    lane = server.lane(None)
+    assert lane is not None
+    assert lane.phase is p.Phase.IDLE and lane.tracker.unsent == 1  # built, not sent
+    assert not lane.free and server.in_flight == 1
+    assert server.start_next() is None  # the next create waits for the terminal event
+    with pytest.raises(p.LocalProtocolError, match=r"1 event\(s\) built for resp_1"):
+        lane.tracker.start(rollout=False)  # (the tracker itself refuses to be handed on)
+    server.send(completed)
+    assert lane.free and server.in_flight == 0
+    nxt = server.start_next()
+    assert nxt is not None and nxt.input == "next"
