@@ -2,6 +2,10 @@
 events out; events in, frame text out. No sockets, no tasks, no clock: the I/O layer owns
 those and drives these objects.
 
+Long because both ends live here: the server's admission rules, lane scheduling and sends,
+and the client's receive checks, over the same lanes and trackers, so neither end's rules can
+drift from the other's.
+
 **Lanes.** A connection has a default lane (creates without `stream_id`) and up to `max_lanes`
 named ones (`stream_id`, `_lanes.py`), each opened by the first create that names it and kept
 for the connection's life. A lane is FIFO: its responses run one at a time, in the order their

@@ -1,6 +1,11 @@
 """The WebSocket-mode state machine of one connection, shared by both ends (after h11's
 `_state.py`): the server checks what it sends against it, the client what it receives.
 
+Long because it is the one grammar: the response's lifecycle table, the item-level table
+(output item -> content part -> deltas -> done) and the tracker that walks both, which the
+builder drives as it builds and both connection ends read; split, each would need the others'
+states.
+
 A lane of a connection runs one response at a time (PROTOCOL.md WS-5.1, WS-7), so a lane's
 state is the state of that one slot; a connection keeps one tracker per lane
 (`_connection.py`). Every server event of a response is one `Move`; the table says, for each
