@@ -150,7 +150,7 @@ class Prepared:
     state: ResponseState
     flags: tuple[Flag, ...]
     # Context tokens not rendered for this request: kept by this connection's cache, the
-    # render cache or the stored renderings (`Pipeline.prepare`, `Session.resolve`).
+    # render cache or the stored renderings (`Pipeline.prepare`, `Session.resolve_parent`).
     cached_tokens: int
     parent: ResponseState | None
     parent_stored: bool  # the conversation so far is in the store (a stored child links to it)

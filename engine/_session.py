@@ -114,7 +114,7 @@ class Session:
             holder.close()
 
     # --- parents ---
-    async def resolve(
+    async def resolve_parent(
         self, response_id: str, timings: dict[str, float], *, lane: str | None = None
     ) -> tuple[ResponseState, int]:
         """The state a `previous_response_id` names: this connection's cache, else the store
@@ -312,7 +312,7 @@ class Session:
         timings: dict[str, float] = {}
         parent = None
         if request.previous_response_id is not None:
-            parent, _ = await self.resolve(request.previous_response_id, timings)
+            parent, _ = await self.resolve_parent(request.previous_response_id, timings)
         route = self._route(request, parent, timings)
         resolved = await self._resolve_inputs(request, parent, route)
         prepared = await self._prepare_input(request, parent, resolved, timings, False, route)
@@ -354,7 +354,9 @@ class Session:
             steers = tuple(self.parked.take(parent_id)) if parent_id is not None else ()
         try:
             if parent_id is not None:
-                parent, rebuilt = await self.resolve(parent_id, timings, lane=request.stream_id)
+                parent, rebuilt = await self.resolve_parent(
+                    parent_id, timings, lane=request.stream_id
+                )
             threshold = _compact_threshold(request)
             route = self._route(request, parent, timings)
             resolved = await self._resolve_inputs(request, parent, route)
