@@ -4,19 +4,18 @@ The embedded API: `open_engine()` gives an `Engine`; `engine.session()` gives a 
 scope whose `create()` runs a response (stateless or continuing with previous_response_id) and
 whose `open_rollout()` runs the rollout extension.
 
-The rooms: `_engine` (the shared engine), `_session` (a connection: parents, pre-inference),
-`_rollout` (the coroutine: sample, suspend, resume, one exit), `_suspend` (the handle appends go
-through), `_steer` / `_steered` (steering, and a steered response's successors), `_sink` (where
-a response's events go), `_sampling` (one turn), `_pipeline` / `_validate` / `_render` /
-`_classify` (the stages), `_cache` (a connection's responses), `_render_cache` / `_itemkey`
-(conversations rendered once, for every connection), `_segments` (renderings kept with stored
-responses), `_postinfer` (the writer), `_store` / `_memory` / `_ledger` (durability), `_app` and
-its `_responses_api` / `_chat_api` / `_asgi` / `_auth` / `_metrics` / `_http_stream` (HTTP),
+The rooms: `_engine` (the shared engine), `_session` (a connection: parents), `_preinfer`
+(pre-inference), `_rollout` (the coroutine: sample, suspend, resume, one exit), `_suspend` (the
+handle appends go through), `_steer` / `_steered` (steering, and a steered response's successors),
+`_sink` (where a response's events go), `_sampling` (one turn), `_pipeline` / `_validate` /
+`_render` / `_classify` (the stages), `_cache` (a connection's responses), `_render_cache` /
+`_itemkey` (conversations rendered once, for every connection), `_segments` (renderings kept with
+stored responses), `_postinfer` (the writer), `_store` / `_memory` / `_ledger` (durability), `_app`
+and its `_responses_api` / `_chat_api` / `_asgi` / `_auth` / `_metrics` / `_http_stream` (HTTP),
 `_ws` (WebSocket mode) and its `_lanes` / `_deliveries` / `_outbox`, `_serve` (hypercorn) with
-`_warmup` and `_logging`, `_sim` / `_upstream` / `_chat` (backends); `_llama_vocab` /
-`_template` / `_toolconv` (a llama.cpp model's own tokens, chat template and tool-call
-convention: the `llama` extra, never imported here, so the engine runs without
-llama-cpp-python).
+`_warmup` and `_logging`, `_sim` / `_upstream` / `_chat` (backends); `_llama_vocab` / `_template` /
+`_toolconv` (a llama.cpp model's own tokens, chat template and tool-call convention: the `llama`
+extra, never imported here, so the engine runs without llama-cpp-python).
 """
 
 from ._classify import (

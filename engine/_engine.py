@@ -264,9 +264,10 @@ class Engine:
         timings: dict[str, float] | None = None,
     ) -> bool:
         """Validate a request whose schemas are large (`OFFLOAD_SCHEMA_NODES`) in a worker
-        thread, as `Pipeline.prepare` would (the same errors, in the same order); True when it
-        did. A caller cancelled meanwhile leaves at once; the thread finishes its bounded work
-        (`MAX_REQUEST_SCHEMA_NODES`) and only then gives its place in the limiter back."""
+        thread, as `Pipeline.prepare_input` would (the same errors, in the same order); True
+        when it did. A caller cancelled meanwhile leaves at once; the thread finishes its
+        bounded work (`MAX_REQUEST_SCHEMA_NODES`) and only then gives its place in the limiter
+        back."""
         if schema_nodes(request, tools_known=tools_known, cap=OFFLOAD_SCHEMA_NODES) < (
             OFFLOAD_SCHEMA_NODES
         ):
@@ -293,11 +294,11 @@ class Engine:
         timings: dict[str, float] | None = None,
     ) -> Prerendered | None:
         """Render and classify a request's new text in a worker thread when it is large
-        (`OFFLOAD_RENDER_CHARS`), for `Pipeline.prepare` to take (`Prerendered`); None when it
-        is small, when `root` must be rendered again first (another model's renderer), or when
-        rendering the not yet validated input failed (`prepare` validates it first and
-        reports). A caller cancelled meanwhile leaves at once; the thread finishes its bounded
-        work and only then gives its place in the limiter back."""
+        (`OFFLOAD_RENDER_CHARS`), for `Pipeline.prepare_input` to take (`Prerendered`); None
+        when it is small, when `root` must be rendered again first (another model's renderer),
+        or when rendering the not yet validated input failed (`prepare_input` validates it
+        first and reports). A caller cancelled meanwhile leaves at once; the thread finishes
+        its bounded work and only then gives its place in the limiter back."""
         pipeline = self.pipeline
         version = pipeline.render_version_for(route)
         if root.n_items and root.lineage.render_version != version:
@@ -329,7 +330,7 @@ class Engine:
                 return await trio.to_thread.run_sync(
                     work, limiter=self.decode_limiter, abandon_on_cancel=True
                 )
-            except Exception:  # input not validated yet: `prepare` finds and reports it
+            except Exception:  # input not validated yet: `prepare_input` finds and reports it
                 return None
 
     def session(

@@ -4,8 +4,8 @@ pluggable stages.
 Long because each stage has a path for each way a request arrives (new, continued, rendered
 ahead off the loop, found in the render cache) and each keeps the work counters exact.
 
-`Pipeline.prepare` takes a request and the parent state (None for a new chain) and does the
-pre-inference work for the *new* input only: the parent's items are already validated,
+`Pipeline.prepare_input` takes a request and the parent state (None for a new chain) and does
+the pre-inference work for the *new* input only: the parent's items are already validated,
 rendered and classified, and its route is reused when the model string is unchanged. Work is
 staged and committed to the lineage only when every stage has passed, so a failed request
 leaves its parent untouched (and still the tip of its chain).
@@ -333,7 +333,7 @@ class Pipeline:
         """Render and classify ahead (`Prerendered`): the prefix when `with_prefix`, and
         `items` from `classifier_state`. Touches nothing shared (no counters, no timers, no
         cache): what a worker thread runs. The items are not validated yet; a caller that
-        gets an exception here leaves the work to `prepare`, whose validation comes first."""
+        gets an exception here leaves the work to `prepare_input`, whose validation comes first."""
         renderer = self.renderer_for(route)
         version = self.render_version_for(route)
         prefix, prefix_scanned = (
@@ -451,7 +451,7 @@ class Pipeline:
         )
 
     # --- the whole pre-inference pass ---
-    def prepare(
+    def prepare_input(
         self,
         request: ResponseCreate,
         parent: ResponseState | None,
@@ -464,6 +464,7 @@ class Pipeline:
         known_prefix: Prefix | None = None,
         own_root: bool = False,
         route: Route | None = None,
+        tools_known: bool = False,
         validated: bool = False,
         prerendered: Prerendered | None = None,
     ) -> Prepared:
@@ -475,18 +476,15 @@ class Pipeline:
         after the request's own validation (whose errors come first). With `require_outputs`,
         every function call must have its output by the end of the input (a model can't be
         sampled while tool results are missing). A `root` rendered by another renderer than the
-        route's (a parent of another model) is rendered again first (`rerender`). `validated`:
-        the caller validated the request already (off the event loop); `prerendered`: the
-        caller rendered and classified ahead, off the event loop (`prerender`)."""
+        route's (a parent of another model) is rendered again first (`rerender`).
+        `tools_known`: the request's tools were validated before (resent unchanged on a
+        follow-up, with the parent; a prefix the render cache holds, with the request that
+        rendered it). `validated`: the caller validated the request already (off the event
+        loop); `prerendered`: the caller rendered and classified ahead, off the event loop
+        (`prerender`)."""
         with self.timer.measure("validate", timings):
-            # Tools resent unchanged on a follow-up were validated with the parent; a prefix
-            # the render cache holds, with the request that rendered it.
-            known = known_prefix is not None or (
-                parent is not None
-                and parent.prefix.same_as(request.instructions, request.tools or ())
-            )
             if not validated:
-                self.validator.validate_request(request, tools_known=known)
+                self.validator.validate_request(request, tools_known=tools_known)
         assert request.model is not None
         if route is None:
             route = self.route(request.model, parent, timings)

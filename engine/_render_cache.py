@@ -22,7 +22,7 @@ of them: a tools change mid-conversation still finds its items.
 What it never is: a way to resolve an id. `store: false` responses stay unknown outside their
 connection; an id continued over HTTP or on another connection is first confirmed by the store
 for its owner, and only then looked up here (`by_response`: the state as its own model rendered
-it; a continuation on a model of another renderer renders it again, `Pipeline.prepare`).
+it; a continuation on a model of another renderer renders it again, `Pipeline.prepare_input`).
 
 Bounds, all documented options of `rollout serve`:
 - `max_bytes`: memory held, as `Lineage.nbytes` estimates it (token arrays, the items' content,

@@ -4,7 +4,7 @@ Long because the coroutine's every end lives here: completed, incomplete (length
 timeout, shutdown), failed, and the suspension in between, each committing usage before its
 terminal event.
 
-    pre-inference, once     validate, render, classify the new input; route (`Session.prepare`)
+    pre-inference, once     route; validate, render, classify the new input (`_preinfer.py`)
     start                   response.created, response.in_progress
     loop:
       steered               steering input is queued (`_steer.Steering`): stop here,
@@ -100,6 +100,7 @@ from ._errors import BackendError
 from ._ids import new_id
 from ._interfaces import Flag, Holder, StoredResponse, UsageRecord
 from ._postinfer import PostJob, WriteFailed
+from ._preinfer import Prepared
 from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
 from ._sink import Emit, EventSink, TrackedSink
@@ -115,7 +116,6 @@ __all__ = [
     "SERVER_ERROR",
     "SHUTDOWN_REASON",
     "Emit",
-    "Prepared",
     "Rollout",
     "run_response",
 ]
@@ -143,21 +143,6 @@ _SHUTDOWN_ERROR = ResponseError(
 )
 
 
-@attrs.frozen(kw_only=True, eq=False)
-class Prepared:
-    """What pre-inference hands to the coroutine: the state to sample from and its origin."""
-
-    state: ResponseState
-    flags: tuple[Flag, ...]
-    # Context tokens not rendered for this request: kept by this connection's cache, the
-    # render cache or the stored renderings (`Pipeline.prepare`, `Session.resolve`).
-    cached_tokens: int
-    parent: ResponseState | None
-    parent_stored: bool  # the conversation so far is in the store (a stored child links to it)
-    generate: bool  # False: a warm-up (generate: false), pre-inference only
-    compact_threshold: int | None
-
-
 async def run_response(
     session: ConnectionScope,
     prepared: Prepared,
@@ -167,7 +152,7 @@ async def run_response(
     *,
     steerable: dict[str, Steering] | None = None,
 ) -> tuple[ResponseState | None, Steering]:
-    """Run one response whose pre-inference is done (`Session.prepare`); its events go down
+    """Run one response whose pre-inference is done (`_preinfer.pre_infer`); its events go down
     into `sink`, through its `Steering` (registered in `steerable`, the connection's running
     responses, while it takes steering input). Returns the final state (None when it failed)
     and the steering, with the input queued when it ended."""

@@ -1,9 +1,9 @@
 """What a connection and the rollout coroutine need from the engine, as Protocols.
 
-The session (`_session.py`), the coroutine (`_rollout.py`), one sampling turn (`_sampling.py`)
-and the suspension handle (`_suspend.py`) sit below the engine in the import order (the engine
-opens sessions): they see these views, which `Engine` and `Session` satisfy, instead of
-importing them back.
+The session (`_session.py`), pre-inference (`_preinfer.py`), the coroutine (`_rollout.py`), one
+sampling turn (`_sampling.py`) and the suspension handle (`_suspend.py`) sit below the engine in
+the import order (the engine opens sessions): they see these views, which `Engine` and
+`Session` satisfy, instead of importing them back.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The connection scope: a `Session` holds a connection's cache of response states, resolves a
-`previous_response_id` (the cache, else the store, hydrated) and runs pre-inference
-(`prepare`) once per response.
+`previous_response_id` (the cache, else the store, hydrated) and hands each response to
+pre-inference (`_preinfer.py`) once.
 
-Long because pre-inference has many sources to reconcile: the parent (this connection's cache,
-else the store, hydrated from stored renderings or re-rendered), item references, compaction
-items, parked steering input, the render cache's renderings, and large requests' work moved
-off the event loop.
-
-- `prepare` is pre-inference, once per response: the parent, the input's references and
-  compaction items, then the pipeline's validate / render / classify / route on the new items.
-  Steering input parked for the parent (`parked`) is prepended to the new items.
-- Hydration rebuilds a state from stored responses when the parent is not cached.
-- Each model renders with its route's renderer (`Pipeline.renderer_for`): a request's route is
-  resolved before the render cache is looked up (for that renderer's renderings) and before a
-  compaction item is restored (whose snapshot must be of that renderer); a routing error is
-  raised by the pipeline's route stage, in its usual place among the request's errors.
+- `prepare`: the parent (`resolve_parent`), then one hand-off, `_preinfer.pre_infer` (route,
+  the input's references and compaction items, the render cache, the pipeline's validate /
+  render / classify on the new items). Steering input parked for the parent (`parked`) goes
+  before the new items; a request error leaves it parked, and a failed continuation evicts
+  its parent from the cache.
+- Hydration rebuilds a state from stored responses when the parent is not cached: from their
+  stored renderings, else rendered again onto what the render cache holds.
 
 The transports enter through thin doors: `run` (the WebSocket lanes hand their `EventSink`;
 `prepare`, then `_steered.run_steered`, the rollout coroutine and any steered successors),
@@ -30,12 +24,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import trio
 from rollout.protocol import (
-    Compaction,
     Item,
-    ItemReference,
     RemoteProtocolError,
     Response,
     ResponseCreate,
@@ -47,19 +38,18 @@ from rollout.protocol import (
 )
 
 from ._cache import ResponseCache
-from ._compact import DEFAULT_COMPACT_BUDGET, restore_state
+from ._compact import DEFAULT_COMPACT_BUDGET
 from ._compaction import compaction
 from ._errors import previous_response_not_found, server_error, shutting_down
-from ._input_memo import KeyedInput
 from ._interfaces import Holder, StoredResponse
-from ._pipeline import Prepared as PipelinePrepared
-from ._rollout import Prepared, Rollout
+from ._preinfer import Prepared, cached_prefix, pre_infer, prepare_state
+from ._rollout import Rollout
 from ._segments import restore_segments
 from ._sink import DISCARD, CallbackSink, Emit, EventSink
-from ._state import ResponseState, Route
+from ._state import ResponseState
 from ._steer import ParkedSteers, QueuedSteer, Steering
 from ._steered import run_steered, steer
-from ._validate import invalid, normalize_input
+from ._validate import invalid
 
 if TYPE_CHECKING:
     from ._services import EngineServices
@@ -114,7 +104,7 @@ class Session:
             holder.close()
 
     # --- parents ---
-    async def resolve(
+    async def resolve_parent(
         self, response_id: str, timings: dict[str, float], *, lane: str | None = None
     ) -> tuple[ResponseState, int]:
         """The state a `previous_response_id` names: this connection's cache, else the store
@@ -175,7 +165,7 @@ class Session:
         prefix = pipeline.prefix(
             target.instructions, target.tools, None, timings, known, route=route
         )
-        root, rest = self._cached_prefix(items, version, timings=timings)
+        root, rest = cached_prefix(engine, self.owner, items, version, timings=timings)
         staged = pipeline.stage(
             rest,
             route=route,
@@ -192,25 +182,6 @@ class Session:
         )
         engine.render_cache.put(self.owner, state)
         return state, staged.n_tokens + (0 if prefix is known else len(prefix.tokens))
-
-    def _cached_prefix(
-        self,
-        items: list[Item],
-        render_version: str,
-        keys: list[bytes] | None = None,
-        timings: dict[str, float] | None = None,
-    ) -> tuple[ResponseState, list[Item]]:
-        """The state to build `items` onto: the render cache's longest rendering of their
-        first items by the renderer `render_version` names (as a state of no response), else
-        an empty state; and the items left. `keys`: the items' content keys, when the decoder
-        computed them (`KeyedInput`)."""
-        empty = self.engine.empty_state()
-        with self.engine.timer.measure("lookup", timings):
-            hit = self.engine.render_cache.longest(self.owner, items, render_version, keys)
-        if hit is None:
-            return empty, items
-        root = attrs.evolve(hit.state, response=empty.response, stored=True)
-        return root, items[hit.n_items :]
 
     # --- the transports' doors: thin adapters onto `run` ---
     async def run(
@@ -312,11 +283,8 @@ class Session:
         timings: dict[str, float] = {}
         parent = None
         if request.previous_response_id is not None:
-            parent, _ = await self.resolve(request.previous_response_id, timings)
-        route = self._route(request, parent, timings)
-        resolved = await self._resolve_inputs(request, parent, route)
-        prepared = await self._prepare_input(request, parent, resolved, timings, False, route)
-        return prepared.state
+            parent, _ = await self.resolve_parent(request.previous_response_id, timings)
+        return await prepare_state(self.engine, self.owner, request, parent, timings)
 
     async def compact(
         self, request: ResponseCreate, *, budget_tokens: int = DEFAULT_COMPACT_BUDGET
@@ -326,7 +294,7 @@ class Session:
         source = await self.prepare_only(request)
         return await compaction(self.engine, source, budget_tokens=budget_tokens, owner=self.owner)
 
-    # --- pre-inference ---
+    # --- pre-inference: one hand-off ---
     async def prepare(
         self,
         request: ResponseCreate,
@@ -334,12 +302,13 @@ class Session:
         *,
         steers: tuple[QueuedSteer, ...] | None = None,
     ) -> Prepared:
-        """Pre-inference, once per response: resolve the parent (the cache, else the store),
-        resolve the input (item references, compaction items), then validate, render, classify
-        the new items and route. Steering input parked for the parent (`steers`: by default
-        what `parked` holds) is prepended to the new items, in submission order. Request
-        errors raise `RemoteProtocolError` (the parked input stays parked); a failed
-        continuation evicts its parent from the cache."""
+        """Pre-inference, once per response: the parent (`resolve_parent`), then one hand-off
+        to `_preinfer.pre_infer` (route, the input's references and compaction items, the
+        render cache, then the pipeline's validate / render / classify on the new items).
+        Steering input parked for the parent (`steers`: by default what `parked` holds) goes
+        before the new items, in submission order. Request errors raise
+        `RemoteProtocolError` (the parked input stays parked); a failed continuation evicts
+        its parent from the cache."""
         engine = self.engine
         if engine.draining:
             raise shutting_down()
@@ -347,26 +316,23 @@ class Session:
         timings = timings if timings is not None else {}
         self.last_timings = timings
         parent: ResponseState | None = None
-        generate = _generates(request)
         rebuilt = 0  # context tokens rendered to rebuild the parent
         parent_id = request.previous_response_id
         if steers is None:
             steers = tuple(self.parked.take(parent_id)) if parent_id is not None else ()
         try:
             if parent_id is not None:
-                parent, rebuilt = await self.resolve(parent_id, timings, lane=request.stream_id)
-            threshold = _compact_threshold(request)
-            route = self._route(request, parent, timings)
-            resolved = await self._resolve_inputs(request, parent, route)
-            if steers:
-                steered = [item for q in steers for item in q.items]
-                resolved = _Input(
-                    base=resolved.base,
-                    items=steered + resolved.items,
-                    offset=resolved.offset - len(steered),  # errors name the request's input
+                parent, rebuilt = await self.resolve_parent(
+                    parent_id, timings, lane=request.stream_id
                 )
-            prepared = await self._prepare_input(
-                request, parent, resolved, timings, generate, route
+            prepared = await pre_infer(
+                engine,
+                self.owner,
+                request,
+                parent,
+                steered=[item for q in steers for item in q.items],
+                rebuilt=rebuilt,
+                timings=timings,
             )
         except RemoteProtocolError:
             engine.counters.request_errors += 1
@@ -382,189 +348,4 @@ class Session:
                 self.parked.restore(parent_id, list(steers))
             raise server_error() from None
         engine.counters.pre_inference_runs += 1
-        return Prepared(
-            state=prepared.state,
-            flags=prepared.flags,
-            cached_tokens=max(0, prepared.cached_tokens - rebuilt),
-            parent=parent,
-            parent_stored=resolved.base.stored,
-            generate=generate,
-            compact_threshold=threshold,
-        )
-
-    async def _prepare_input(
-        self,
-        request: ResponseCreate,
-        parent: ResponseState | None,
-        resolved: _Input,
-        timings: dict[str, float],
-        require_outputs: bool,
-        route: Route | None,
-    ) -> PipelinePrepared:
-        """The pipeline's pass over the input. A new conversation (no parent, no compaction
-        item) starts from the render cache's longest rendering of its first items by the
-        route's renderer, if any: only the rest is validated, rendered and classified. With no
-        `route` (the model did not resolve), nothing is looked up: the pipeline raises the
-        routing error after the request's own validation, as it always did. A request whose
-        schemas are large is validated in a worker thread first (`Engine.validate_off_loop`);
-        one whose new text is large is rendered and classified in one
-        (`Engine.prerender_off_loop`)."""
-        engine = self.engine
-        base, items, offset = resolved.base, resolved.items, resolved.offset
-        own_root = False
-        known_prefix = None
-        if route is not None:
-            version = engine.pipeline.render_version_for(route)
-            if parent is None and base.n_items == 0 and items:
-                keys = _input_keys(request, resolved)
-                base, rest = self._cached_prefix(items, version, keys, timings)
-                offset += len(items) - len(rest)
-                items, own_root = rest, base.n_items > 0
-            if (
-                parent is None
-                or parent.prefix.render_version != version
-                or not parent.prefix.same_as(request.instructions, request.tools or ())
-            ):
-                known_prefix = engine.render_cache.prefix(
-                    self.owner, request.instructions, request.tools or (), version
-                )
-        tools_known = known_prefix is not None or (
-            parent is not None and parent.prefix.same_as(request.instructions, request.tools or ())
-        )
-        validated = await engine.validate_off_loop(
-            request, tools_known=tools_known, timings=timings
-        )
-        prerendered = None
-        if route is not None:
-            prerendered = await engine.prerender_off_loop(
-                request,
-                route,
-                parent=parent,
-                known_prefix=known_prefix,
-                root=base,
-                items=items,
-                timings=timings,
-            )
-        return engine.pipeline.prepare(
-            request,
-            parent,
-            root=base,
-            new_items=items,
-            timings=timings,
-            require_outputs=require_outputs,
-            offset=offset,
-            known_prefix=known_prefix,
-            own_root=own_root,
-            route=route,
-            validated=validated,
-            prerendered=prerendered,
-        )
-
-    def _route(
-        self, request: ResponseCreate, parent: ResponseState | None, timings: dict[str, float]
-    ) -> Route | None:
-        """The request's route, resolved early (the render cache and compaction items depend
-        on its renderer); None when it does not resolve: `Pipeline.prepare` raises that error
-        after the request's own validation, so errors keep their order."""
-        if request.model is None:
-            return None
-        try:
-            return self.engine.pipeline.route(request.model, parent, timings)
-        except RemoteProtocolError:
-            return None
-
-    async def _resolve_inputs(
-        self, request: ResponseCreate, parent: ResponseState | None, route: Route | None
-    ) -> _Input:
-        """Resolve item references and compaction items of the new input: the items to stage,
-        the state to stage them onto (the parent, a restored compacted state, or an empty
-        state) and the index in the request's input of the first item staged. A compaction
-        item must be of `route`'s renderer (with no route, the engine's default)."""
-        engine = self.engine
-        given = request.input
-        items = normalize_input(given)
-        base = parent or engine.empty_state()
-        if isinstance(given, KeyedInput):  # the decoder looked already (`_input_memo.py`)
-            last = None if given.last_compaction < 0 else given.last_compaction
-            references = given.references > 0
-        else:
-            last = max(
-                (i for i, item in enumerate(items) if isinstance(item, Compaction)), default=None
-            )
-            references = any(isinstance(item, ItemReference) for item in items)
-        start = 0  # the index in the request's input of the first item returned
-        if last is not None:
-            where = f"input[{last}]"
-            if parent is not None:
-                raise invalid(
-                    "A compaction item starts a new chain: omit previous_response_id.",
-                    param=where,
-                )
-            compaction = items[last]
-            assert isinstance(compaction, Compaction)
-            payload = engine.seal.open(
-                compaction.encrypted_content, param=f"{where}.encrypted_content", owner=self.owner
-            )
-            base = restore_state(engine.pipeline, base, payload, param=where, route=route)
-            items = items[last + 1 :]
-            start = last + 1
-        if references:
-            items = [
-                await self._dereference(item, parent, start + i) for i, item in enumerate(items)
-            ]
-        return _Input(base=base, items=items, offset=start, whole=last is None and not references)
-
-    async def _dereference(self, item: Item, parent: ResponseState | None, index: int) -> Item:
-        if not isinstance(item, ItemReference):
-            return item
-        found = parent.lineage.find(item.id, parent.n_items) if parent is not None else None
-        if found is None:
-            found = await self.engine.find_stored_item(item.id, owner=self.owner)
-        if found is None or isinstance(found, ItemReference | Compaction):
-            raise invalid(
-                f"Item with id '{item.id}' not found.",
-                code="item_not_found",
-                param=f"input[{index}].id",
-            )
-        return found
-
-
-@attrs.frozen
-class _Input:
-    """A request's input with its references and compaction item resolved."""
-
-    base: ResponseState  # the state to stage `items` onto
-    items: list[Item]
-    offset: int  # the index in the request's input of `items[0]`
-    whole: bool = False  # `items` are the request's input as it came (nothing resolved)
-
-
-def _input_keys(request: ResponseCreate, resolved: _Input) -> list[bytes] | None:
-    """The content keys the decoder computed for the request's input (`KeyedInput`), when the
-    items to stage are exactly those items (no compaction item, reference or steer changed
-    them)."""
-    given = request.input
-    if not isinstance(given, KeyedInput) or not resolved.whole:
-        return None
-    return given.keys
-
-
-def _generates(request: ResponseCreate) -> bool:
-    """Whether a request samples: not with `generate: false` (a warm-up), nor with
-    `prompt_cache_options.prewarm: true`, which overrides `generate` to false."""
-    options = request.prompt_cache_options or {}
-    return request.generate is not False and options.get("prewarm") is not True
-
-
-def _compact_threshold(request: ResponseCreate) -> int | None:
-    """`context_management: [{"type": "compaction", "compact_threshold": N}]` -> N."""
-    for entry in request.context_management or ():
-        if entry.get("type") == "compaction":
-            value = entry.get("compact_threshold")
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-            raise invalid(
-                "context_management compaction needs a positive integer compact_threshold.",
-                param="context_management",
-            )
-    return None
+        return prepared

@@ -18,8 +18,8 @@ Tokens are those of one renderer, the route's (`Route.renderer`: the model's own
 chat template, else the engine's default), named by its render version (`render_version`: the
 template and the tokenizer). A lineage and a prefix each record the version they were rendered
 with; a continuation on a model of another renderer renders its conversation again onto a new
-lineage (`Pipeline.prepare`), the other operation whose cost grows with the conversation, and it
-happens only on such a switch.
+lineage (`Pipeline.prepare_input`), the other operation whose cost grows with the conversation,
+and it happens only on such a switch.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from typing import Protocol
 import attrs
 from rollout.protocol import RemoteProtocolError, ResponseCreate, ResponseSteer, ResponseSteerFailed
 
-from ._rollout import Prepared, Rollout, run_response
+from ._preinfer import Prepared
+from ._rollout import Rollout, run_response
 from ._services import ConnectionScope
 from ._sink import DISCARD, EventSink
 from ._state import ResponseState

@@ -273,10 +273,10 @@ async def test_a_chain_through_an_unstored_response_hydrates_from_its_root() -> 
             assert not b.stored and not c.stored  # their history is not all in the store
             fresh = engine.session()
             before = engine.counters.snapshot()
-            hydrated, _ = await fresh.resolve(c.id, {})
+            hydrated, _ = await fresh.resolve_parent(c.id, {})
             delta = engine.counters.snapshot() - before
             with pytest.raises(p.RemoteProtocolError) as info:
-                await engine.session().resolve(a.id, {})
+                await engine.session().resolve_parent(a.id, {})
     assert hydrated.equivalent(c)
     # b's parent is not stored, so b and c are each stored whole: c alone is read.
     assert delta.store_reads == 1
@@ -298,7 +298,7 @@ async def test_changed_model_and_instructions_midway_hydrate_equivalently() -> N
             )
             assert b is not None
             await engine.post.flushed()
-            hydrated, _ = await engine.session().resolve(b.id, {})
+            hydrated, _ = await engine.session().resolve_parent(b.id, {})
     assert hydrated.equivalent(b)
     assert hydrated.route.model == "sim:steps=3,tokens=4"
     assert hydrated.prefix.instructions == "Now be terse."
@@ -336,7 +336,7 @@ async def test_a_response_cut_off_in_a_function_call_hydrates_equivalently(
             assert cut.open_calls == ()
             await engine.post.flushed()
             fresh = engine.session()
-            hydrated, _ = await fresh.resolve(cut.id, {})
+            hydrated, _ = await fresh.resolve_parent(cut.id, {})
             assert hydrated.equivalent(cut)
             # Continuing needs no output for the cut-off call, however the parent is found.
             warm = await session.create(
@@ -380,7 +380,7 @@ async def test_a_stored_rollout_hydrates_equivalently(store_kind: str) -> None:
             original = session.cache.get(rollout.response.id)
             assert original is not None
             fresh = engine.session()
-            hydrated, _ = await fresh.resolve(original.id, {})
+            hydrated, _ = await fresh.resolve_parent(original.id, {})
             warm = await continue_from(session, SCRIPT, original)
             cold = await continue_from(fresh, SCRIPT, hydrated)
     assert any(isinstance(i, p.FunctionCallOutput) for i in original.items)
@@ -395,11 +395,11 @@ async def test_hydration_is_owner_scoped() -> None:
             a = await alice.create(SCRIPT.create(input="mine", store=True))
             assert a is not None
             await engine.post.flushed()
-            hydrated, _ = await engine.session(owner="alice").resolve(a.id, {})
+            hydrated, _ = await engine.session(owner="alice").resolve_parent(a.id, {})
             with pytest.raises(p.RemoteProtocolError) as bob:
-                await engine.session(owner="bob").resolve(a.id, {})
+                await engine.session(owner="bob").resolve_parent(a.id, {})
             with pytest.raises(p.RemoteProtocolError) as anonymous:
-                await engine.session().resolve(a.id, {})
+                await engine.session().resolve_parent(a.id, {})
     assert hydrated.equivalent(a)
     assert bob.value.code == anonymous.value.code == "previous_response_not_found"
 
@@ -411,5 +411,5 @@ async def test_a_store_write_still_queued_is_read_back() -> None:
         async with open_engine(store=MemoryResponseStore()) as engine:
             a = await engine.session().create(SCRIPT.create(input="now", store=True))
             assert a is not None
-            hydrated, _ = await engine.session().resolve(a.id, {})
+            hydrated, _ = await engine.session().resolve_parent(a.id, {})
     assert hydrated.equivalent(a)
