@@ -7,18 +7,58 @@ from __future__ import annotations
 import json
 import math
 import traceback
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from rollout.engine import open_engine
+from rollout.engine import Engine, open_engine
 from rollout.engine._outbox import Outbox
 from rollout.engine._ws import WebSocketConnection, WebSocketLimits
 from rollout.protocol import ResponseTracker
 
 DEADLINE = 30
+
+
+class Client:
+    """The ASGI side of an in-process WebSocket connection: messages in, frames out."""
+
+    def __init__(self) -> None:
+        self._inbox_send, self.inbox = trio.open_memory_channel[dict[str, Any]](math.inf)
+        self.outbox, self._outbox_recv = trio.open_memory_channel[dict[str, Any]](math.inf)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        await self._inbox_send.send({"type": "websocket.receive", "text": json.dumps(message)})
+
+    async def disconnect(self) -> None:
+        await self._inbox_send.send({"type": "websocket.disconnect"})
+
+    async def receive_text(self) -> str:
+        text: str = (await self._outbox_recv.receive())["text"]
+        return text
+
+    async def receive(self) -> dict[str, Any]:
+        event: dict[str, Any] = json.loads(await self.receive_text())
+        return event
+
+
+@asynccontextmanager
+async def connected(engine: Engine) -> AsyncIterator[Client]:
+    """A `WebSocketConnection` on `engine`, running until the client disconnects (at exit)."""
+    client = Client()
+    async with trio.open_nursery() as nursery:
+        conn = WebSocketConnection(
+            engine.session(owner="k"),
+            client.outbox.send,
+            client.inbox.receive,
+            limits=WebSocketLimits(ping_interval=math.inf),
+        )
+        nursery.start_soon(conn.run)
+        yield client
+        await client.disconnect()
 
 
 async def test_a_delta_goes_down_from_the_sampling_turn_to_the_outbox_in_one_chain(
@@ -33,22 +73,11 @@ async def test_a_delta_goes_down_from_the_sampling_turn_to_the_outbox_in_one_cha
         await put(self, message, size)
 
     monkeypatch.setattr(Outbox, "put", put_watched)
-    inbox_send, inbox_recv = trio.open_memory_channel[dict[str, Any]](math.inf)
-    outbox_send, outbox_recv = trio.open_memory_channel[dict[str, Any]](math.inf)
     with trio.fail_after(DEADLINE):
-        async with open_engine() as engine, trio.open_nursery() as nursery:
-            conn = WebSocketConnection(
-                engine.session(owner="k"),
-                outbox_send.send,
-                inbox_recv.receive,
-                limits=WebSocketLimits(ping_interval=math.inf),
-            )
-            nursery.start_soon(conn.run)
-            create = {"type": "response.create", "model": "sim:tokens=4", "input": "Hi"}
-            await inbox_send.send({"type": "websocket.receive", "text": json.dumps(create)})
-            while '"response.completed"' not in (await outbox_recv.receive())["text"]:
+        async with open_engine() as engine, connected(engine) as client:
+            await client.send({"type": "response.create", "model": "sim:tokens=4", "input": "Hi"})
+            while '"response.completed"' not in await client.receive_text():
                 pass
-            await inbox_send.send({"type": "websocket.disconnect"})
     frames = [(Path(f.filename).name, f.name) for f in stacks[0]]
     turn = frames.index(("_sampling.py", "sample_turn"))
     assert frames[turn + 1 :] == [
@@ -88,26 +117,17 @@ async def test_each_event_of_a_lane_is_checked_once(
         return advance(self, event_type, *a, **kw)
 
     monkeypatch.setattr(ResponseTracker, "advance", advance_counted)
-    inbox_send, inbox_recv = trio.open_memory_channel[dict[str, Any]](math.inf)
-    outbox_send, outbox_recv = trio.open_memory_channel[dict[str, Any]](math.inf)
     sent: list[str] = []
     with trio.fail_after(DEADLINE):
-        async with open_engine() as engine, trio.open_nursery() as nursery:
-            conn = WebSocketConnection(
-                engine.session(owner="k"),
-                outbox_send.send,
-                inbox_recv.receive,
-                limits=WebSocketLimits(ping_interval=math.inf),
-            )
-            nursery.start_soon(conn.run)
+        async with open_engine() as engine, connected(engine) as client:
             create: dict[str, Any] = {"type": "response.create", "input": "Hi"}
             if rollout:
                 create.update(model="sim:steps=2,tokens=4", tools=[TOOL], rollout=True)
             else:
                 create.update(model="sim:tokens=4")
-            await inbox_send.send({"type": "websocket.receive", "text": json.dumps(create)})
+            await client.send(create)
             while True:
-                event = json.loads((await outbox_recv.receive())["text"])
+                event = await client.receive()
                 sent.append(event["type"])
                 if event["type"] == "response.completed":
                     break
@@ -121,8 +141,7 @@ async def test_each_event_of_a_lane_is_checked_once(
                         "response_id": event["response"]["id"],
                         "input": outputs,
                     }
-                    await inbox_send.send({"type": "websocket.receive", "text": json.dumps(append)})
-            await inbox_send.send({"type": "websocket.disconnect"})
+                    await client.send(append)
     assert len(sent) > 8  # created, in_progress, the message's events, completed
     if rollout:
         assert sent.count("response.done") == 2 and sent.count("response.in_progress") == 3
@@ -136,12 +155,10 @@ async def test_the_next_create_on_a_lane_waits_for_the_terminal_event_its_builde
     the commit waits for the terminal event: the frames of the two responses do not
     interleave (with the lane handed on at the build, the second response's events overtook
     the first's `response.completed` and the connection broke: found by the fuzzer)."""
-    inbox_send, inbox_recv = trio.open_memory_channel[dict[str, Any]](math.inf)
-    outbox_send, outbox_recv = trio.open_memory_channel[dict[str, Any]](math.inf)
     committing, release = trio.Event(), trio.Event()
     frames: list[tuple[str, str]] = []  # (metadata tag, event type)
     with trio.fail_after(DEADLINE):
-        async with open_engine() as engine, trio.open_nursery() as nursery:
+        async with open_engine() as engine:
             commit = engine.post.commit
 
             async def held_commit(job: Any) -> None:
@@ -151,31 +168,25 @@ async def test_the_next_create_on_a_lane_waits_for_the_terminal_event_its_builde
                 await commit(job)
 
             engine.post.commit = held_commit  # type: ignore[method-assign]
-            conn = WebSocketConnection(
-                engine.session(owner="k"),
-                outbox_send.send,
-                inbox_recv.receive,
-                limits=WebSocketLimits(ping_interval=math.inf),
-            )
-            nursery.start_soon(conn.run)
-            for tag in ("a", "b"):
-                create = {
-                    "type": "response.create",
-                    "model": "sim:tokens=2",
-                    "input": "Hi",
-                    "metadata": {"tag": tag},
-                }
-                await inbox_send.send({"type": "websocket.receive", "text": json.dumps(create)})
-                if tag == "a":
-                    await committing.wait()  # a's response.completed is built, not sent
-            await trio.testing.wait_all_tasks_blocked()  # b's create was received
-            release.set()
-            while len([f for f in frames if f[1] == "response.completed"]) < 2:
-                event = json.loads((await outbox_recv.receive())["text"])
-                assert event["type"] != "error", event
-                response = event.get("response") or {}
-                frames.append(((response.get("metadata") or {}).get("tag", "?"), event["type"]))
-            await inbox_send.send({"type": "websocket.disconnect"})
+            async with connected(engine) as client:
+                for tag in ("a", "b"):
+                    create = {
+                        "type": "response.create",
+                        "model": "sim:tokens=2",
+                        "input": "Hi",
+                        "metadata": {"tag": tag},
+                    }
+                    await client.send(create)
+                    if tag == "a":
+                        await committing.wait()  # a's response.completed is built, not sent
+                await trio.testing.wait_all_tasks_blocked()  # b's create was received
+                release.set()
+                while len([f for f in frames if f[1] == "response.completed"]) < 2:
+                    event = await client.receive()
+                    assert event["type"] != "error", event
+                    response = event.get("response") or {}
+                    tag_of = (response.get("metadata") or {}).get("tag", "?")
+                    frames.append((tag_of, event["type"]))
     lifecycle = [f for f in frames if f[0] != "?"]
     assert lifecycle == [
         ("a", "response.created"),
