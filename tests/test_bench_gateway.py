@@ -514,3 +514,20 @@ async def test_a_server_given_by_url_is_measured_against_the_fixed_port(tmp_path
     assert all("decode" in r["stages_s"] for r in results["runs"])
     summary = render_gateway_summary(results)
     assert f"Server: peer at {peer.base_url}" in summary and "upstream_send" in summary
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).parents[1] / "bench" / "results" / "gateway").rglob("results.json")),
+    ids=lambda p: str(p.parent.relative_to(p.parents[2])),
+)
+def test_the_committed_results_still_read(path: Path) -> None:
+    """Every committed gateway run, before and after the fields for other gateways: valid,
+    rendered, and its comparison and goals the same worked out again."""
+    results = json.loads(path.read_text())
+    validate_gateway(results)
+    assert "| ws-chain |" in render_gateway_summary(results)
+    again = same_bodies(results["runs"])
+    assert again["differ"] == results["same_upstream_bodies"]["differ"]
+    assert again["other_bytes"] == results["same_upstream_bodies"].get("other_bytes", [])
+    assert judge(results) == results["goals"]
