@@ -531,3 +531,32 @@ def test_the_committed_results_still_read(path: Path) -> None:
     assert again["differ"] == results["same_upstream_bodies"]["differ"]
     assert again["other_bytes"] == results["same_upstream_bodies"].get("other_bytes", [])
     assert judge(results) == results["goals"]
+
+
+async def test_a_mode_the_server_refuses_is_reported_and_the_others_measured(
+    tmp_path: Path,
+) -> None:
+    """A server without WebSocket mode (`rollout serve --no-websocket`, given by URL): both
+    WebSocket clients refused at the warm-up with the server's answer, the HTTP clients
+    measured."""
+    port = free_port()
+    models = tmp_path / "models.toml"
+    models.write_text(
+        f'[models.gateway]\nupstream = "http://127.0.0.1:{port}/v1"\nmodel = "fake"\n'
+    )
+    plan = GatewayPlan(sizes=(500,), repetitions=1, turns=1, warm=1, upstream_port=port)
+    with trio.fail_after(DEADLINE):
+        async with open_local_server(
+            log_path=tmp_path / "peer.log",
+            extra_args=("--models", str(models), "--no-websocket"),
+        ) as peer:
+            plan = attrs.evolve(plan, url=peer.base_url, label="http-only")
+            results = await run_gateway(plan, tmp_path, lambda _: None)
+    validate_gateway(results)
+    assert sorted(results["refused"]) == ["ws-chain", "ws-stateless"]
+    assert all("ConnectionRejected" in e and "HTTP 426" in e for e in results["refused"].values())
+    points = {p["mode"]: p for p in results["points"]}
+    assert points["ws-chain"]["turns"] == 0 and points["ws-chain"]["error"]
+    assert points["http-stateless"]["turns"] == 1 and points["http-stateless"]["error"] is None
+    assert {r["mode"] for r in results["runs"]} == {"http-chain", "http-stateless"}
+    assert "| ws-chain | refused |" in render_gateway_summary(results)
