@@ -108,7 +108,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "sets the K values, --local embedded=|llama-server=|llama-server-cache= picks servers); "
         "or gateway alone: rollout in front of a fake chat-completions model that stamps each "
         "request's arrival, per-turn overhead at ~1k and ~100k tokens of history for four "
-        "clients (about 3 minutes; --repetitions, --local gateway=ARGS)",
+        "clients (about 3 minutes; --repetitions, --local gateway=ARGS; or --url and "
+        "--upstream-port for a server you started: the gateways of other projects)",
     )
     p.add_argument("--steps", type=int, help="override: tool calls per rollout")
     p.add_argument("--tool-tokens", type=int, help="override: tokens of each tool output")
@@ -157,6 +158,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="[LABEL=]URL",
         help="benchmark the Responses server at URL (e.g. http://host:8000/v1) "
         "instead of starting one; repeatable, with labels, to compare servers",
+    )
+    p.add_argument(
+        "--upstream-port",
+        type=int,
+        metavar="PORT",
+        help="--scenario gateway: run its fake model server on this port of 127.0.0.1 (default: "
+        "a free one), so that the server given by --url can be configured beforehand to call "
+        "its chat completions at http://127.0.0.1:PORT/v1 (model name: any)",
     )
     p.add_argument(
         "--local",
@@ -744,28 +753,102 @@ def _run_batch(args: argparse.Namespace) -> int:
 GATEWAY = "gateway"
 
 
-def _run_gateway(args: argparse.Namespace) -> int:
-    """`--scenario gateway`: its own runner (`_gateway.py`) and results."""
+def gateway_plan(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """`--scenario gateway`'s plan from the command line, and the API key for a server given by
+    --url; a one-line refusal (SystemExit) for what the scenario cannot use."""
     import shlex
 
-    from ._gateway import GatewayPlan, render_gateway_summary, run_gateway, validate_gateway
+    from ._gateway import GatewayPlan
 
-    _alone(args, GATEWAY, "and model; use --local gateway=ARGS to add `rollout serve` arguments")
+    if args.scenario != [GATEWAY]:
+        raise SystemExit(f"rollout bench: --scenario {GATEWAY} runs alone")
+    port = args.upstream_port
+    if port is not None and not 1 <= port <= 65535:
+        raise SystemExit(f"rollout bench: --upstream-port takes a port (1-65535), not {port}")
+    if len(args.url) > 1:
+        raise SystemExit(
+            f"rollout bench: --scenario {GATEWAY} measures one server a run: one --url "
+            "(run it again for another, against the same --upstream-port)"
+        )
+    if args.url and port is None:
+        raise SystemExit(
+            f"rollout bench: --scenario {GATEWAY} --url needs --upstream-port PORT: the server "
+            "at the URL must be configured to call the fake model server there "
+            "(http://127.0.0.1:PORT/v1)"
+        )
+    if args.url and args.local:
+        raise SystemExit(
+            "rollout bench: --local gateway=ARGS sets the arguments of the `rollout serve` the "
+            "benchmark starts; with --url it starts none"
+        )
+    if args.api_key is not None and not args.url:
+        raise SystemExit(
+            "rollout bench: --api-key is for the server given by --url (the `rollout serve` "
+            f"the benchmark starts for --scenario {GATEWAY} takes a key per conversation)"
+        )
     _check_numbers(args)
     plan = GatewayPlan(timeout=args.timeout)
     if args.repetitions is not None:
         plan = attrs.evolve(plan, repetitions=args.repetitions)
     if args.tool_tokens is not None:
         plan = attrs.evolve(plan, output_tokens=args.tool_tokens)
+    if args.model is not None:
+        plan = attrs.evolve(plan, model=args.model)
+    if port is not None:
+        plan = attrs.evolve(plan, upstream_port=port)
+    for raw in args.url:
+        label, sep, url = raw.partition("=")
+        if not sep or "://" in label:
+            label, url = "url", raw
+        if not url.startswith(("http://", "https://")):
+            raise SystemExit(
+                f"rollout bench: --url takes a server's base URL, such as "
+                f"http://127.0.0.1:8000/v1, not {url!r}"
+            )
+        plan = attrs.evolve(plan, url=url, label=label)
     for raw in args.local:
         label, sep, extra = raw.partition("=")
         if not sep or label != GATEWAY:
             raise SystemExit(f"rollout bench: --local takes gateway=ARGS here, not {raw!r}")
         plan = attrs.evolve(plan, serve_args=(*plan.serve_args, *shlex.split(extra)))
-    results = _run_model_scenario(args, run_gateway, plan, validate_gateway, render_gateway_summary)
+    return plan, args.api_key
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    """`--scenario gateway`: its own runner (`_gateway.py`) and results."""
+    import functools
+
+    from ._gateway import render_gateway_summary, run_gateway, validate_gateway
+
+    plan, api_key = gateway_plan(args)
+    run = functools.partial(run_gateway, api_key=api_key)
+    results = _run_model_scenario(args, run, plan, validate_gateway, render_gateway_summary)
     if results is None:
         return 1
-    return 1 if results["same_upstream_bodies"]["differ"] else 0
+    for mode, error in results["refused"].items():
+        print(f"rollout bench: {plan.label} refused {mode}: {error}", file=sys.stderr)
+    failed = [p for p in results["points"] if p["error"] and p["mode"] not in results["refused"]]
+    for point in failed:
+        print(
+            f"rollout bench: {point['mode']} at ~{point['size']}: {point['error']}", file=sys.stderr
+        )
+    differ = results["same_upstream_bodies"]["differ"]
+    if differ:
+        print(
+            f"rollout bench: {', '.join(differ)} gave the model another conversation than the "
+            "other clients (the same content)",
+            file=sys.stderr,
+        )
+    # rollout sends the model the same bytes from every client; another gateway may write the
+    # same messages in other ways (said in the summary).
+    other = results["same_upstream_bodies"].get("other_bytes", []) if plan.url is None else []
+    if other:
+        print(
+            f"rollout bench: {', '.join(other)} sent the model the same messages in other bytes "
+            "than the other clients",
+            file=sys.stderr,
+        )
+    return 1 if differ or other or failed or results["refused"] else 0
 
 
 NO_PLOTS = (

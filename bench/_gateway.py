@@ -30,6 +30,16 @@ The stage table is the server's own `rollout_stage_seconds` (from `/metrics`, be
 each counted turn), per turn; what the stages do not cover is the transport
 (the client library, the kernel, hypercorn's framing).
 
+Another project's gateway (`--url`, `GatewayPlan.url`) runs in front of the same fake model
+server, on a port fixed beforehand (`--upstream-port`) so that its configuration can name it;
+the model the clients ask for is `--model`. Its stage table is there only when it serves
+rollout's metrics. A client it fails (an error, a refused connection, a turn past the timeout)
+is reported with the error: at the warm-up, the mode is refused and not run; later, its
+conversation stops there and the others go on. A client whose history it drops shows as
+another conversation (the messages the model was given, compared across clients: a digest of
+their roles, text and calls, whatever the JSON's writing), not as a fast number; the same
+messages in other bytes (another way of writing a stored turn) are said apart.
+
 Goals (`GOALS`), on medians of the counted turns of every repetition: the WebSocket chain at
 ~100k at most 1.2x its own overhead at ~1k; the stateless HTTP client at ~100k at most 1.25x
 its own at ~1k and at most 1.4x the WebSocket chain's at ~100k.
@@ -46,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -55,12 +66,20 @@ from urllib.parse import urlsplit
 import attrs
 import h11
 import httpx
+import msgspec
 import trio
 from rollout.protocol import SseDecoder
 
 from ._errors import BenchError, ServerError
-from ._server import Endpoint, open_local_server, parse_stage_sums, scrape_metrics, stop_process
-from ._ws import WsSocket, open_bench_ws
+from ._server import (
+    Endpoint,
+    check_reachable,
+    open_local_server,
+    parse_stage_sums,
+    scrape_metrics,
+    stop_process,
+)
+from ._ws import ConnectionClosed, HandshakeError, WsSocket, open_bench_ws
 
 __all__ = [
     "GOALS",
@@ -76,10 +95,13 @@ __all__ = [
 
 SCHEMA = "rollout-bench-gateway/1"
 MODES = ("ws-chain", "http-chain", "http-stateless", "ws-stateless")
-MODEL = "gateway"  # the model's name in the gateway's models file
+MODEL = "gateway"  # the model's name in the gateway's models file (`--model` sets another)
 UPSTREAM_MODEL = "fake"
 # The largest request body the fake upstream accepts (a ~100k-token history is ~0.6 MB).
 MAX_UPSTREAM_BODY = 64 * 2**20
+# Bodies kept until their arrival is listed (the benchmark lists after every turn, so one):
+# past this, the oldest's content digest is worked out at once and its body let go.
+MAX_UNLISTED_BODIES = 8
 # The gateway's message limit for the run (the default, 16 MiB, is already above the history).
 CLIENT_MAX_MESSAGE = 64 * 2**20
 RECEIVE_BUFFER = 1 << 20
@@ -138,6 +160,13 @@ class GatewayPlan:
     output_tokens: int = 200  # each new tool output
     timeout: float = 60.0  # one turn's limit
     serve_args: tuple[str, ...] = ()  # extra `rollout serve` arguments
+    model: str = MODEL  # the model the clients ask for
+    upstream_port: int = 0  # the fake model server's port (0: a free one)
+    # The gateway under test: a Responses server's base URL, started by someone else and
+    # configured to call the fake model server at `upstream_port`; None: a `rollout serve` the
+    # benchmark starts in front of it.
+    url: str | None = None
+    label: str = "rollout"  # the server's name in the results
 
     def keys(self) -> list[str]:
         return [
@@ -160,14 +189,24 @@ class Arrival:
     at: float  # time.monotonic() when the body had fully arrived
     nbytes: int
     digest: str  # sha256 of the body, first 16 hex digits
+    # The conversation the body gives the model (`content_digest`), worked out when the
+    # arrival is first listed (between turns: in nobody's overhead or turn time).
+    content: str = ""
+    body: bytes | None = attrs.field(default=None, repr=False)
+
+    def listed(self) -> tuple[float, int, str, str]:
+        if self.body is not None:
+            self.content, self.body = content_digest(self.body), None
+        return self.at, self.nbytes, self.digest, self.content
 
 
-def upstream_main() -> None:
-    """The fake upstream as a process of its own (`python -m rollout.bench._gateway`): it
-    prints its port, then serves until killed. Its arrival stamps are `time.monotonic()`, the
-    machine's one monotonic clock (CLOCK_MONOTONIC on Linux), which the client stamps its
-    sends with too."""
-    upstream = FakeUpstream()
+def upstream_main(argv: Sequence[str] | None = None) -> None:
+    """The fake upstream as a process of its own (`python -m rollout.bench._gateway [PORT]`,
+    on PORT or a port of the system's choosing): it prints its port, then serves until killed.
+    Its arrival stamps are `time.monotonic()`, the machine's one monotonic clock
+    (CLOCK_MONOTONIC on Linux), which the client stamps its sends with too."""
+    args = sys.argv[1:] if argv is None else argv
+    upstream = FakeUpstream(port=int(args[0]) if args else 0)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -187,7 +226,7 @@ class _UpstreamProcess:
 
     async def arrivals(self, since: int) -> list[Arrival]:
         answer = await self.client.get(f"http://127.0.0.1:{self.port}/arrivals?since={since}")
-        return [Arrival(at=a, nbytes=n, digest=d) for a, n, d in answer.json()]
+        return [Arrival(at=a, nbytes=n, digest=d, content=c) for a, n, d, c in answer.json()]
 
     async def new_arrivals(self) -> list[Arrival]:
         """The arrivals since the last call."""
@@ -197,10 +236,10 @@ class _UpstreamProcess:
 
 
 @asynccontextmanager
-async def open_upstream(log: Path) -> AsyncIterator[_UpstreamProcess]:
+async def open_upstream(log: Path, port: int = 0) -> AsyncIterator[_UpstreamProcess]:
     """Start the fake upstream in its own process (the client's work never delays its
-    stamps), yield it, stop it."""
-    argv = [sys.executable, "-m", "rollout.bench._gateway"]
+    stamps) on `port` (0: a free one), yield it, stop it."""
+    argv = [sys.executable, "-m", "rollout.bench._gateway", str(port)]
     with log.open("wb") as errors:
         process = await trio.lowlevel.open_process(
             argv, stdout=subprocess.PIPE, stderr=errors, start_new_session=True
@@ -212,7 +251,8 @@ async def open_upstream(log: Path) -> AsyncIterator[_UpstreamProcess]:
                 while not line.endswith(b"\n"):
                     chunk = await process.stdout.receive_some(64)
                     if not chunk:
-                        raise BenchError(f"the fake upstream exited at start (see {log})")
+                        taken = f"is port {port} taken? " if port else ""
+                        raise BenchError(f"the fake upstream exited at start ({taken}see {log})")
                     line += chunk
             async with httpx.AsyncClient() as client:
                 yield _UpstreamProcess(int(line), client)
@@ -227,12 +267,13 @@ class FakeUpstream:
     the request, so the same conversation gets the same answers from every client) and usage,
     and keeps an `Arrival` per request."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.arrivals: list[Arrival] = []
-        self.port = 0
+        self._unlisted: deque[Arrival] = deque()  # arrivals still holding their bodies
+        self.port = port  # 0: the system's choice, known once serving
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
         self.port = listeners[0].socket.getsockname()[1]
         task_status.started()
         await trio.serve_listeners(self._connection, listeners)
@@ -266,11 +307,16 @@ class FakeUpstream:
                 body = b"".join(chunks)
                 if target.endswith(b"/chat/completions"):
                     digest = body_digest(body)
-                    self.arrivals.append(Arrival(at=arrived, nbytes=len(body), digest=digest))
+                    arrival = Arrival(at=arrived, nbytes=len(body), digest=digest, body=body)
+                    self.arrivals.append(arrival)
+                    self._unlisted.append(arrival)
+                    while len(self._unlisted) > MAX_UNLISTED_BODIES:
+                        self._unlisted.popleft().listed()
                     await _answer(stream, conn, body)
                 elif target.startswith(b"/arrivals"):
                     since = int(target.partition(b"=")[2] or 0)
-                    listed = [attrs.astuple(a) for a in self.arrivals[since:]]
+                    listed = [a.listed() for a in self.arrivals[since:]]
+                    self._unlisted.clear()
                     await _send(stream, conn, 200, b"application/json", json.dumps(listed).encode())
                 else:
                     await _send(stream, conn, 404, b"application/json", b'{"error":"not found"}')
@@ -283,6 +329,47 @@ class FakeUpstream:
 # called them: the digest numbers them in order of appearance, so the same conversation has the
 # same digest from every client.
 _CALL_ID = re.compile(rb'"call_[0-9a-f]{24}"')
+
+
+def content_digest(body: bytes) -> str:
+    """The conversation a chat-completions body gives the model, whatever a gateway's way of
+    writing it: each message's role, text (null, "" and text parts alike), calls (name and
+    arguments) and the call it answers, every call id numbered in order of appearance. Two
+    gateways' bodies, or two clients' through one gateway, that say the same to the model have
+    the same digest; a history dropped or changed gives another. Not JSON: "not json"."""
+    try:
+        messages = msgspec.json.decode(body).get("messages")
+    except (msgspec.DecodeError, AttributeError):
+        return "not json"
+    names: dict[str, str] = {}
+
+    def name(call_id: Any) -> str:
+        return names.setdefault(str(call_id), f"#{len(names)}")
+
+    said: list[list[Any]] = []
+    for message in messages if isinstance(messages, list) else []:
+        if not isinstance(message, dict):
+            said.append(["?", repr(message)])
+            continue
+        content = message.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(
+                str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content
+            )
+        calls = [
+            [
+                name(c.get("id")),
+                (c.get("function") or {}).get("name"),
+                (c.get("function") or {}).get("arguments"),
+            ]
+            for c in message.get("tool_calls") or []
+            if isinstance(c, dict)
+        ]
+        answers = message.get("tool_call_id")
+        said.append(
+            [message.get("role"), content, calls, None if answers is None else name(answers)]
+        )
+    return hashlib.sha256(msgspec.json.encode(said)).hexdigest()[:16]
 
 
 def body_digest(body: bytes) -> str:
@@ -304,8 +391,13 @@ async def _send(
     await stream.send_all(out)
 
 
+# A tool message of the request, however its JSON is spaced (gateways other than rollout write
+# `"role": "tool"`).
+_TOOL_ROLE = re.compile(rb'"role"\s*:\s*"tool"')
+
+
 async def _answer(stream: trio.SocketStream, conn: h11.Connection, body: bytes) -> None:
-    n = body.count(b'"role":"tool"')
+    n = len(_TOOL_ROLE.findall(body))
     chunk: dict[str, Any] = {
         "id": f"chatcmpl-{n}",
         "object": "chat.completion.chunk",
@@ -381,7 +473,8 @@ class TurnResult:
     turn_time: float  # client send -> terminal event (seconds)
     request_bytes: int  # what the client sent
     upstream_bytes: int
-    digest: str
+    digest: str  # of the upstream body's bytes (`body_digest`)
+    content_digest: str  # of the conversation it gives the model (`content_digest`)
 
 
 class _HttpClient:
@@ -459,14 +552,14 @@ class _Client:
             )
         else:
             parts = urlsplit(self.endpoint.base_url)
-            assert parts.hostname is not None and parts.port is not None
-            stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+            assert parts.hostname is not None
+            stream = await trio.open_tcp_stream(parts.hostname, parts.port or 80)
             stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await stack.enter_async_context(stream)
             self.http = _HttpClient(stream, parts.netloc, headers)
 
     def payload(self) -> str:
-        body: dict[str, Any] = {"model": MODEL, "tools": [TOOL]}
+        body: dict[str, Any] = {"model": self.plan.model, "tools": [TOOL]}
         chain = self.mode.endswith("chain")
         body["input"] = self.pending if chain else self.history
         if chain and self.previous is not None:
@@ -531,6 +624,21 @@ class _Client:
         self.pending = [new]
 
 
+# What ends a conversation early rather than the run: the server under test refused or broke a
+# turn (a gateway other than rollout may not support every client).
+TURN_FAILURES: tuple[type[BaseException], ...] = (
+    ServerError,
+    HandshakeError,
+    ConnectionClosed,
+    trio.TooSlowError,
+    trio.BrokenResourceError,
+    OSError,
+    h11.ProtocolError,
+    json.JSONDecodeError,  # a body or an event that is not JSON
+)
+ERROR_CHARS = 500  # of a failure's message, kept in the results
+
+
 def _finished(mode: str, event: dict[str, Any]) -> dict[str, Any]:
     response: dict[str, Any] = event.get("response") or {}
     if event.get("type") != "response.completed":
@@ -558,6 +666,16 @@ class _Conversation:
         self.turn = 0
         self.turns: list[TurnResult] = []
         self.stages: dict[str, float] = {}
+        self.error: str | None = None  # why the conversation stopped early
+
+    async def fail(self, exc: BaseException) -> None:
+        """Stop the conversation at this turn with the reason, and take the upstream requests
+        its turn made (they are no other conversation's)."""
+        text = str(exc) or type(exc).__name__
+        if not text.startswith(self.mode):
+            text = f"{self.mode}: turn {self.turn}: {type(exc).__name__}: {text}"
+        self.error = text[:ERROR_CHARS]
+        await self.upstream.new_arrivals()
 
     async def step(self, metrics: Callable[[], Any]) -> None:
         """One turn; a counted turn's stages are the server's stage sums just before and
@@ -582,20 +700,24 @@ class _Conversation:
                     request_bytes=nbytes,
                     upstream_bytes=arrived[0].nbytes,
                     digest=arrived[0].digest,
+                    content_digest=arrived[0].content,
                 )
             )
         self.client.next_input(response, turn)
         self.turn += 1
 
     def result(self) -> dict[str, Any]:
-        stages = {k: v / self.plan.turns for k, v in self.stages.items()}
-        return {
+        stages = {k: v / max(len(self.turns), 1) for k, v in self.stages.items()}
+        result = {
             "mode": self.mode,
             "size": self.size,
             "history_bytes": len(_dumps(history(self.size)).encode()),
             "turns": [attrs.asdict(t) for t in self.turns],
             "stages_s": {k: v for k, v in sorted(stages.items()) if v > 0},
         }
+        if self.error is not None:
+            result["error"] = self.error
+        return result
 
 
 async def run_conversations(
@@ -603,15 +725,26 @@ async def run_conversations(
 ) -> list[dict[str, Any]]:
     """The conversations side by side, a turn of each in turn (their order rotating each
     round), so every client and size is measured in the same minutes: a machine whose speed
-    drifts between minutes moves them all alike, and the ratios between them hold."""
+    drifts between minutes moves them all alike, and the ratios between them hold. A
+    conversation the server fails (an error, a refused connection, a turn past the plan's
+    timeout) stops there with its reason (`error` in its result); the others go on."""
     async with AsyncExitStack() as stack:
         for conversation in conversations:
-            await conversation.client.open(stack)
+            try:
+                with trio.fail_after(conversation.plan.timeout):
+                    await conversation.client.open(stack)
+            except TURN_FAILURES as exc:
+                await conversation.fail(exc)
         rounds = conversations[0].plan.warm + conversations[0].plan.turns
         for n in range(rounds):
             shift = n % len(conversations)
             for conversation in [*conversations[shift:], *conversations[:shift]]:
-                await conversation.step(metrics)
+                if conversation.error is not None:
+                    continue
+                try:
+                    await conversation.step(metrics)
+                except TURN_FAILURES as exc:
+                    await conversation.fail(exc)
     return [c.result() for c in conversations]
 
 
@@ -630,10 +763,19 @@ async def run_conversation(
 
 
 @asynccontextmanager
-async def _servers(plan: GatewayPlan, out: Path, port: int) -> AsyncIterator[Endpoint]:
+async def _gateway(plan: GatewayPlan, out: Path, port: int) -> AsyncIterator[Endpoint]:
+    """The gateway under test: the server at `plan.url` (checked to answer), or a `rollout
+    serve` started in front of the fake model server at `port`."""
+    if plan.url is not None:
+        endpoint = Endpoint(label=plan.label, base_url=plan.url)
+        async with httpx.AsyncClient() as client:
+            await check_reachable(client, endpoint)
+        yield endpoint
+        return
     models = out / "gateway-models.toml"
     models.write_text(
-        f'[models.{MODEL}]\nupstream = "http://127.0.0.1:{port}/v1"\nmodel = "{UPSTREAM_MODEL}"\n'
+        f"[models.{json.dumps(plan.model)}]\n"
+        f'upstream = "http://127.0.0.1:{port}/v1"\nmodel = "{UPSTREAM_MODEL}"\n'
     )
     keys = tuple(a for key in [*plan.keys(), "sk-gw-warmup"] for a in ("--api-key", key))
     args = ("--models", str(models), "--max-message-size", str(CLIENT_MAX_MESSAGE), *keys)
@@ -644,43 +786,77 @@ async def _servers(plan: GatewayPlan, out: Path, port: int) -> AsyncIterator[End
 
 
 async def run_gateway(
-    plan: GatewayPlan, out: Path, progress: Callable[[str], None]
+    plan: GatewayPlan,
+    out: Path,
+    progress: Callable[[str], None],
+    *,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
+    """Run the plan against its gateway. `api_key`: the one key every request to a server
+    given by URL sends (without it, each conversation sends a key of its own, as to the
+    `rollout serve` the benchmark starts; never written into the results)."""
+    from ._runner import _loadavg
+
     started = time.time()
+    loadavg_at_start = _loadavg()
     runs: list[dict[str, Any]] = []
+    refused: dict[str, str] = {}
+
+    def key(conversation: str) -> str:
+        return api_key or conversation
+
     async with (
-        open_upstream(out / "upstream-gateway.log") as upstream,
-        _servers(plan, out, upstream.port) as base,
+        open_upstream(out / "upstream-gateway.log", plan.upstream_port) as upstream,
+        _gateway(plan, out, upstream.port) as base,
         httpx.AsyncClient() as scraper,
     ):
+        # The server's stage table needs rollout's metrics: asked once, never per turn of a
+        # server without them.
+        scraped = attrs.evolve(base, api_key=key("sk-gw-warmup"))
+        stage_metrics = await scrape_metrics(scraper, scraped) is not None
 
         async def metrics() -> dict[str, float]:
-            text = await scrape_metrics(scraper, attrs.evolve(base, api_key="sk-gw-warmup"))
-            return parse_stage_sums(text or "")
+            if not stage_metrics:
+                return {}
+            return parse_stage_sums(await scrape_metrics(scraper, scraped) or "")
 
         # One conversation of every mode at the smallest size, not recorded: imports,
-        # first connections and the code's first runs are not the gateway's overhead.
+        # first connections and the code's first runs are not the gateway's overhead. A mode
+        # the server fails here is refused (said in the results) and not run further.
         for mode in plan.modes:
-            endpoint = attrs.evolve(base, api_key="sk-gw-warmup")
+            endpoint = attrs.evolve(base, api_key=key("sk-gw-warmup"))
             warm = attrs.evolve(plan, warm=1, turns=1)
-            await run_conversation(mode, endpoint, plan.sizes[0], warm, upstream, metrics)
-        for rep in range(plan.repetitions):
+            run = await run_conversation(mode, endpoint, plan.sizes[0], warm, upstream, metrics)
+            if "error" in run:
+                refused[mode] = run["error"]
+                progress(f"{mode} refused: {run['error']}")
+        modes = [m for m in plan.modes if m not in refused]
+        for rep in range(plan.repetitions if modes else 0):
             progress(f"repetition {rep + 1}/{plan.repetitions}: every client at every size")
             conversations = [
                 _Conversation(
                     mode,
-                    attrs.evolve(base, api_key=conversation_key(mode, size, rep)),
+                    attrs.evolve(base, api_key=key(conversation_key(mode, size, rep))),
                     size,
                     plan,
                     upstream,
                 )
                 for size in plan.sizes
-                for mode in plan.modes
+                for mode in modes
             ]
             for run in await run_conversations(conversations, metrics):
                 run["repetition"] = rep
                 runs.append(run)
-    return build_results(plan, runs, started)
+    server = {
+        "label": base.label,
+        "url": plan.url,
+        "started": plan.url is None,
+        "stage_metrics": stage_metrics,
+        "upstream_port": upstream.port,
+    }
+    results = build_results(plan, runs, started, server=server, refused=refused)
+    results["meta"]["loadavg_at_start"] = loadavg_at_start
+    return results
 
 
 # --- results ----------------------------------------------------------------------------------
@@ -690,15 +866,35 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def build_results(plan: GatewayPlan, runs: list[dict[str, Any]], started: float) -> dict[str, Any]:
+def build_results(
+    plan: GatewayPlan,
+    runs: list[dict[str, Any]],
+    started: float,
+    *,
+    server: dict[str, Any] | None = None,
+    refused: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The results document (`SCHEMA`): a point per mode and size (a refused mode's without
+    turns, its error said; a point whose conversations sent the model other bytes than the
+    other clients' says `bodies: differ`), every run, the comparison of the bodies, the goals.
+    `server`: which gateway ran (`run_gateway`'s); `refused`: the modes it refused, each with
+    the error."""
     from ._runner import _loadavg, _machine, _versions
 
+    refused = refused or {}
+    differing = _differing(runs, "content_digest")
+    other_bytes = _differing(runs, "digest") - differing
     points = []
     for size in plan.sizes:
         for mode in plan.modes:
             mine = [r for r in runs if r["mode"] == mode and r["size"] == size]
             turns = [t for r in mine for t in r["turns"]]
             stage_names = sorted({s for r in mine for s in r["stages_s"]})
+            errors = [r["error"] for r in mine if "error" in r]
+            names = {(mode, size, r["repetition"]) for r in mine}
+            bodies = (
+                "differ" if names & differing else "other-bytes" if names & other_bytes else "same"
+            )
             points.append(
                 {
                     "mode": mode,
@@ -713,6 +909,8 @@ def build_results(plan: GatewayPlan, runs: list[dict[str, Any]], started: float)
                         s: _ms(_median([r["stages_s"].get(s, 0.0) for r in mine]))
                         for s in stage_names
                     },
+                    "error": refused.get(mode) or (errors[0] if errors else None),
+                    "bodies": bodies if turns else None,
                 }
             )
     results: dict[str, Any] = {
@@ -724,8 +922,10 @@ def build_results(plan: GatewayPlan, runs: list[dict[str, Any]], started: float)
             "loadavg": _loadavg(),
             "versions": _versions(),
             "plan": attrs.asdict(plan),
+            "server": server or {"label": plan.label, "url": plan.url, "started": True},
         },
         "points": points,
+        "refused": refused,
         "runs": runs,
         "same_upstream_bodies": same_bodies(runs),
     }
@@ -738,23 +938,58 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def same_bodies(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Whether every client sent the upstream the same bytes at every turn of a size (the
-    digests of the bodies): the conversations are the same, so they must be."""
-    differ: list[str] = []
-    by_size: dict[int, dict[str, list[str]]] = {}
+    """Whether every client gave the upstream the same conversation at every turn of a size:
+    the conversations are the same, so they must. `differ`: the conversations whose messages
+    differ (`content_digest`: a history dropped or changed); `other_bytes`: those that said
+    the same in other bytes (another gateway's way of writing a stored turn, say); rollout
+    sends the same bytes from every client. The reference at each size is what most
+    conversations sent (the first of equals): one client that drops its history differs, not
+    the three that keep it. A conversation that failed is not compared (its error is
+    reported)."""
+    compared = [r for r in runs if "error" not in r]
+    return {
+        "compared": len(compared),
+        "differ": _names(_differing(runs, "content_digest")),
+        "other_bytes": _names(_differing(runs, "digest") - _differing(runs, "content_digest")),
+    }
+
+
+def _names(conversations: set[tuple[str, int, int]]) -> list[str]:
+    def order(conversation: tuple[str, int, int]) -> tuple[int, int, int]:
+        mode, size, rep = conversation
+        return size, rep, MODES.index(mode) if mode in MODES else len(MODES)
+
+    return [f"{mode}#{rep} at ~{size}" for mode, size, rep in sorted(conversations, key=order)]
+
+
+def _differing(runs: list[dict[str, Any]], digest: str) -> set[tuple[str, int, int]]:
+    """(mode, size, repetition) of each compared conversation whose turns' `digest` differ
+    from its size's reference sequence (`same_bodies`). Results written before content
+    digests compare the bytes' digests."""
+    by_size: dict[int, list[tuple[tuple[str, int, int], tuple[str, ...]]]] = {}
     for run in runs:
-        digests = [t["digest"] for t in run["turns"]]
-        by_size.setdefault(run["size"], {})[f"{run['mode']}#{run['repetition']}"] = digests
-    for size, seen in by_size.items():
-        reference = next(iter(seen.values()))
-        differ += [f"{name} at ~{size}" for name, d in seen.items() if d != reference]
-    return {"compared": sum(len(s) for s in by_size.values()), "differ": differ}
+        if "error" in run:
+            continue
+        name = (run["mode"], run["size"], run.get("repetition", 0))
+        digests = tuple(t.get(digest, t["digest"]) for t in run["turns"])
+        by_size.setdefault(run["size"], []).append((name, digests))
+    differ: set[tuple[str, int, int]] = set()
+    for seen in by_size.values():
+        counts = Counter(d for _, d in seen)
+        reference = max(counts, key=lambda d: counts[d])  # the first of equals: dicts keep order
+        differ.update(name for name, d in seen if d != reference)
+    return differ
 
 
 def judge(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Each goal: its ratio from the points' median overheads, and MET, MISSED or not
     measured."""
-    points = {(p["mode"], p["size"]): p["overhead_ms"] for p in results["points"]}
+    # A point that failed or sent the model other bytes is not a measure of the same work.
+    points = {
+        (p["mode"], p["size"]): p["overhead_ms"]
+        for p in results["points"]
+        if not p.get("error") and p.get("bodies") != "differ"
+    }
     sizes = sorted({p["size"] for p in results["points"]})
     small, large = (sizes[0], sizes[-1]) if sizes else (0, 0)
     pairs = {
@@ -786,6 +1021,19 @@ def validate_gateway(results: dict[str, Any]) -> None:
     for key in ("meta", "points", "runs", "goals", "same_upstream_bodies"):
         if key not in results:
             raise BenchError(f"gateway results lack {key!r}")
+    # Added since the first runs (optional, so that those still read): which server ran, the
+    # modes it refused, and each point's error and bodies.
+    server = results["meta"].get("server", {})
+    if not isinstance(server, dict) or not isinstance(server.get("label", ""), str):
+        raise BenchError(f"gateway results: meta.server is not a server's record: {server!r}")
+    refused = results.get("refused", {})
+    if not isinstance(refused, dict) or not all(isinstance(v, str) for v in refused.values()):
+        raise BenchError(f"gateway results: refused is not a mode -> error map: {refused!r}")
+    for point in results["points"]:
+        if point.get("bodies") not in (None, "same", "other-bytes", "differ"):
+            raise BenchError(f"gateway results: a point's bodies is {point['bodies']!r}")
+        if not isinstance(point.get("error") or "", str):
+            raise BenchError(f"gateway results: a point's error is {point['error']!r}")
 
 
 def render_gateway_summary(results: dict[str, Any]) -> str:
@@ -793,14 +1041,29 @@ def render_gateway_summary(results: dict[str, Any]) -> str:
     sizes = sorted({p["size"] for p in points})
     modes = list(dict.fromkeys(p["mode"] for p in points))
     by = {(p["mode"], p["size"]): p for p in points}
+    meta = results["meta"]
+    server = meta.get("server") or {}
     lines = ["# rollout bench: gateway", ""]
+    if server.get("url"):
+        lines += [
+            f"Server: {server.get('label')} at {server['url']} (not started by the bench), "
+            f"model `{meta['plan'].get('model', MODEL)}`, the fake model server on port "
+            f"{server.get('upstream_port')}",
+            "",
+        ]
     for goal in results["goals"]:
         ratio = "-" if goal["ratio"] is None else f"{goal['ratio']:.2f}x"
         lines.append(f"- {goal['verdict']}: {goal['what']} = {ratio} (goal <= {goal['limit']}x)")
     bodies = results["same_upstream_bodies"]
     lines.append(
         f"- upstream bodies: {len(bodies['differ'])} of {bodies['compared']} conversations "
-        "differ from the first client's (same content: they must not)"
+        "gave the model another conversation than the other clients' (the same content: they "
+        "must not)"
+        + (
+            f"; {len(bodies['other_bytes'])} said the same in other bytes"
+            if bodies.get("other_bytes")
+            else ""
+        )
     )
     lines += [
         "",
@@ -810,9 +1073,36 @@ def render_gateway_summary(results: dict[str, Any]) -> str:
     lines.append("| client | " + " | ".join(f"~{s} tokens" for s in sizes) + " |")
     lines.append("|---|" + "---|" * len(sizes))
     for mode in modes:
-        cells = [_cell(by.get((mode, s), {}).get("overhead_ms")) for s in sizes]
+        cells = [_overhead_cell(by.get((mode, s), {})) for s in sizes]
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    refused = results.get("refused") or {}
+    failed = [p for p in points if p.get("error") and p["mode"] not in refused]
+    if refused or failed or bodies["differ"] or bodies.get("other_bytes"):
+        lines.append("")
+    for mode, error in refused.items():
+        lines.append(f"- {mode} refused (its warm-up conversation failed): {error}")
+    for p in failed:
+        lines.append(f"- {p['mode']} at ~{p['size']} failed: {p['error']}")
+    if bodies["differ"]:
+        lines.append(
+            "- differs: the model was given another conversation by this client than by the "
+            f"others (the same content): {', '.join(bodies['differ'])}; its times are not of "
+            "the same work"
+        )
+    if bodies.get("other_bytes"):
+        lines.append(
+            "- the same messages in other bytes (another way of writing them, not another "
+            f"conversation): {', '.join(bodies['other_bytes'])}"
+        )
     stage_names = sorted({s for p in points for s in p["stages_ms"]})
+    if server.get("stage_metrics") is False:
+        lines += [
+            "",
+            f"No stage table: {server.get('label')} serves no rollout metrics "
+            "(`rollout_stage_seconds` at /metrics).",
+        ]
+        lines += ["", _load_line(meta), ""]
+        return "\n".join(lines)
     lines += ["", "The server's stages per turn (ms, median of the conversations' means)", ""]
     lines.append("| client | size | " + " | ".join(stage_names) + " | rest |")
     lines.append("|---|---|" + "---|" * (len(stage_names) + 1))
@@ -827,9 +1117,31 @@ def render_gateway_summary(results: dict[str, Any]) -> str:
                 rest = p["overhead_ms"] - sum(v or 0.0 for v in st.values())
             cells = [_cell(st.get(s)) for s in stage_names]
             lines.append(f"| {mode} | ~{size} | " + " | ".join(cells) + f" | {_cell(rest)} |")
-    meta = results["meta"]
-    lines += ["", f"loadavg at the end: {meta['loadavg']}; {meta['seconds']} s", ""]
+    lines += ["", _load_line(meta), ""]
     return "\n".join(lines)
+
+
+def _load_line(meta: dict[str, Any]) -> str:
+    """The machine's load averages (1, 5, 15 minutes) at the run's start and end: other work
+    on the machine shows there."""
+
+    def load(values: list[float] | None) -> str:
+        return "-" if values is None else " / ".join(f"{v:.2f}" for v in values)
+
+    at_start = (
+        f"at the start {load(meta['loadavg_at_start'])}, " if "loadavg_at_start" in meta else ""
+    )
+    return f"loadavg (1/5/15 min) {at_start}at the end {load(meta['loadavg'])}; {meta['seconds']} s"
+
+
+def _overhead_cell(point: dict[str, Any]) -> str:
+    """A point's median overhead; `differs` or `failed` instead when it is not a measure of
+    the same work (the number stays in results.json)."""
+    if point.get("bodies") == "differ":
+        return "differs"
+    if point.get("error"):
+        return "failed" if point.get("turns") else "refused"
+    return _cell(point.get("overhead_ms"))
 
 
 def _cell(value: float | None) -> str:
