@@ -45,7 +45,7 @@ from ._store import (
     _SQLiteResource,
     connect,
     ensure_schema,
-    transaction,
+    in_transaction,
 )
 
 __all__ = [
@@ -250,11 +250,6 @@ class SQLUsageLedger:
         return await self._run(lambda conn: count_rows(conn, "usage"))
 
 
-def _in_transaction(write: Callable[[Connection], None], conn: sqlite3.Connection) -> None:
-    with transaction(conn):
-        write(conn)
-
-
 class SQLiteUsageLedger(_SQLiteResource, SQLUsageLedger):
     """A `UsageLedger` in one SQLite file. Make one with `open_sqlite_ledger()`."""
 
@@ -273,12 +268,12 @@ class SQLiteUsageLedger(_SQLiteResource, SQLUsageLedger):
         self._busy_timeout = busy_timeout
 
     async def _write_batch(self, write: Callable[[Connection], None]) -> None:
-        await self._run(partial(_in_transaction, write))
+        await self._run(partial(in_transaction, write))
 
     def _write_batch_now(self, write: Callable[[Connection], None]) -> None:
         conn = connect(self.path, synchronous=self._synchronous, busy_timeout=self._busy_timeout)
         try:
-            _in_transaction(write, conn)
+            in_transaction(write, conn)
         finally:
             conn.close()
 

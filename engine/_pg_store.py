@@ -25,12 +25,16 @@ schema, `trio.ClosedResourceError` after `aclose()`). Threads, pool and timeouts
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import trio
 
 from ._pg import DEFAULT_POOL_SIZE, Conn, PostgresResource, open_pool
 from ._sql import POSTGRES
 from ._store import ITEMS_BY_ID, RESPONSE_SQL, SQLResponseStore, backfilled_items, responses_schema
+
+T = TypeVar("T")
 
 __all__ = [
     "POSTGRES_RESPONSES_SCHEMA",
@@ -79,6 +83,9 @@ class PostgresResponseStore(PostgresResource, SQLResponseStore):
     """A `ResponseStore` in a PostgreSQL database. Make one with `open_postgres_store()`."""
 
     _sql = POSTGRES.render(RESPONSE_SQL)
+
+    async def _write(self, fn: Callable[[Conn], T]) -> T:
+        return await self._run(fn)  # a call is one transaction already (`PostgresResource`)
 
     async def shared_secret(self, name: str, *, size: int = 32) -> bytes:
         """A random secret of `size` bytes made by the first process to ask for `name`; every

@@ -44,6 +44,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeAlias, TypeVar
 
@@ -266,6 +267,12 @@ def transaction(conn: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
+def in_transaction(fn: Callable[[sqlite3.Connection], T], conn: sqlite3.Connection) -> T:
+    """`fn(conn)` as one write transaction (`transaction`)."""
+    with transaction(conn):
+        return fn(conn)
+
+
 def ensure_schema(
     conn: sqlite3.Connection,
     *,
@@ -419,15 +426,19 @@ def backfilled_items(
 
 
 class SQLResponseStore:
-    """The `ResponseStore` operations over `_sql`'s statements: each one `_run` call, the
-    resource's (a worker thread with a connection; in PostgreSQL also one transaction), with
-    encoding and decoding in that thread."""
+    """The `ResponseStore` operations over `_sql`'s statements: each one call of the resource's
+    (a worker thread with a connection), with encoding and decoding in that thread. A write
+    (`_write`: a response and its items, a delete) is one transaction in both databases, so a
+    crash or an error between its statements leaves nothing of it; a read is `_run`."""
 
     _what = "response store"
     _sql: ClassVar[ResponseSQL]
 
     async def _run(self, fn: Callable[[Connection], T]) -> T:
         raise NotImplementedError  # pragma: no cover (the resource's)
+
+    async def _write(self, fn: Callable[[Connection], T]) -> T:
+        raise NotImplementedError  # pragma: no cover (the database's: one transaction)
 
     async def put(self, stored: StoredResponse) -> None:
         """Store (or replace: last write wins) a response and its items. Raises `ValueError`
@@ -458,7 +469,7 @@ class SQLResponseStore:
                     conn.cursor().executemany(sql.put_item, items)
             return cursor.rowcount
 
-        if await self._run(run) == 0:
+        if await self._write(run) == 0:
             raise ValueError(f"response {response_id!r} is already stored under another owner")
 
     async def get(self, response_id: str, *, owner: str | None) -> StoredResponse | None:
@@ -479,7 +490,7 @@ class SQLResponseStore:
                 conn.execute(sql.delete_items, (response_id, owner))
             return deleted
 
-        return await self._run(run)
+        return await self._write(run)
 
     async def get_item(self, item_id: str, *, owner: str | None) -> Item | None:
         """An item a stored response added, by its id (owner isolation as for responses)."""
@@ -538,6 +549,10 @@ class SQLiteResponseStore(_SQLiteResource, SQLResponseStore):
     """A `ResponseStore` in one SQLite file. Make one with `open_sqlite_store()`."""
 
     _sql = SQLITE.render(RESPONSE_SQL)
+
+    async def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        # The connection is in autocommit mode (`connect`): one statement, one transaction.
+        return await self._run(partial(in_transaction, fn))
 
 
 def _backfill_items(conn: sqlite3.Connection) -> None:

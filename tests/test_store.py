@@ -247,6 +247,30 @@ async def test_get_chain_missing_parent(store: Store) -> None:
             await store.get_chain("r5", owner="alice")
 
 
+async def test_a_write_that_fails_part_way_leaves_nothing(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put is one transaction: its items' statement failing (here: a statement the database
+    refuses) leaves no response row behind, as a crash between the two statements would; a
+    delete likewise takes its row and its items together or not at all."""
+    if isinstance(store, MemoryResponseStore):
+        pytest.skip("a dict assignment has no statements to fail between")
+    sql = type(store)._sql
+    with trio.fail_after(DEADLINE):
+        monkeypatch.setattr(store, "_sql", attrs.evolve(sql, put_item="INSERT INTO nowhere"))
+        with pytest.raises((sqlite3.Error, psycopg.Error)):
+            await store.put(make("resp_1"))
+        monkeypatch.setattr(store, "_sql", sql)
+        assert await store.get("resp_1", owner=None) is None
+        await store.put(make("resp_2"))
+        monkeypatch.setattr(store, "_sql", attrs.evolve(sql, delete_items="DELETE FROM nowhere"))
+        with pytest.raises((sqlite3.Error, psycopg.Error)):
+            await store.delete("resp_2", owner=None)
+        monkeypatch.setattr(store, "_sql", sql)
+        assert await store.get("resp_2", owner=None) == make("resp_2")
+        assert await store.get_item("msg_resp_2", owner=None) is not None
+
+
 async def test_closed(store: Store) -> None:
     with trio.fail_after(DEADLINE):
         await store.aclose()
