@@ -31,6 +31,11 @@ Bounds, all documented options of `rollout serve`:
 - `ttl`: an entry not used for this many seconds is dropped (a `store: false` conversation
   lives in memory no longer than this, and never anywhere else).
 - `max_bytes=0` turns the cache off (every request renders its whole input, as before).
+
+Besides, the key of an instructions-and-tools pair is remembered by the objects it was worked
+out from, for the `MAX_KEYED_PREFIXES` pairs most recently looked up and `MAX_KEYED_PREFIX_BYTES`
+of their text (module constants): a stateless client's request, decoded around the input memo,
+brings its previous turn's very objects, and its lookup then costs no JSON of its tools.
 """
 
 from __future__ import annotations
@@ -61,6 +66,11 @@ __all__ = [
 DEFAULT_RENDER_CACHE_BYTES = 512 * 2**20
 # Seconds an unused entry lives (and with it, a store: false conversation's content).
 DEFAULT_RENDER_CACHE_TTL = 1800.0
+# The instructions-and-tools keys remembered by the objects they were computed from
+# (`RenderCache._prefix_digest`): this many, the most recently used, holding at most this many
+# bytes of instructions and canonical tools JSON between them (a larger pair is not kept).
+MAX_KEYED_PREFIXES = 64
+MAX_KEYED_PREFIX_BYTES = 4 * 2**20
 
 
 @attrs.define
@@ -85,6 +95,17 @@ class RenderHit:
     state: ResponseState
     n_items: int
     keys: list[bytes]  # the content key after each of the request's items
+
+
+@attrs.frozen(eq=False)
+class _Keyed:
+    """The key of an instructions and tools pair, and the objects it was computed from (held:
+    their ids name them only while they live)."""
+
+    instructions: str | None
+    tools: Sequence[Tool]
+    digest: bytes
+    size: int
 
 
 @attrs.define(eq=False)
@@ -128,6 +149,9 @@ class RenderCache:
         self._prefix_keys: weakref.WeakKeyDictionary[Prefix, tuple[bytes, int]] = (
             weakref.WeakKeyDictionary()
         )
+        # The key of the instructions and tools objects lookups were given, by their ids.
+        self._keyed: OrderedDict[tuple[int, int], _Keyed] = OrderedDict()
+        self._keyed_bytes = 0
 
     @property
     def enabled(self) -> bool:
@@ -195,7 +219,7 @@ class RenderCache:
         """Instructions and tools as the renderer `render_version` names rendered them."""
         if not self.enabled:
             return None
-        found = self._get((owner, render_version, _prefix_key(instructions, tools)[0]))
+        found = self._get((owner, render_version, self._prefix_digest(instructions, tools)))
         if isinstance(found, Prefix):
             self.stats.hits += 1
             self.stats.tokens_reused += len(found.tokens)
@@ -237,6 +261,28 @@ class RenderCache:
             self._drop(key)
 
     # --- internals -------------------------------------------------------------------------
+
+    def _prefix_digest(self, instructions: str | None, tools: Sequence[Tool]) -> bytes:
+        """`_prefix_key`'s digest of `instructions` and `tools`, computed once for these objects
+        while they are among the `MAX_KEYED_PREFIXES` most recently given: a stateless client's
+        requests decoded around the input memo's entry carry the very objects of its previous
+        turn (`_input_memo.py`), and canonical tools JSON costs ~6 us per tool every turn."""
+        ident = (id(instructions), id(tools))
+        known = self._keyed.get(ident)
+        if known is not None and known.instructions is instructions and known.tools is tools:
+            self._keyed.move_to_end(ident)
+            return known.digest
+        digest, size = _prefix_key(instructions, tools)
+        if size <= MAX_KEYED_PREFIX_BYTES:
+            if known is not None:  # (not possible while held; kept exact anyway)
+                self._keyed_bytes -= self._keyed.pop(ident).size
+            self._keyed[ident] = _Keyed(instructions, tools, digest, size)
+            self._keyed_bytes += size
+            while len(self._keyed) > MAX_KEYED_PREFIXES or (
+                self._keyed_bytes > MAX_KEYED_PREFIX_BYTES
+            ):
+                self._keyed_bytes -= self._keyed.popitem(last=False)[1].size
+        return digest
 
     def _get(self, key: _Key) -> ResponseState | Prefix | None:
         entry = self._entries.get(key)

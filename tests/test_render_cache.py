@@ -37,6 +37,7 @@ from rollout.engine import (
     open_engine,
     open_sqlite_store,
 )
+from rollout.engine import _render_cache as render_cache_module
 
 from tests.engine_harness import (
     LOOKUP_INSTRUCTIONS,
@@ -370,6 +371,45 @@ async def test_entries_expire_after_the_ttl() -> None:
             assert cache.stats.expirations > 0
             cache.put(None, states[0])  # a put sweeps what expired
     assert len(cache) == 2 and cache.stats.evictions == 0
+
+
+def test_the_key_of_instructions_and_tools_is_worked_out_once_per_objects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stateless client's requests decoded around the input memo carry the same instructions
+    and tools objects every turn: their key (canonical tools JSON, hashed) is worked out once
+    for them; equal objects get the same key, worked out again; what is remembered is bounded
+    in pairs and bytes."""
+    worked: list[int] = []
+    real = render_cache_module._prefix_key
+
+    def counting(instructions: str | None, tools: Sequence[p.Tool]) -> tuple[bytes, int]:
+        worked.append(len(tools))
+        return real(instructions, tools)
+
+    monkeypatch.setattr(render_cache_module, "_prefix_key", counting)
+    cache = RenderCache()
+    tools: tuple[p.Tool, ...] = (TOOL,)
+    first = cache._prefix_digest(INSTRUCTIONS, tools)
+    for _ in range(3):
+        assert cache.prefix(None, INSTRUCTIONS, tools, "v") is None  # (a miss: nothing put)
+    assert worked == [1]
+    equal = (attrs.evolve(TOOL),)
+    assert cache._prefix_digest(INSTRUCTIONS, equal) == first and worked == [1, 1]
+    # Bounded: the least recently used pair goes first; a pair too large is never kept.
+    limit = render_cache_module.MAX_KEYED_PREFIXES
+    others = [(attrs.evolve(TOOL, name=f"tool_{i}"),) for i in range(limit)]
+    for other in others:
+        cache._prefix_digest(None, other)
+    worked.clear()
+    cache._prefix_digest(INSTRUCTIONS, tools)  # pushed out by the others
+    cache._prefix_digest(None, others[-1])  # still remembered
+    assert worked == [1]
+    huge = "x" * (render_cache_module.MAX_KEYED_PREFIX_BYTES + 1)
+    cache._prefix_digest(huge, tools)
+    cache._prefix_digest(huge, tools)
+    assert worked == [1, 1, 1]
+    assert cache._keyed_bytes <= render_cache_module.MAX_KEYED_PREFIX_BYTES
 
 
 def test_render_cache_bounds_are_validated() -> None:
