@@ -241,7 +241,7 @@ class _Run:
             return await self.fail(_flagged(prepared.flags[0], appended=False), None, evict=True)
         state = prepared.state
         if not prepared.generate:  # a warm-up: pre-inference only
-            self.steering.close()
+            self.steering.stop_accepting()
             completed = self.stream.complete(usage=Usage(), completed_at=self.engine.now())
             return await self.finish(state, completed)
         state, cached = await self._compact_if_over(state)
@@ -279,7 +279,7 @@ class _Run:
                     return state, await self._incomplete("rollout_timeout")
                 state = resumed
                 continue
-            self.steering.close()
+            self.steering.stop_accepting()
             completed = self.stream.complete(usage=self.total, completed_at=self.engine.now())
             return state, completed
 
@@ -367,7 +367,7 @@ class _Run:
     async def fail(
         self, error: ResponseError, usage: Usage | None, *, evict: bool
     ) -> ResponseState | None:
-        self.steering.close()
+        self.steering.stop_accepting()
         if self.records:
             await self.engine.post.commit(PostJob(records=self.records))
         self.committed = True
@@ -393,7 +393,7 @@ class _Run:
 
     async def abort(self, error: ResponseError) -> None:
         """Ended from outside the loop (a shutdown): the stream may be in any state."""
-        self.steering.close()
+        self.steering.stop_accepting()
         await self.engine.post.commit(PostJob(records=self.records))
         self.committed = True
         failed = self.stream.abort(error=error, usage=self.total)
@@ -407,7 +407,7 @@ class _Run:
             log.info("response %s ended: its connection closed (%s)", self.response_id, exc)
         else:
             log.exception("response %s failed with an unexpected error", self.response_id)
-        self.steering.close()
+        self.steering.stop_accepting()
         failed = self.stream.abort(error=SERVER_ERROR, usage=self.total + usage_of(self.progress))
         if not self.committed:
             self._close_step()
@@ -463,8 +463,8 @@ class _Run:
     def release(self) -> None:
         """Always, last: the rollout handle is done; usage never committed (a disconnect, a
         cancellation) goes to the post-inference writer without blocking."""
-        self.steering.close()
-        self.holder.close()
+        self.steering.stop_accepting()
+        self.holder.release()
         if self.rollout is not None:
             self.rollout.finish()
         if not self.committed:
@@ -500,7 +500,7 @@ class _Run:
 
     async def _incomplete(self, reason: str) -> ResponseIncomplete:
         """Close what is open as incomplete and send that; the terminal event waits."""
-        self.steering.close()
+        self.steering.stop_accepting()
         events = self.stream.incomplete(
             reason=reason, usage=self.total, completed_at=self.engine.now()
         )

@@ -354,18 +354,15 @@ class Prefix:
     flags: tuple[Any, ...] = ()  # classifier flags raised by the prefix (fail the response)
     render_version: str | None = None  # the renderer of `tokens` (None: no renderer's, empty)
 
-    def same_as(self, instructions: str | None, tools: Sequence[Tool]) -> bool:
-        """The same instructions and tools (what validation depends on; reusing the tokens
-        takes the same `render_version` too)."""
-        return self.instructions == instructions and self.tools == tuple(tools)
-
 
 @attrs.frozen(eq=False)
 class Route:
     """Where a model string resolved to. `model` is the string the client sent. `renderer`
-    is the model's own (its tokenizer and chat template), None for the engine's default
-    (`Pipeline.renderer_for`); `render_version` is its version (the registry gives its
-    `ModelSpec`'s, computed once per model; else computed here)."""
+    is the renderer it renders with and `render_version` its version: the registry gives the
+    model's own (its tokenizer and chat template; the version computed once per model), None
+    for a model without one; the pipeline binds the engine's default to such a route when it
+    resolves it (`Pipeline.route`), so a route of a request or a state always carries its
+    renderer (`bound_renderer`, `bound_version`)."""
 
     model: str
     name: str  # the registry entry
@@ -376,6 +373,20 @@ class Route:
     render_version: str | None = attrs.field(
         default=attrs.Factory(lambda route: _version_of(route.renderer), takes_self=True)
     )
+
+    @property
+    def bound_renderer(self) -> Renderer:
+        """`renderer`, on a route the pipeline resolved (which binds the default)."""
+        if self.renderer is None:
+            raise ValueError(f"the route of {self.model!r} has no renderer bound")
+        return self.renderer
+
+    @property
+    def bound_version(self) -> str:
+        """`render_version`, on a route the pipeline resolved (which binds the default)."""
+        if self.render_version is None:
+            raise ValueError(f"the route of {self.model!r} has no renderer bound")
+        return self.render_version
 
 
 @attrs.frozen(eq=False)

@@ -242,7 +242,7 @@ class Steering:
         if self._registry is not None:
             self._registry[response_id] = self
 
-    def close(self) -> None:
+    def stop_accepting(self) -> None:
         """The end is decided: no more input is taken (a late steer is `response_not_active`)."""
         self.accepting = False
         self._scope = None
