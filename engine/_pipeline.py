@@ -23,7 +23,6 @@ known: `_preinfer.py`).
 
 from __future__ import annotations
 
-import contextlib
 import typing
 from array import array
 from collections.abc import Sequence
@@ -46,6 +45,7 @@ from ._state import (
     Prefix,
     ResponseState,
     Route,
+    Staged,
     digest_tokens,
     render_version,
 )
@@ -117,22 +117,6 @@ def _with_id(item: Item) -> Item:
     if prefix is None or item.id is not None:
         return item
     return typing.cast(Item, attrs.evolve(typing.cast(Any, item), id=new_id(prefix)))
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class Staged:
-    """Items validated, rendered and classified, not yet committed to a lineage."""
-
-    items: list[Item]
-    tokens: list[array[int]]
-    render_version: str  # the renderer of `tokens`
-    classifier_state: Any
-    open_calls: dict[str, str]
-    flags: tuple[Flag, ...]
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -242,9 +226,9 @@ class Pipeline:
         """The prefix rendered and classified, and the characters classified; timed into
         `timings` (None: not timed, as in a worker thread)."""
         offered = offered_tools(tools, self.hosted)
-        with self._measure("render", timings):
+        with self.timer.measure_if("render", timings):
             tokens = renderer.render_prefix(instructions, offered)
-        with self._measure("classify", timings):
+        with self.timer.measure_if("classify", timings):
             verdict = self.classifier.feed(
                 self.classifier.initial(),
                 renderer.prefix_text(instructions, offered),
@@ -271,11 +255,11 @@ class Pipeline:
     ) -> tuple[list[array[int]], Any, tuple[Flag, ...], int]:
         """`items` rendered and classified from `classifier_state`: their tokens, the state
         after them, the flags raised and the characters classified (`timings` as above)."""
-        with self._measure("render", timings):
+        with self.timer.measure_if("render", timings):
             rendered = [renderer.render_item(item) for item in items]
         flags: list[Flag] = []
         scanned = 0
-        with self._measure("classify", timings):
+        with self.timer.measure_if("classify", timings):
             for item, toks in zip(items, rendered, strict=True):
                 verdict = self.classifier.feed(
                     classifier_state, renderer.item_text(item), len(toks)
@@ -284,13 +268,6 @@ class Pipeline:
                 flags.extend(verdict.flags)
                 scanned += verdict.scanned
         return rendered, classifier_state, tuple(flags), scanned
-
-    def _measure(
-        self, stage: str, timings: dict[str, float] | None
-    ) -> contextlib.AbstractContextManager[None]:
-        if timings is None:
-            return contextlib.nullcontext()
-        return self.timer.measure(stage, timings)
 
     def prerender(
         self,
@@ -394,31 +371,7 @@ class Pipeline:
             validate=False,
         )
         empty = attrs.evolve(state, lineage=Lineage(), n_items=0)
-        return self.commit(empty, staged), staged.flags
-
-    @staticmethod
-    def commit(base: ResponseState, staged: Staged, **changes: Any) -> ResponseState:
-        """Append staged items to `base`'s conversation (in place on the tip of a chain).
-        They must be of the renderer of what they join (`rerender` otherwise)."""
-        lineage = base.writable_lineage()
-        if staged.items:
-            if not lineage.items:
-                lineage.render_version = staged.render_version
-            elif lineage.render_version != staged.render_version:
-                raise ValueError(
-                    f"items rendered by {staged.render_version} can't join a conversation "
-                    f"rendered by {lineage.render_version}"
-                )
-        for item, toks in zip(staged.items, staged.tokens, strict=True):
-            lineage.append(item, toks)
-        return attrs.evolve(
-            base,
-            lineage=lineage,
-            n_items=base.n_items + len(staged.items),
-            classifier_state=staged.classifier_state,
-            open_calls=tuple(staged.open_calls.items()),
-            **changes,
-        )
+        return empty.commit(staged), staged.flags
 
     # --- the whole pre-inference pass ---
     def prepare_input(
@@ -501,8 +454,7 @@ class Pipeline:
         # cache, a compaction window); a conversation rendered again for another model is not.
         kept = prefix_reused or (known_prefix is not None and prefix is known_prefix)
         reused = reused_items + (len(prefix.tokens) if kept else 0)
-        state = self.commit(
-            root,
+        state = root.commit(
             staged,
             prefix=prefix,
             route=route,

@@ -105,7 +105,7 @@ from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
 from ._sink import Emit, EventSink, TrackedSink
 from ._state import ResponseState
-from ._steer import Steering, steering_unsupported
+from ._steer import Steering
 from ._suspend import Rollout
 
 if TYPE_CHECKING:
@@ -148,21 +148,19 @@ async def run_response(
     prepared: Prepared,
     request: ResponseCreate,
     sink: EventSink,
+    steering: Steering,
     rollout: Rollout | None,
-    *,
-    steerable: dict[str, Steering] | None = None,
-) -> tuple[ResponseState | None, Steering]:
+) -> ResponseState | None:
     """Run one response whose pre-inference is done (`_preinfer.pre_infer`); its events go down
-    into `sink`, through its `Steering` (registered in `steerable`, the connection's running
-    responses, while it takes steering input). Returns the final state (None when it failed)
-    and the steering, with the input queued when it ended."""
-    run = _Run(session, request, sink, rollout, prepared, steerable)
+    through `steering` (the caller's, which holds the input queued when it ended) into `sink`.
+    Returns the final state (None when it failed)."""
+    run = _Run(session, request, sink, steering, rollout, prepared)
     await run.start()
     try:
-        return await run.drive(), run.steering
+        return await run.drive()
     except Exception as exc:
         await run.crashed(exc)
-        return None, run.steering
+        return None
     finally:
         run.release()
 
@@ -185,21 +183,15 @@ class _Run:
         session: ConnectionScope,
         request: ResponseCreate,
         sink: EventSink,
+        steering: Steering,
         rollout: Rollout | None,
         prepared: Prepared,
-        steerable: dict[str, Steering] | None = None,
     ) -> None:
         self.session = session
         self.engine = session.engine
         self.request = request
-        self.steering = Steering(
-            sink,
-            unsupported=steering_unsupported(request),
-            stream_id=request.stream_id,
-            registry=steerable,
-            counters=self.engine.counters,
-        )
-        self.emit: Emit = self.steering.emit
+        self.steering = steering
+        self.emit: Emit = steering.emit
         if rollout is not None and rollout.multi_agent:  # (a multi-agent response is not steered)
             self.emit = _root_agent(self.emit)
         self.rollout = rollout

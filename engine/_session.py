@@ -175,8 +175,8 @@ class Session:
             timings=timings,
         )
         own = 0 if target.is_root else len(items) - len(target.items)
-        state = pipeline.commit(
-            root, staged, prefix=prefix, route=route, first_new_item=own, response=target.response
+        state = root.commit(
+            staged, prefix=prefix, route=route, first_new_item=own, response=target.response
         )
         engine.render_cache.put(self.owner, state)
         return state, staged.n_tokens + (0 if prefix is known else len(prefix.tokens))

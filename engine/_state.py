@@ -43,7 +43,7 @@ from rollout.protocol import (
     parts_of,
 )
 
-from ._interfaces import Backend, Renderer
+from ._interfaces import Backend, Flag, Renderer
 from ._itemkey import ROOT_KEY, chain_key, item_key
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "Prefix",
     "ResponseState",
     "Route",
+    "Staged",
     "digest_tokens",
     "render_version",
 ]
@@ -389,6 +390,23 @@ class Route:
         return self.render_version
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class Staged:
+    """Items validated, rendered and classified (`Pipeline.stage`), not yet committed to a
+    lineage (`ResponseState.commit`)."""
+
+    items: list[Item]
+    tokens: list[array[int]]
+    render_version: str  # the renderer of `tokens`
+    classifier_state: Any
+    open_calls: dict[str, str]
+    flags: tuple[Flag, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
 @attrs.frozen(eq=False)
 class ResponseState:
     """A response and the conversation it leaves behind (see the module docstring)."""
@@ -441,6 +459,30 @@ class ResponseState:
         out = array("I", self.prefix.tokens)
         out.extend(self.lineage.tokens[: self.item_tokens])
         return out
+
+    def commit(self, staged: Staged, **changes: Any) -> ResponseState:
+        """This state with `staged` items appended to its conversation (in place on the tip
+        of a chain), and `changes`. They must be of the renderer of what they join
+        (`Pipeline.rerender` otherwise)."""
+        lineage = self.writable_lineage()
+        if staged.items:
+            if not lineage.items:
+                lineage.render_version = staged.render_version
+            elif lineage.render_version != staged.render_version:
+                raise ValueError(
+                    f"items rendered by {staged.render_version} can't join a conversation "
+                    f"rendered by {lineage.render_version}"
+                )
+        for item, toks in zip(staged.items, staged.tokens, strict=True):
+            lineage.append(item, toks)
+        return attrs.evolve(
+            self,
+            lineage=lineage,
+            n_items=self.n_items + len(staged.items),
+            classifier_state=staged.classifier_state,
+            open_calls=tuple(staged.open_calls.items()),
+            **changes,
+        )
 
     def writable_lineage(self) -> Lineage:
         """The lineage a child of this state appends to: shared when this state is the tip,

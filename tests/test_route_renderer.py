@@ -1,5 +1,5 @@
 """Each model renders with its own renderer: a model's `ModelSpec.renderer` becomes its route's
-(`Pipeline.renderer_for`), and every rendering (render cache entries, stored renderings,
+(`Route.bound_renderer`), and every rendering (render cache entries, stored renderings,
 compaction snapshots) is of one renderer, named by its render version (template and tokenizer).
 
 A second renderer for these tests: the engine's chat template over a tokenizer of one token per
