@@ -26,14 +26,21 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-from rollout.protocol import Compaction, Item, ItemReference, RemoteProtocolError, ResponseCreate
+from rollout.protocol import (
+    Compaction,
+    Item,
+    ItemReference,
+    Message,
+    RemoteProtocolError,
+    ResponseCreate,
+)
 
 from ._compact import restore_state
 from ._input_memo import KeyedInput
 from ._interfaces import Flag
 from ._pipeline import Prepared as PipelinePrepared
 from ._state import ResponseState, Route
-from ._validate import invalid, normalize_input
+from ._validate import invalid
 
 if TYPE_CHECKING:
     from ._services import EngineServices
@@ -216,7 +223,7 @@ async def _route_and_input(
     the items onto is the parent, that restored state, or an empty state."""
     route = _route(engine, request, parent, timings)
     given = request.input
-    items = normalize_input(given)
+    items = _normalize_input(given)
     base = parent or engine.empty_state()
     if isinstance(given, KeyedInput):  # the decoder looked already (`_input_memo.py`)
         last = None if given.last_compaction < 0 else given.last_compaction
@@ -262,6 +269,15 @@ async def _route_and_input(
     whole = last is None and not references
     keys = given.keys if whole and isinstance(given, KeyedInput) else None
     return _Input(route=route, base=base, items=items, offset=start, keys=keys)
+
+
+def _normalize_input(value: str | list[Item] | None) -> list[Item]:
+    """A request's `input` as items: a string is one user message."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [Message(role="user", content=value)]
+    return list(value)
 
 
 def cached_prefix(
