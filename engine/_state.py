@@ -361,8 +361,8 @@ class Route:
     """Where a model string resolved to. `model` is the string the client sent. `renderer`
     is the renderer it renders with and `render_version` its version: the registry gives the
     model's own (its tokenizer and chat template; the version computed once per model), None
-    for a model without one; the pipeline binds the engine's default to such a route when it
-    resolves it (`Pipeline.route`), so a route of a request or a state always carries its
+    for a model without one; the route stage binds the engine's default to such a route when
+    it resolves it (`_models.Router`), so a route of a request or a state always carries its
     renderer (`bound_renderer`, `bound_version`)."""
 
     model: str
@@ -377,14 +377,14 @@ class Route:
 
     @property
     def bound_renderer(self) -> Renderer:
-        """`renderer`, on a route the pipeline resolved (which binds the default)."""
+        """`renderer`, on a route the route stage resolved (which binds the default)."""
         if self.renderer is None:
             raise ValueError(f"the route of {self.model!r} has no renderer bound")
         return self.renderer
 
     @property
     def bound_version(self) -> str:
-        """`render_version`, on a route the pipeline resolved (which binds the default)."""
+        """`render_version`, on a route the route stage resolved (which binds the default)."""
         if self.render_version is None:
             raise ValueError(f"the route of {self.model!r} has no renderer bound")
         return self.render_version
