@@ -221,9 +221,9 @@ async def _route_and_input(
     route's renderer; with no route, of the engine's default) starts from a restored compacted
     state, an item reference becomes the parent's item, else the store's; the state to stage
     the items onto is the parent, that restored state, or an empty state."""
-    route = _route(engine, request, parent, timings)
     given = request.input
     items = _normalize_input(given)
+    route = _route(engine, request, parent, timings)
     base = parent or engine.empty_state()
     if isinstance(given, KeyedInput):  # the decoder looked already (`_input_memo.py`)
         last = None if given.last_compaction < 0 else given.last_compaction

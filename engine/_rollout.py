@@ -63,8 +63,9 @@ Every event leaves through `Steering.emit` into the response's sink, one downwar
 calls; the gate keeps steering acknowledgements (sent from the connection's reader) in
 sequence with the events the coroutine builds.
 
-`_Run.end` is the one exit: whatever ended the response (completion, a flag, a backend
-failure, a shutdown, a bug), its usage is committed and then its one terminal event is sent.
+`_Run._end` is the one way out: whatever ended the response (completion, a flag, a backend
+failure, a shutdown, a bug), its usage is committed first (`finish`, `fail`, `abort`,
+`crashed`), and then `_end` sends its one terminal event.
 A response cut off by a disconnect or a cancellation sends nothing; its usage goes to the
 post-inference writer without blocking (`_Run.release`).
 """
@@ -176,7 +177,7 @@ class _Fail(Exception):
 
 class _Run:
     """One response in flight: its event stream, the usage of its sampling steps, and the
-    one exit (`end`)."""
+    one way out (`_end`)."""
 
     def __init__(
         self,
