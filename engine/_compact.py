@@ -304,8 +304,8 @@ def compact_state(
     """The compacted window of `source` as a new state (a fresh lineage), and the compaction
     item that restores it. Stubs are rendered here (by `source`'s renderer); verbatim items
     reuse their tokens."""
-    renderer = pipeline.renderer_for(source.route)
-    version = source.lineage.render_version or pipeline.render_version_for(source.route)
+    renderer = source.route.bound_renderer
+    version = source.lineage.render_version or source.route.bound_version
     lineage = source.lineage
     items = list(source.items)
     costs = [lineage.token_count(i + 1) - lineage.token_count(i) for i in range(len(items))]
@@ -374,8 +374,8 @@ def restore_state(
     rendering it (and without classifying it, when the classifier state was sealed too).
     The snapshot must be of `route`'s renderer; with no route (the request's model did not
     resolve: the route stage refuses it next), of the engine's default renderer."""
-    renderer = pipeline.renderer if route is None else pipeline.renderer_for(route)
-    version = pipeline.render_version if route is None else pipeline.render_version_for(route)
+    renderer = pipeline.renderer if route is None else route.bound_renderer
+    version = pipeline.render_version if route is None else route.bound_version
     try:
         if payload.get("template") != renderer.template_id:
             raise ValueError("it was made with another chat template")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import attrs
 
@@ -158,6 +158,11 @@ class StageTimer:
         self.histograms[stage].observe(seconds)
         if into is not None:
             into[stage] = into.get(stage, 0.0) + seconds
+
+    def measure_if(self, stage: str, into: dict[str, float] | None) -> AbstractContextManager[None]:
+        """`measure` when the caller times (`into` given); nothing at all without: a worker
+        thread's work (rendering ahead) touches no shared histogram, its caller times it."""
+        return nullcontext() if into is None else self.measure(stage, into)
 
     @contextmanager
     def measure(self, stage: str, into: dict[str, float] | None = None) -> Iterator[None]:

@@ -40,7 +40,7 @@ from ._interfaces import (
     StoredResponse,
     UsageLedger,
 )
-from ._models import ModelRegistry
+from ._models import ModelRegistry, Router
 from ._pipeline import Pipeline, Prerendered, text_chars
 from ._postinfer import PostInference
 from ._render_cache import RenderCache
@@ -152,10 +152,16 @@ class Engine:
             validator=validator,
             renderer=renderer,
             classifier=classifier,
-            registry=registry,
             counters=self.counters,
             timer=self.timer,
             hosted=frozenset(self.hosted),
+        )
+        self.router = Router(
+            registry,
+            renderer=renderer,
+            render_version=self.pipeline.render_version,
+            counters=self.counters,
+            timer=self.timer,
         )
         self.post = PostInference(store=store, ledger=ledger, counters=self.counters)
         self.decode_limiter = trio.CapacityLimiter(MAX_CONCURRENT_LARGE_DECODES)
@@ -287,28 +293,25 @@ class Engine:
         request: ResponseCreate,
         route: Route,
         *,
-        parent: ResponseState | None,
         known_prefix: Prefix | None,
         root: ResponseState,
         items: Sequence[Item],
         timings: dict[str, float] | None = None,
     ) -> Prerendered | None:
         """Render and classify a request's new text in a worker thread when it is large
-        (`OFFLOAD_RENDER_CHARS`), for `Pipeline.prepare_input` to take (`Prerendered`); None
-        when it is small, when `root` must be rendered again first (another model's renderer),
-        or when rendering the not yet validated input failed (`prepare_input` validates it
-        first and reports). A caller cancelled meanwhile leaves at once; the thread finishes
-        its bounded work and only then gives its place in the limiter back."""
+        (`OFFLOAD_RENDER_CHARS`), for `Pipeline.prepare_input` to take (`Prerendered`; the
+        prefix too, unless `known_prefix` is of the route's renderer); None when it is small,
+        when `root` must be rendered again first (another model's renderer), or when rendering
+        the not yet validated input failed (`prepare_input` validates it first and reports).
+        A caller cancelled meanwhile leaves at once; the thread finishes its bounded work and
+        only then gives its place in the limiter back."""
         pipeline = self.pipeline
-        version = pipeline.render_version_for(route)
+        version = route.bound_version
         if root.n_items and root.lineage.render_version != version:
             return None
         tools = request.tools or ()
-        with_prefix = not (
-            parent is not None
-            and parent.prefix.render_version == version
-            and parent.prefix.same_as(request.instructions, tools)
-        ) and not (known_prefix is not None and known_prefix.render_version == version)
+        # The prefix known (the parent's, or the render cache's: `_preinfer.py`) is not rendered.
+        with_prefix = not (known_prefix is not None and known_prefix.render_version == version)
         size = text_chars(items, OFFLOAD_RENDER_CHARS)
         if with_prefix and size < OFFLOAD_RENDER_CHARS:
             size += text_chars((request.instructions, tools), OFFLOAD_RENDER_CHARS - size)

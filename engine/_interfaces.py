@@ -158,8 +158,8 @@ class Holder:
     """A scope that keeps a backend's state for a conversation between its turns: a rollout in
     flight (from its first turn to its end, suspensions included) or a WebSocket lane (its
     latest response, until the connection closes). A backend keeps something (a model's KV
-    sequence) under a key of its own with a release callback; the engine closes the holder
-    when the scope ends, which calls them. A closed holder keeps nothing more."""
+    sequence) under a key of its own with a release callback; the engine releases the
+    holder when the scope ends, which calls them. A released holder keeps nothing more."""
 
     __slots__ = ("_kept", "closed", "name")
 
@@ -179,7 +179,9 @@ class Holder:
         self._kept[key] = release
         return True
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """The scope ended: what the holder keeps is released (once), and it keeps nothing
+        more."""
         self.closed = True
         kept, self._kept = self._kept, {}
         for release in kept.values():

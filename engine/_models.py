@@ -8,6 +8,11 @@ A model with its own tokenizer and chat template (`ModelSpec.renderer`) renders 
 its route carries the renderer, and everything above the backend speaks its tokens. Models
 without one (the `sim` family, chat-completions upstreams without a `tokenizer` in the models
 file) use the engine's default renderer.
+
+The route stage itself is a `Router`: the parent's route when the model string is unchanged,
+else the registry's, with the engine's default renderer bound to a model without its own (so
+every route of a request or a state carries the renderer it renders with); counted
+(`route_resolutions`) and timed (`route`).
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ from collections.abc import Iterable, Mapping
 import attrs
 from rollout.protocol import RemoteProtocolError
 
-from ._interfaces import Backend, ClosableBackend, Renderer
-from ._state import Route
+from ._counters import Counters, StageTimer
+from ._interfaces import Backend, ClosableBackend, ParamCheckingBackend, Renderer
+from ._state import ResponseState, Route
 from ._state import render_version as version_of
 
 __all__ = [
     "DEFAULT_CONTEXT_WINDOW",
     "ModelRegistry",
     "ModelSpec",
+    "Router",
     "model_not_found",
     "parse_model_string",
 ]
@@ -147,3 +154,39 @@ class ModelRegistry:
                 param="model",
                 status=404,
             ) from None
+
+
+class Router:
+    """The route stage (see the module docstring)."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        *,
+        renderer: Renderer,
+        render_version: str,
+        counters: Counters,
+        timer: StageTimer,
+    ) -> None:
+        self.registry = registry
+        self.renderer = renderer  # the default: bound to the routes of models without their own
+        self.render_version = render_version  # its version
+        self.counters = counters
+        self.timer = timer
+
+    def route(self, model: str, parent: ResponseState | None, timings: dict[str, float]) -> Route:
+        """The route of `model` (a request's, continuing `parent`): the parent's when the model
+        string is unchanged, else resolved. Raises `RemoteProtocolError` for a model that does
+        not resolve, or whose backend refuses its parameters."""
+        if parent is not None and parent.route.model == model:
+            return parent.route
+        with self.timer.measure("route", timings):
+            route = self.registry.resolve(model)
+            if isinstance(route.backend, ParamCheckingBackend):
+                route.backend.check_params(route.params)
+            self.counters.route_resolutions += 1
+            if route.renderer is None:
+                route = attrs.evolve(
+                    route, renderer=self.renderer, render_version=self.render_version
+                )
+            return route

@@ -1,27 +1,28 @@
-"""The request pipeline: validate (`_validate.py`), render, classify, route, as explicit
-pluggable stages.
+"""The request pipeline: validate (`_validate.py`), render, classify, as explicit pluggable
+stages, on a route the route stage resolved (`_models.Router`).
 
 Long because each stage has a path for each way a request arrives (new, continued, rendered
 ahead off the loop, found in the render cache) and each keeps the work counters exact.
 
-`Pipeline.prepare_input` takes a request and the parent state (None for a new chain) and does
-the pre-inference work for the *new* input only: the parent's items are already validated,
-rendered and classified, and its route is reused when the model string is unchanged. Work is
-staged and committed to the lineage only when every stage has passed, so a failed request
-leaves its parent untouched (and still the tip of its chain).
+`Pipeline.prepare_input` takes a request, its route and the parent state (None for a new
+chain) and does the pre-inference work for the *new* input only: the parent's items are
+already validated, rendered and classified. Work is staged and committed to the lineage only
+when every stage has passed, so a failed request leaves its parent untouched (and still the
+tip of its chain).
 
-Rendering is the route's: each stage renders with `renderer_for(route)` (the model's own
-tokenizer and chat template, else the engine's default `renderer`), and what it renders
-records that renderer's version (`render_version_for`). A continuation whose model renders
-with another renderer than its parent's is the one exception to "new input only": the
-parent's items are rendered and classified again with the new renderer onto a new lineage
-(`rerender`: O(history), counted in `tokens_rendered`, only on such a switch); a prefix is
-reused only when its instructions, tools and renderer are all the same.
+Rendering is the route's: each stage renders with the renderer the route carries
+(`Route.bound_renderer`: the model's own tokenizer and chat template, else the engine's
+default `renderer`, bound when the route was resolved), and what it renders records that
+renderer's version (`Route.bound_version`). A continuation whose model renders with another
+renderer than its parent's is the one exception to "new input only": the parent's items are
+rendered and classified again with the new renderer onto a new lineage (`rerender`:
+O(history), counted in `tokens_rendered`, only on such a switch); a prefix is reused only when
+its instructions, tools and renderer are all the same (pre-inference decides which prefix is
+known: `_preinfer.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import typing
 from array import array
 from collections.abc import Sequence
@@ -30,20 +31,21 @@ from typing import Any
 import attrs
 from rollout.protocol import (
     Item,
+    RemoteProtocolError,
     ResponseCreate,
     Tool,
 )
 
 from ._counters import Counters, StageTimer
 from ._ids import new_id
-from ._interfaces import Classifier, Flag, ParamCheckingBackend, Renderer
-from ._models import ModelRegistry
+from ._interfaces import Classifier, Flag, Renderer
 from ._state import (
     CallRecord,
     Lineage,
     Prefix,
     ResponseState,
     Route,
+    Staged,
     digest_tokens,
     render_version,
 )
@@ -118,22 +120,6 @@ def _with_id(item: Item) -> Item:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class Staged:
-    """Items validated, rendered and classified, not yet committed to a lineage."""
-
-    items: list[Item]
-    tokens: list[array[int]]
-    render_version: str  # the renderer of `tokens`
-    classifier_state: Any
-    open_calls: dict[str, str]
-    flags: tuple[Flag, ...]
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-
-@attrs.frozen(kw_only=True, eq=False)
 class Prerendered:
     """Rendering and classification done ahead of `prepare`, in a worker thread
     (`Pipeline.prerender`), for one request's prefix and new items. `prefix` and `stage` take
@@ -186,7 +172,6 @@ class Pipeline:
         validator: Validator,
         renderer: Renderer,
         classifier: Classifier,
-        registry: ModelRegistry,
         counters: Counters,
         timer: StageTimer,
         hosted: frozenset[str] = frozenset(),
@@ -196,54 +181,25 @@ class Pipeline:
         self.renderer = renderer  # the default: routes to a model without its own renderer
         self.render_version = render_version(renderer)
         self.classifier = classifier
-        self.registry = registry
         self.counters = counters
         self.timer = timer
 
-    # --- renderers ---
-    def renderer_for(self, route: Route) -> Renderer:
-        """The renderer of `route`: the model's own, else the engine's default."""
-        return route.renderer if route.renderer is not None else self.renderer
-
-    def render_version_for(self, route: Route) -> str:
-        """The version of `renderer_for(route)` (computed once per renderer, never here)."""
-        if route.renderer is not None and route.render_version is not None:
-            return route.render_version
-        return self.render_version
-
     # --- stages ---
-    def route(self, model: str, parent: ResponseState | None, timings: dict[str, float]) -> Route:
-        if parent is not None and parent.route.model == model:
-            return parent.route
-        with self.timer.measure("route", timings):
-            route = self.registry.resolve(model)
-            if isinstance(route.backend, ParamCheckingBackend):
-                route.backend.check_params(route.params)
-            self.counters.route_resolutions += 1
-            return route
-
     def prefix(
         self,
         instructions: str | None,
         tools: Sequence[Tool],
-        parent: ResponseState | None,
         timings: dict[str, float],
         known: Prefix | None = None,
         *,
         route: Route,
         prerendered: Prerendered | None = None,
     ) -> Prefix:
-        """The parent's prefix when unchanged (its instructions, tools and renderer), else
-        `known` (the render cache's, rendered from the same instructions and tools by the same
-        renderer), else `prerendered`'s (rendered ahead in a worker thread), else rendered with
-        `route`'s renderer and classified now."""
-        version = self.render_version_for(route)
-        if (
-            parent is not None
-            and parent.prefix.render_version == version
-            and parent.prefix.same_as(instructions, tools)
-        ):
-            return parent.prefix
+        """`known` when it is of `route`'s renderer (a prefix rendered from the same
+        instructions and tools: the parent's, or the render cache's), else `prerendered`'s
+        (rendered ahead in a worker thread), else rendered with `route`'s renderer and
+        classified now."""
+        version = route.bound_version
         if known is not None and known.render_version == version:
             return known
         if prerendered is not None:
@@ -253,7 +209,7 @@ class Pipeline:
                 self.counters.chars_classified += prerendered.prefix_scanned
                 return ahead
         prefix, scanned = self._render_prefix(
-            self.renderer_for(route), instructions, tools, version, timings
+            route.bound_renderer, instructions, tools, version, timings
         )
         self.counters.tokens_rendered += len(prefix.tokens)
         self.counters.chars_classified += scanned
@@ -270,9 +226,9 @@ class Pipeline:
         """The prefix rendered and classified, and the characters classified; timed into
         `timings` (None: not timed, as in a worker thread)."""
         offered = offered_tools(tools, self.hosted)
-        with self._measure("render", timings):
+        with self.timer.measure_if("render", timings):
             tokens = renderer.render_prefix(instructions, offered)
-        with self._measure("classify", timings):
+        with self.timer.measure_if("classify", timings):
             verdict = self.classifier.feed(
                 self.classifier.initial(),
                 renderer.prefix_text(instructions, offered),
@@ -299,11 +255,11 @@ class Pipeline:
     ) -> tuple[list[array[int]], Any, tuple[Flag, ...], int]:
         """`items` rendered and classified from `classifier_state`: their tokens, the state
         after them, the flags raised and the characters classified (`timings` as above)."""
-        with self._measure("render", timings):
+        with self.timer.measure_if("render", timings):
             rendered = [renderer.render_item(item) for item in items]
         flags: list[Flag] = []
         scanned = 0
-        with self._measure("classify", timings):
+        with self.timer.measure_if("classify", timings):
             for item, toks in zip(items, rendered, strict=True):
                 verdict = self.classifier.feed(
                     classifier_state, renderer.item_text(item), len(toks)
@@ -312,13 +268,6 @@ class Pipeline:
                 flags.extend(verdict.flags)
                 scanned += verdict.scanned
         return rendered, classifier_state, tuple(flags), scanned
-
-    def _measure(
-        self, stage: str, timings: dict[str, float] | None
-    ) -> contextlib.AbstractContextManager[None]:
-        if timings is None:
-            return contextlib.nullcontext()
-        return self.timer.measure(stage, timings)
 
     def prerender(
         self,
@@ -334,8 +283,7 @@ class Pipeline:
         `items` from `classifier_state`. Touches nothing shared (no counters, no timers, no
         cache): what a worker thread runs. The items are not validated yet; a caller that
         gets an exception here leaves the work to `prepare_input`, whose validation comes first."""
-        renderer = self.renderer_for(route)
-        version = self.render_version_for(route)
+        renderer, version = route.bound_renderer, route.bound_version
         prefix, prefix_scanned = (
             self._render_prefix(renderer, instructions, tools, version, None)
             if with_prefix
@@ -374,8 +322,7 @@ class Pipeline:
         """Validate, render (with `route`'s renderer) and classify `items` after the first
         `n_items` of `lineage` (rendered and classified ahead when `prerendered` is for them:
         only validated here)."""
-        renderer = self.renderer_for(route)
-        version = self.render_version_for(route)
+        renderer, version = route.bound_renderer, route.bound_version
         open_calls = dict(open_calls)
         given = items
         if validate:
@@ -424,31 +371,7 @@ class Pipeline:
             validate=False,
         )
         empty = attrs.evolve(state, lineage=Lineage(), n_items=0)
-        return self.commit(empty, staged), staged.flags
-
-    @staticmethod
-    def commit(base: ResponseState, staged: Staged, **changes: Any) -> ResponseState:
-        """Append staged items to `base`'s conversation (in place on the tip of a chain).
-        They must be of the renderer of what they join (`rerender` otherwise)."""
-        lineage = base.writable_lineage()
-        if staged.items:
-            if not lineage.items:
-                lineage.render_version = staged.render_version
-            elif lineage.render_version != staged.render_version:
-                raise ValueError(
-                    f"items rendered by {staged.render_version} can't join a conversation "
-                    f"rendered by {lineage.render_version}"
-                )
-        for item, toks in zip(staged.items, staged.tokens, strict=True):
-            lineage.append(item, toks)
-        return attrs.evolve(
-            base,
-            lineage=lineage,
-            n_items=base.n_items + len(staged.items),
-            classifier_state=staged.classifier_state,
-            open_calls=tuple(staged.open_calls.items()),
-            **changes,
-        )
+        return empty.commit(staged), staged.flags
 
     # --- the whole pre-inference pass ---
     def prepare_input(
@@ -463,17 +386,19 @@ class Pipeline:
         offset: int = 0,
         known_prefix: Prefix | None = None,
         own_root: bool = False,
-        route: Route | None = None,
+        route: Route | RemoteProtocolError | None,
         tools_known: bool = False,
         validated: bool = False,
         prerendered: Prerendered | None = None,
     ) -> Prepared:
         """`root` is `parent`, or for a new chain the state to build from: an empty state, a
         restored compaction window, or (`own_root`) the render cache's rendering of the first
-        items of this request's own input. `known_prefix` is the render cache's rendering of
-        the request's instructions and tools. `route`: the request's, when the caller resolved
-        it already (to look the render cache up for its renderer); else it is resolved here,
-        after the request's own validation (whose errors come first). With `require_outputs`,
+        items of this request's own input. `known_prefix`: a prefix rendered from the
+        request's instructions and tools (the parent's, or the render cache's). `route`: the
+        request's, which the caller resolved (`Router.route`; the render cache is looked up
+        for its renderer); else the route stage's error, raised here after the request's own
+        validation (whose errors come first), or None for a request without a model (which
+        validation refuses). With `require_outputs`,
         every function call must have its output by the end of the input (a model can't be
         sampled while tool results are missing). A `root` rendered by another renderer than the
         route's (a parent of another model) is rendered again first (`rerender`).
@@ -485,13 +410,12 @@ class Pipeline:
         with self.timer.measure("validate", timings):
             if not validated:
                 self.validator.validate_request(request, tools_known=tools_known)
-        assert request.model is not None
-        if route is None:
-            route = self.route(request.model, parent, timings)
+        assert request.model is not None and route is not None
+        if isinstance(route, RemoteProtocolError):
+            raise route
         prefix = self.prefix(
             request.instructions,
             request.tools or (),
-            parent,
             timings,
             known_prefix,
             route=route,
@@ -499,7 +423,7 @@ class Pipeline:
         )
         switched: tuple[Flag, ...] = ()
         reused_items = root.item_tokens
-        if root.n_items and root.lineage.render_version != self.render_version_for(route):
+        if root.n_items and root.lineage.render_version != route.bound_version:
             root, switched = self.rerender(root, route, timings)
             reused_items = 0
         staged = self.stage(
@@ -530,8 +454,7 @@ class Pipeline:
         # cache, a compaction window); a conversation rendered again for another model is not.
         kept = prefix_reused or (known_prefix is not None and prefix is known_prefix)
         reused = reused_items + (len(prefix.tokens) if kept else 0)
-        state = self.commit(
-            root,
+        state = root.commit(
             staged,
             prefix=prefix,
             route=route,

@@ -3,15 +3,16 @@ coroutine samples from (`Prepared`), once per response, over the new input only.
 
 One downward sequence of steps (`pre_infer`):
 
-    route       the request's model, resolved first (`Pipeline.route`): the steps below
+    route       the request's model, resolved first (`Router.route`): the steps below
                 depend on its renderer. A model that does not resolve is left to the pipeline,
                 which raises that error after the request's own validation, in its usual place
     input       the input's compaction item (a restored window, which must be of the route's
                 renderer) and item references (the parent's items, else the store's) resolved;
                 steering input parked for the parent goes first
     reuse       what the render cache holds: a new conversation starts from its longest
-                rendering of the input's first items by the route's renderer; the rendering of
-                the instructions and tools, when the parent's is not the same
+                rendering of the input's first items by the route's renderer; the prefix
+                known, decided here once: the parent's when its instructions, tools and
+                renderer are the request's, else the render cache's rendering of them
     off loop    a request whose schemas are large is validated in a worker thread
                 (`validate_off_loop`); one whose new text is large is rendered and classified
                 in one (`prerender_off_loop`)
@@ -25,14 +26,21 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-from rollout.protocol import Compaction, Item, ItemReference, RemoteProtocolError, ResponseCreate
+from rollout.protocol import (
+    Compaction,
+    Item,
+    ItemReference,
+    Message,
+    RemoteProtocolError,
+    ResponseCreate,
+)
 
 from ._compact import restore_state
 from ._input_memo import KeyedInput
 from ._interfaces import Flag
 from ._pipeline import Prepared as PipelinePrepared
 from ._state import ResponseState, Route
-from ._validate import invalid, normalize_input
+from ._validate import invalid
 
 if TYPE_CHECKING:
     from ._services import EngineServices
@@ -119,33 +127,34 @@ async def _prepare(
         offset -= len(steered)  # errors name the request's input
         keys = None
     parent_stored = base.stored
-    # reuse: what the render cache holds
+    # reuse: what the render cache holds, and the prefix known (the parent's, else the cache's)
     own_root = False
     known_prefix = None
     tools = request.tools or ()
-    if route is not None:
-        version = pipeline.render_version_for(route)
+    # The parent's instructions and tools are the request's: validated with the parent.
+    same = (
+        parent is not None
+        and parent.prefix.instructions == request.instructions
+        and parent.prefix.tools == tuple(tools)
+    )
+    if isinstance(route, Route):
+        version = route.bound_version
         if parent is None and base.n_items == 0 and items:
             base, rest = cached_prefix(engine, owner, items, version, keys, timings)
             offset += len(items) - len(rest)
             items, own_root = rest, base.n_items > 0
-        if (
-            parent is None
-            or parent.prefix.render_version != version
-            or not parent.prefix.same_as(request.instructions, tools)
-        ):
+        if parent is not None and same and parent.prefix.render_version == version:
+            known_prefix = parent.prefix
+        else:
             known_prefix = engine.render_cache.prefix(owner, request.instructions, tools, version)
-    tools_known = known_prefix is not None or (
-        parent is not None and parent.prefix.same_as(request.instructions, tools)
-    )
+    tools_known = same or known_prefix is not None
     # off the loop: large requests' work in a worker thread
     validated = await engine.validate_off_loop(request, tools_known=tools_known, timings=timings)
     prerendered = None
-    if route is not None:
+    if isinstance(route, Route):
         prerendered = await engine.prerender_off_loop(
             request,
             route,
-            parent=parent,
             known_prefix=known_prefix,
             root=base,
             items=items,
@@ -174,16 +183,17 @@ def _route(
     request: ResponseCreate,
     parent: ResponseState | None,
     timings: dict[str, float],
-) -> Route | None:
-    """The request's route, resolved early (the render cache and compaction items depend on
-    its renderer); None when it does not resolve: `Pipeline.prepare_input` raises that error
-    after the request's own validation, so errors keep their order."""
+) -> Route | RemoteProtocolError | None:
+    """The request's route, resolved first (the render cache and compaction items depend on
+    its renderer); the route stage's error when it does not resolve, which
+    `Pipeline.prepare_input` raises after the request's own validation, so errors keep their
+    order; None for a request without a model (validation refuses it)."""
     if request.model is None:
         return None
     try:
-        return engine.pipeline.route(request.model, parent, timings)
-    except RemoteProtocolError:
-        return None
+        return engine.router.route(request.model, parent, timings)
+    except RemoteProtocolError as exc:
+        return exc
 
 
 @attrs.frozen
@@ -191,7 +201,9 @@ class _Input:
     """A request's route and its input with the compaction item and item references
     resolved."""
 
-    route: Route | None  # None: the model did not resolve (the pipeline raises that later)
+    # The route stage's error when the model did not resolve (the pipeline raises it later);
+    # None: no model.
+    route: Route | RemoteProtocolError | None
     base: ResponseState  # the state to stage `items` onto
     items: list[Item]
     offset: int  # the index in the request's input of `items[0]`
@@ -209,9 +221,9 @@ async def _route_and_input(
     route's renderer; with no route, of the engine's default) starts from a restored compacted
     state, an item reference becomes the parent's item, else the store's; the state to stage
     the items onto is the parent, that restored state, or an empty state."""
-    route = _route(engine, request, parent, timings)
     given = request.input
-    items = normalize_input(given)
+    items = _normalize_input(given)
+    route = _route(engine, request, parent, timings)
     base = parent or engine.empty_state()
     if isinstance(given, KeyedInput):  # the decoder looked already (`_input_memo.py`)
         last = None if given.last_compaction < 0 else given.last_compaction
@@ -234,7 +246,8 @@ async def _route_and_input(
         payload = engine.seal.open(
             compaction.encrypted_content, param=f"{where}.encrypted_content", owner=owner
         )
-        base = restore_state(engine.pipeline, base, payload, param=where, route=route)
+        restored_for = route if isinstance(route, Route) else None
+        base = restore_state(engine.pipeline, base, payload, param=where, route=restored_for)
         items = items[last + 1 :]
         start = last + 1
     if references:
@@ -256,6 +269,15 @@ async def _route_and_input(
     whole = last is None and not references
     keys = given.keys if whole and isinstance(given, KeyedInput) else None
     return _Input(route=route, base=base, items=items, offset=start, keys=keys)
+
+
+def _normalize_input(value: str | list[Item] | None) -> list[Item]:
+    """A request's `input` as items: a string is one user message."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [Message(role="user", content=value)]
+    return list(value)
 
 
 def cached_prefix(

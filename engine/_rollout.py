@@ -63,8 +63,9 @@ Every event leaves through `Steering.emit` into the response's sink, one downwar
 calls; the gate keeps steering acknowledgements (sent from the connection's reader) in
 sequence with the events the coroutine builds.
 
-`_Run.end` is the one exit: whatever ended the response (completion, a flag, a backend
-failure, a shutdown, a bug), its usage is committed and then its one terminal event is sent.
+`_Run._end` is the one way out: whatever ended the response (completion, a flag, a backend
+failure, a shutdown, a bug), its usage is committed first (`finish`, `fail`, `abort`,
+`crashed`), and then `_end` sends its one terminal event.
 A response cut off by a disconnect or a cancellation sends nothing; its usage goes to the
 post-inference writer without blocking (`_Run.release`).
 """
@@ -105,7 +106,7 @@ from ._sampling import Progress, Step, extend_state, sample_turn, usage_of
 from ._segments import encode_segment
 from ._sink import Emit, EventSink, TrackedSink
 from ._state import ResponseState
-from ._steer import Steering, steering_unsupported
+from ._steer import Steering
 from ._suspend import Rollout
 
 if TYPE_CHECKING:
@@ -148,21 +149,19 @@ async def run_response(
     prepared: Prepared,
     request: ResponseCreate,
     sink: EventSink,
+    steering: Steering,
     rollout: Rollout | None,
-    *,
-    steerable: dict[str, Steering] | None = None,
-) -> tuple[ResponseState | None, Steering]:
+) -> ResponseState | None:
     """Run one response whose pre-inference is done (`_preinfer.pre_infer`); its events go down
-    into `sink`, through its `Steering` (registered in `steerable`, the connection's running
-    responses, while it takes steering input). Returns the final state (None when it failed)
-    and the steering, with the input queued when it ended."""
-    run = _Run(session, request, sink, rollout, prepared, steerable)
+    through `steering` (the caller's, which holds the input queued when it ended) into `sink`.
+    Returns the final state (None when it failed)."""
+    run = _Run(session, request, sink, steering, rollout, prepared)
     await run.start()
     try:
-        return await run.drive(), run.steering
+        return await run.drive()
     except Exception as exc:
         await run.crashed(exc)
-        return None, run.steering
+        return None
     finally:
         run.release()
 
@@ -178,28 +177,22 @@ class _Fail(Exception):
 
 class _Run:
     """One response in flight: its event stream, the usage of its sampling steps, and the
-    one exit (`end`)."""
+    one way out (`_end`)."""
 
     def __init__(
         self,
         session: ConnectionScope,
         request: ResponseCreate,
         sink: EventSink,
+        steering: Steering,
         rollout: Rollout | None,
         prepared: Prepared,
-        steerable: dict[str, Steering] | None = None,
     ) -> None:
         self.session = session
         self.engine = session.engine
         self.request = request
-        self.steering = Steering(
-            sink,
-            unsupported=steering_unsupported(request),
-            stream_id=request.stream_id,
-            registry=steerable,
-            counters=self.engine.counters,
-        )
-        self.emit: Emit = self.steering.emit
+        self.steering = steering
+        self.emit: Emit = steering.emit
         if rollout is not None and rollout.multi_agent:  # (a multi-agent response is not steered)
             self.emit = _root_agent(self.emit)
         self.rollout = rollout
@@ -241,7 +234,7 @@ class _Run:
             return await self.fail(_flagged(prepared.flags[0], appended=False), None, evict=True)
         state = prepared.state
         if not prepared.generate:  # a warm-up: pre-inference only
-            self.steering.close()
+            self.steering.stop_accepting()
             completed = self.stream.complete(usage=Usage(), completed_at=self.engine.now())
             return await self.finish(state, completed)
         state, cached = await self._compact_if_over(state)
@@ -279,7 +272,7 @@ class _Run:
                     return state, await self._incomplete("rollout_timeout")
                 state = resumed
                 continue
-            self.steering.close()
+            self.steering.stop_accepting()
             completed = self.stream.complete(usage=self.total, completed_at=self.engine.now())
             return state, completed
 
@@ -367,7 +360,7 @@ class _Run:
     async def fail(
         self, error: ResponseError, usage: Usage | None, *, evict: bool
     ) -> ResponseState | None:
-        self.steering.close()
+        self.steering.stop_accepting()
         if self.records:
             await self.engine.post.commit(PostJob(records=self.records))
         self.committed = True
@@ -393,7 +386,7 @@ class _Run:
 
     async def abort(self, error: ResponseError) -> None:
         """Ended from outside the loop (a shutdown): the stream may be in any state."""
-        self.steering.close()
+        self.steering.stop_accepting()
         await self.engine.post.commit(PostJob(records=self.records))
         self.committed = True
         failed = self.stream.abort(error=error, usage=self.total)
@@ -407,7 +400,7 @@ class _Run:
             log.info("response %s ended: its connection closed (%s)", self.response_id, exc)
         else:
             log.exception("response %s failed with an unexpected error", self.response_id)
-        self.steering.close()
+        self.steering.stop_accepting()
         failed = self.stream.abort(error=SERVER_ERROR, usage=self.total + usage_of(self.progress))
         if not self.committed:
             self._close_step()
@@ -463,8 +456,8 @@ class _Run:
     def release(self) -> None:
         """Always, last: the rollout handle is done; usage never committed (a disconnect, a
         cancellation) goes to the post-inference writer without blocking."""
-        self.steering.close()
-        self.holder.close()
+        self.steering.stop_accepting()
+        self.holder.release()
         if self.rollout is not None:
             self.rollout.finish()
         if not self.committed:
@@ -500,7 +493,7 @@ class _Run:
 
     async def _incomplete(self, reason: str) -> ResponseIncomplete:
         """Close what is open as incomplete and send that; the terminal event waits."""
-        self.steering.close()
+        self.steering.stop_accepting()
         events = self.stream.incomplete(
             reason=reason, usage=self.total, completed_at=self.engine.now()
         )

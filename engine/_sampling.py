@@ -274,7 +274,7 @@ def extend_state(
         call = call_of(item)
         if call is not None and status_of(item) == "completed":
             staged.open_calls[call[0]] = call[2]
-    return pipeline.commit(state, staged)
+    return state.commit(staged)
 
 
 # Id prefixes of the tool-call items the model makes, by call kind.

@@ -56,7 +56,7 @@ def encode_segment(
     classifier = pipeline.classifier
     if not isinstance(classifier, SnapshotClassifier):
         return None
-    version = state.lineage.render_version or pipeline.render_version_for(state.route)
+    version = state.lineage.render_version or state.route.bound_version
     lineage, n = state.lineage, state.n_items
     first = lineage.token_count(start)
     ends = array("Q", (lineage.token_count(i + 1) - first for i in range(start, n)))
@@ -91,7 +91,7 @@ def restore_segments(
     classifier = pipeline.classifier
     if not isinstance(classifier, SnapshotClassifier) or any(s.rendered is None for s in chain):
         return None
-    version = pipeline.render_version_for(route)
+    version = route.bound_version
     try:
         segments = [_load(s.rendered, version) for s in reversed(chain)]
         items = [item for stored in reversed(chain) for item in stored.items]

@@ -19,6 +19,7 @@ from ._cache import ResponseCache
 from ._compact import SnapshotSeal
 from ._counters import Counters, StageTimer
 from ._interfaces import Holder, HostedTool, StoredResponse
+from ._models import Router
 from ._pipeline import Pipeline, Prerendered
 from ._postinfer import PostInference
 from ._render_cache import RenderCache
@@ -37,6 +38,8 @@ class EngineServices(Protocol):
     def counters(self) -> Counters: ...
     @property
     def pipeline(self) -> Pipeline: ...
+    @property
+    def router(self) -> Router: ...
     @property
     def hosted(self) -> dict[str, HostedTool]: ...
     @property
@@ -94,7 +97,6 @@ class EngineServices(Protocol):
         request: ResponseCreate,
         route: Route,
         *,
-        parent: ResponseState | None,
         known_prefix: Prefix | None,
         root: ResponseState,
         items: Sequence[Item],

@@ -101,7 +101,7 @@ class Session:
         holders, self._holders = self._holders, {}
         self.keeps_state = False
         for holder in holders.values():
-            holder.close()
+            holder.release()
 
     # --- parents ---
     async def resolve_parent(
@@ -151,7 +151,7 @@ class Session:
         engine.counters.hydrations += 1
         target = chain[0]
         pipeline = engine.pipeline
-        route = pipeline.route(target.response.model, None, timings)
+        route = engine.router.route(target.response.model, None, timings)
         with engine.timer.measure("resolve", timings):
             state = restore_segments(pipeline, engine.empty_state(), chain, route)
         if state is not None:
@@ -160,11 +160,9 @@ class Session:
         items: list[Item] = []
         for stored in reversed(chain):
             items.extend(stored.items)
-        version = pipeline.render_version_for(route)
+        version = route.bound_version
         known = engine.render_cache.prefix(self.owner, target.instructions, target.tools, version)
-        prefix = pipeline.prefix(
-            target.instructions, target.tools, None, timings, known, route=route
-        )
+        prefix = pipeline.prefix(target.instructions, target.tools, timings, known, route=route)
         root, rest = cached_prefix(engine, self.owner, items, version, timings=timings)
         staged = pipeline.stage(
             rest,
@@ -177,8 +175,8 @@ class Session:
             timings=timings,
         )
         own = 0 if target.is_root else len(items) - len(target.items)
-        state = pipeline.commit(
-            root, staged, prefix=prefix, route=route, first_new_item=own, response=target.response
+        state = root.commit(
+            staged, prefix=prefix, route=route, first_new_item=own, response=target.response
         )
         engine.render_cache.put(self.owner, state)
         return state, staged.n_tokens + (0 if prefix is known else len(prefix.tokens))

@@ -43,7 +43,7 @@ from rollout.protocol import (
     parts_of,
 )
 
-from ._interfaces import Backend, Renderer
+from ._interfaces import Backend, Flag, Renderer
 from ._itemkey import ROOT_KEY, chain_key, item_key
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "Prefix",
     "ResponseState",
     "Route",
+    "Staged",
     "digest_tokens",
     "render_version",
 ]
@@ -354,18 +355,15 @@ class Prefix:
     flags: tuple[Any, ...] = ()  # classifier flags raised by the prefix (fail the response)
     render_version: str | None = None  # the renderer of `tokens` (None: no renderer's, empty)
 
-    def same_as(self, instructions: str | None, tools: Sequence[Tool]) -> bool:
-        """The same instructions and tools (what validation depends on; reusing the tokens
-        takes the same `render_version` too)."""
-        return self.instructions == instructions and self.tools == tuple(tools)
-
 
 @attrs.frozen(eq=False)
 class Route:
     """Where a model string resolved to. `model` is the string the client sent. `renderer`
-    is the model's own (its tokenizer and chat template), None for the engine's default
-    (`Pipeline.renderer_for`); `render_version` is its version (the registry gives its
-    `ModelSpec`'s, computed once per model; else computed here)."""
+    is the renderer it renders with and `render_version` its version: the registry gives the
+    model's own (its tokenizer and chat template; the version computed once per model), None
+    for a model without one; the route stage binds the engine's default to such a route when
+    it resolves it (`_models.Router`), so a route of a request or a state always carries its
+    renderer (`bound_renderer`, `bound_version`)."""
 
     model: str
     name: str  # the registry entry
@@ -376,6 +374,37 @@ class Route:
     render_version: str | None = attrs.field(
         default=attrs.Factory(lambda route: _version_of(route.renderer), takes_self=True)
     )
+
+    @property
+    def bound_renderer(self) -> Renderer:
+        """`renderer`, on a route the route stage resolved (which binds the default)."""
+        if self.renderer is None:
+            raise ValueError(f"the route of {self.model!r} has no renderer bound")
+        return self.renderer
+
+    @property
+    def bound_version(self) -> str:
+        """`render_version`, on a route the route stage resolved (which binds the default)."""
+        if self.render_version is None:
+            raise ValueError(f"the route of {self.model!r} has no renderer bound")
+        return self.render_version
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Staged:
+    """Items validated, rendered and classified (`Pipeline.stage`), not yet committed to a
+    lineage (`ResponseState.commit`)."""
+
+    items: list[Item]
+    tokens: list[array[int]]
+    render_version: str  # the renderer of `tokens`
+    classifier_state: Any
+    open_calls: dict[str, str]
+    flags: tuple[Flag, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
 
 
 @attrs.frozen(eq=False)
@@ -430,6 +459,30 @@ class ResponseState:
         out = array("I", self.prefix.tokens)
         out.extend(self.lineage.tokens[: self.item_tokens])
         return out
+
+    def commit(self, staged: Staged, **changes: Any) -> ResponseState:
+        """This state with `staged` items appended to its conversation (in place on the tip
+        of a chain), and `changes`. They must be of the renderer of what they join
+        (`Pipeline.rerender` otherwise)."""
+        lineage = self.writable_lineage()
+        if staged.items:
+            if not lineage.items:
+                lineage.render_version = staged.render_version
+            elif lineage.render_version != staged.render_version:
+                raise ValueError(
+                    f"items rendered by {staged.render_version} can't join a conversation "
+                    f"rendered by {lineage.render_version}"
+                )
+        for item, toks in zip(staged.items, staged.tokens, strict=True):
+            lineage.append(item, toks)
+        return attrs.evolve(
+            self,
+            lineage=lineage,
+            n_items=self.n_items + len(staged.items),
+            classifier_state=staged.classifier_state,
+            open_calls=tuple(staged.open_calls.items()),
+            **changes,
+        )
 
     def writable_lineage(self) -> Lineage:
         """The lineage a child of this state appends to: shared when this state is the tip,

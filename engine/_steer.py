@@ -104,6 +104,25 @@ def steering_unsupported(request: ResponseCreate) -> str | None:
 class Steering:
     """The steering side of one response in flight (see the module)."""
 
+    @classmethod
+    def of(
+        cls,
+        request: ResponseCreate,
+        sink: EventSink,
+        *,
+        registry: dict[str, Steering] | None,
+        counters: Counters | None,
+    ) -> Steering:
+        """The steering of a response to `request` whose events go into `sink`, registered in
+        `registry` (the connection's running responses) while it takes steering input."""
+        return cls(
+            sink,
+            unsupported=steering_unsupported(request),
+            stream_id=request.stream_id,
+            registry=registry,
+            counters=counters,
+        )
+
     def __init__(
         self,
         sink: EventSink,
@@ -242,7 +261,7 @@ class Steering:
         if self._registry is not None:
             self._registry[response_id] = self
 
-    def close(self) -> None:
+    def stop_accepting(self) -> None:
         """The end is decided: no more input is taken (a late steer is `response_not_active`)."""
         self.accepting = False
         self._scope = None

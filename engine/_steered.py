@@ -1,6 +1,6 @@
 """A response and its steered successors: the loop that runs one prepared response through the
-rollout coroutine and, while it ends with steering input queued, its successor; and the door a
-`response.steer` enters by.
+rollout coroutine with its `Steering` (made here, read here when the response ended) and, while
+it ends with steering input queued, its successor; and the door a `response.steer` enters by.
 
 After a response ends with steering input queued (`_steer.Steering`), the input is committed
 to a successor (a create continuing it with that input and its settings, run through the same
@@ -57,9 +57,10 @@ async def run_steered(
     """Run a prepared response into `sink`; then, while it ended with steering input queued,
     its successor. Returns the last final state (None when the last response failed)."""
     while True:
-        state, steering = await run_response(
-            scope, prepared, request, sink, rollout, steerable=scope.steerable
+        steering = Steering.of(
+            request, sink, registry=scope.steerable, counters=scope.engine.counters
         )
+        state = await run_response(scope, prepared, request, sink, steering, rollout)
         if not steering.queued:
             return state
         successor = await _successor(scope, request, state, steering)

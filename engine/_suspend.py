@@ -165,7 +165,7 @@ class Rollout:
                 "Input for a suspended response carries tool outputs and messages, not tool calls.",
                 param="input",
             )
-        self._state = engine.pipeline.commit(state, staged)
+        self._state = state.commit(staged)
         self._flags += staged.flags
         if not self._state.open_calls or self._flags:
             self._wake.set()

@@ -20,7 +20,6 @@ from rollout.protocol import (
     InputImage,
     Item,
     ItemReference,
-    Message,
     NamespaceTool,
     RemoteProtocolError,
     ResponseCreate,
@@ -43,7 +42,6 @@ __all__ = [
     "Validator",
     "check_part",
     "invalid",
-    "normalize_input",
     "schema_nodes",
 ]
 
@@ -75,14 +73,6 @@ def schema_nodes(request: ResponseCreate, *, tools_known: bool, cap: int) -> int
         if total >= cap:
             break
     return total
-
-
-def normalize_input(value: str | list[Item] | None) -> list[Item]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [Message(role="user", content=value)]
-    return list(value)
 
 
 class ConversationView(Protocol):

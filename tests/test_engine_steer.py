@@ -508,7 +508,7 @@ async def test_an_answer_waits_for_the_events_already_built(
 async def test_a_response_that_is_ending_takes_no_more_input() -> None:
     steering = Steering(CallbackSink(_ignore))
     steering.open(p.ResponseStream(p.Response(id="resp_1", created_at=0, model="m")), "resp_1")
-    steering.close()  # the end is decided
+    steering.stop_accepting()  # the end is decided
     failed = await steering.submit(p.ResponseSteer(previous_response_id="resp_1", input="x"))
     assert failed is not None
     assert (failed.error.code, failed.sequence_number, failed.steer.id) == (

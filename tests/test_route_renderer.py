@@ -1,5 +1,5 @@
 """Each model renders with its own renderer: a model's `ModelSpec.renderer` becomes its route's
-(`Pipeline.renderer_for`), and every rendering (render cache entries, stored renderings,
+(`Route.bound_renderer`), and every rendering (render cache entries, stored renderings,
 compaction snapshots) is of one renderer, named by its render version (template and tokenizer).
 
 A second renderer for these tests: the engine's chat template over a tokenizer of one token per
@@ -135,6 +135,26 @@ async def chain(session: Session, model: str, turns: int = 2) -> list[ResponseSt
 
 
 # --- (a) each model speaks its own renderer's tokens ------------------------------------------
+
+
+async def test_the_route_stage_binds_each_route_its_renderer() -> None:
+    """The registry leaves a model without its own renderer unbound; the route stage
+    (`Router.route`) binds the engine's default to it, keeps a model's own, counts each
+    resolution once and reuses the parent's route for the same model string."""
+    async with open_engine(registry=registry()) as engine:
+        assert engine.registry.resolve(A).renderer is None
+        before = engine.counters.route_resolutions
+        timings: dict[str, float] = {}
+        default = engine.router.route(A, None, timings)
+        assert default.bound_renderer is engine.pipeline.renderer
+        assert default.bound_version == engine.pipeline.render_version
+        own = engine.router.route(B, None, timings)
+        assert own.bound_renderer is CHARS and own.bound_version != default.bound_version
+        assert engine.counters.route_resolutions == before + 2 and "route" in timings
+        state = await engine.session().create(lookup_request(A, input="look up a"))
+        assert state is not None and state.route.bound_version == default.bound_version
+        assert engine.router.route(A, state, timings) is state.route
+        assert engine.counters.route_resolutions == before + 3  # (the create's)
 
 
 @pytest.mark.parametrize("model", [A, B])
