@@ -11,6 +11,11 @@ from ._ws import WireCounts
 
 __all__ = ["RolloutRecord", "Stream", "TurnRecord"]
 
+# Stages that time the request's bytes moving rather than the server's work on them: the body
+# read off the socket (as fast as the client sends it), its JSON decode, and the model server's
+# request written to its socket. `server_overhead` leaves them out (`decode` is reported apart).
+TRANSPORT_STAGES = frozenset({"receive", "decode", "upstream_send"})
+
 
 @attrs.define
 class Stream:
@@ -79,11 +84,12 @@ class TurnRecord:
 
     @property
     def server_overhead(self) -> float | None:
-        """The server's own pre-inference work: every stage but the JSON decode of the request,
-        which grows with what the client sends and is reported apart (`decode`)."""
+        """The server's own pre-inference work: every stage but those that move the request's
+        bytes, which grow with what the client sends (`TRANSPORT_STAGES`: the body's receipt,
+        its JSON decode, reported apart as `decode`, and a model server's request sent)."""
         if self.stages is None:
             return None
-        return sum(v for k, v in self.stages.items() if k != "decode")
+        return sum(v for k, v in self.stages.items() if k not in TRANSPORT_STAGES)
 
     @property
     def decode(self) -> float | None:

@@ -215,8 +215,9 @@ def _overhead_table(results: dict[str, Any], server: str) -> Table | None:
         ),
         rows=tuple(rows),
         note="server ms: the server's own stage timings (resolve, validate, render, classify, "
-        "route, store); decode ms: its JSON decode and structuring of the request, which grows "
-        "with what the client sends; ack ms: client-observed, request sent to response "
+        "route, lookup, store; not the body's receipt, its decode or a model server's request "
+        "sent, which move bytes); decode ms: its JSON decode and structuring of the request, "
+        "which grows with what the client sends; ack ms: client-observed, request sent to response "
         "acknowledged (adds transport and event encoding); tokens rendered: /metrics counter "
         f"delta for that turn. History windows in tokens; {window_label(LOW_HISTORY)} and "
         f"{window_label(HIGH_HISTORY)} are the goals' (the same figures).",

@@ -79,7 +79,7 @@ __all__ = [
     "run_benchmark",
 ]
 
-SCHEMA_ID = "rollout-bench/7"
+SCHEMA_ID = "rollout-bench/8"
 # The start of a note saying the benchmark of a server stopped on an unexpected error.
 CRASH_NOTE = "benchmark crashed on server"
 INTERRUPTED_NOTE = (

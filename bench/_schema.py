@@ -68,7 +68,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         },
     },
     "properties": {
-        "schema": {"const": "rollout-bench/7"},
+        "schema": {"const": "rollout-bench/8"},
         "meta": _record(
             {
                 "started_at": {"type": "string"},

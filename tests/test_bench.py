@@ -714,7 +714,7 @@ def test_cli_report_of_another_schema_says_so(tmp_path: Path) -> None:
     done = _bench_cli("--report", str(old), "--out", "out", cwd=tmp_path)
     assert (done.returncode, done.stdout) == (1, "")
     assert done.stderr == (
-        f"rollout bench: {old} is rollout-bench/5; this version reads rollout-bench/7 (run the "
+        f"rollout bench: {old} is rollout-bench/5; this version reads rollout-bench/8 (run the "
         "benchmark again to get one)\n"
     )
 

@@ -20,11 +20,15 @@ from rollout.bench._cli import add_parser
 from rollout.bench._goals import evaluate_goals
 from rollout.bench._load import CpuSample, _machine_busy_s, judge_load, load_warning
 from rollout.bench._report import print_summary, summary_tables, to_markdown, verdict
+from rollout.bench._runner import SCHEMA_ID
 
 RESULTS = Path(bench.__file__).parent / "results"
 # A full run (every goal measured, one server), and one against three servers (schema /7).
 FULL = RESULTS / "results.json"
 PEERS = RESULTS / "peers" / "bench-sim" / "results.json"
+# /8 has /7's shape; only what `server_overhead_s` sums changed (SCHEMA.md), which these tests
+# of the verdict and the tables do not read for its value: a /7 run is read as /8 here.
+SAME_SHAPE = {"rollout-bench/7": SCHEMA_ID}
 
 LOADED_REASON = "other processes used 1.00 of 2 CPUs on average during the run (at least 0.5)"
 QUIET_REASON = "other processes used 0.20 of 2 CPUs on average during the run (under 0.5)"
@@ -37,6 +41,7 @@ WARNING = (
 
 def _results(path: Path = FULL) -> dict[str, Any]:
     loaded: dict[str, Any] = json.loads(path.read_text())
+    loaded["schema"] = SAME_SHAPE.get(loaded["schema"], loaded["schema"])
     return loaded
 
 
