@@ -103,15 +103,17 @@ class _Fallback(Exception):
 @attrs.define(eq=False)
 class _Entry:
     """What an earlier message of an owner decoded to. `head` is its text up to the end of its
-    input's last item, `start` where the input's text begins in it (`text`: the input up to
-    its last item). When the input's place in the message is known, `rest` is the text after
-    the input's closing bracket and `shell` the request the message makes with an empty
-    input: a message of the same kind that starts with `head` and ends with `rest` is decoded
-    from the text between them alone (`InputMemo._match_around`)."""
+    input's last item (the first `head_end` bytes of `data`, the message itself: kept whole,
+    not copied), `start` where the input's text begins in it (`text`: the input up to its last
+    item). When the input's place in the message is known, `rest` is the text after the
+    input's closing bracket and `shell` the request the message makes with an empty input: a
+    message of the same kind that starts with `head` and ends with `rest` is decoded from the
+    text between them alone (`InputMemo._match_around`)."""
 
     owner: str | None
     kind: str
-    head: bytes
+    data: bytes
+    head_end: int
     start: int
     items: KeyedInput
     expires: float
@@ -119,12 +121,16 @@ class _Entry:
     shell: ResponseCreate | None = None
 
     @property
+    def head(self) -> memoryview:
+        return memoryview(self.data)[: self.head_end]
+
+    @property
     def text(self) -> memoryview:
-        return memoryview(self.head)[self.start :]
+        return memoryview(self.data)[self.start : self.head_end]
 
     @property
     def nbytes(self) -> int:
-        return len(self.head) + len(self.rest or b"")
+        return len(self.data) + len(self.rest or b"")
 
 
 @attrs.define(eq=False)
@@ -244,20 +250,19 @@ class InputMemo:
                 rest = entry.rest
                 if rest is None or entry.kind != kind or entry.expires <= now:
                     continue
-                head = entry.head
                 close = len(raw) - len(rest) - 1
                 if (
-                    (best is None or len(head) > len(best.head))
-                    and close >= len(head)
+                    (best is None or entry.head_end > best.head_end)
+                    and close >= entry.head_end
                     and raw[close] == 0x5D  # "]"
-                    and raw.startswith(head)
+                    and raw.startswith(entry.head)
                     and raw.endswith(rest)
                 ):
                     best, best_close = entry, close
             if best is None:
                 return None
             self._entries.move_to_end(id(best))
-        middle = raw[len(best.head) : best_close]
+        middle = raw[best.head_end : best_close]
         return Split(
             owner=owner,
             kind=kind,
@@ -359,7 +364,9 @@ class InputMemo:
                 close = found + len(split.raw_input) - 1
         entry: _Entry | None = None
         if items and close >= 0:
-            head = data[:close].rstrip(_WHITESPACE)  # up to the end of the last item
+            head_end = close  # up to the end of the last item: the whitespace before `]` off
+            while head_end > 0 and data[head_end - 1] in _WHITESPACE:
+                head_end -= 1
             if split.raw_input:
                 start = close + 1 - len(split.raw_input)
             else:  # decoded around an entry's text: its input starts where the entry's did
@@ -368,7 +375,8 @@ class InputMemo:
             entry = _Entry(
                 split.owner,
                 split.kind,
-                head,
+                data,
+                head_end,
                 start,
                 KeyedInput(items, items.keys, items.references, items.last_compaction),
                 self.clock() + self.ttl,
@@ -381,6 +389,7 @@ class InputMemo:
                 split.owner,
                 split.kind,
                 text,
+                len(text),
                 0,
                 KeyedInput(items, items.keys, items.references, items.last_compaction),
                 self.clock() + self.ttl,
