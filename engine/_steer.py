@@ -17,7 +17,10 @@ response, its acknowledgements, the safe boundary, and input parked for a contin
 The acknowledgements are events of the response's stream, numbered after the events already
 built: `emit` is the response's one way out into its `EventSink`, a gate that lets an
 acknowledgement (sent from the connection's reader task) through only when no event the
-coroutine built is waiting to be sent, so sequence numbers go out in order.
+coroutine built is waiting to be sent, so sequence numbers go out in order. An event cut off
+by a cancellation while the sink held it back (a shutdown cancelling a response on a full
+outbox) was built and numbered: it goes out first when the next one does (the events that end
+the response), so the stream keeps no gap.
 """
 
 from __future__ import annotations
@@ -145,6 +148,10 @@ class Steering:
         self.accepting = False  # from response.created until the end is decided
         self._scope: trio.CancelScope | None = None  # a safe point's, while waiting there
         self._unsent = 0  # events built and not yet handed to `emit`
+        # An event cut off by a cancellation while its send waited (a shutdown, as the sink
+        # held it back: a full outbox): built and numbered, so it goes out first, before the
+        # events that end the response (`emit`); counted in `_unsent` until then.
+        self._cut_off: ServerEvent | None = None
         self._sending = False
         self._sent = trio.Event()  # set when an event went out and someone waits for that
         self._waiting = 0
@@ -157,14 +164,21 @@ class Steering:
     # --- the response's way out -----------------------------------------------------------
 
     async def emit(self, event: ServerEvent) -> None:
-        """Send one event the coroutine built (its way out: see the module)."""
+        """Send one event the coroutine built (its way out: see the module); one cut off
+        before it goes first."""
         self._unsent += 1
         try:
             while self._sending:
                 await self._wait_sent()
             self._sending = True  # (`_send`, inlined: this runs for every event)
             try:
-                await self._send_out(event)
+                if self._cut_off is not None:
+                    await self._send_cut_off()
+                try:
+                    await self._send_out(event)
+                except trio.Cancelled:
+                    self._hold(event)
+                    raise
             finally:
                 self._sending = False
                 if self._waiting:
@@ -176,12 +190,33 @@ class Steering:
     async def _send(self, event: ServerEvent) -> None:
         self._sending = True
         try:
-            await self._send_out(event)
+            if self._cut_off is not None:
+                await self._send_cut_off()
+            try:
+                await self._send_out(event)
+            except trio.Cancelled:
+                self._hold(event)
+                raise
         finally:
             self._sending = False
             if self._waiting:  # (an Event per event only when someone waits: ~1 us saved)
                 self._sent.set()
                 self._sent = trio.Event()
+
+    def _hold(self, event: ServerEvent) -> None:
+        """`event` was cut off as it was being sent: it goes out before the next one."""
+        self._cut_off = event
+        self._unsent += 1  # (the caller's count ends as it raises; this one stays)
+
+    async def _send_cut_off(self) -> None:
+        event, self._cut_off = self._cut_off, None
+        assert event is not None
+        try:
+            await self._send_out(event)
+        except trio.Cancelled:
+            self._cut_off = event  # (still counted)
+            raise
+        self._unsent -= 1
 
     async def _wait_sent(self) -> None:
         self._waiting += 1

@@ -158,3 +158,40 @@ async def test_a_rollout_cut_off_in_its_second_step_keeps_both(
     rows = await ledger.rows(response.id)
     assert [(r.step, r.complete) for r in rows] == [(0, True), (1, False)]
     assert _usage(response) == _totals(rows)
+
+
+async def test_an_event_waiting_for_room_as_the_shutdown_comes_still_goes_out_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The shutdown cancels a response while its sink holds an event back (a full outbox: the
+    client reads slowly): that event was built, numbered and cut off the stream's text, so it
+    still goes out, before the events that close the response, and the stream stays numbered
+    without a gap."""
+    ledger = MemoryUsageLedger()
+    with trio.fail_after(DEADLINE):
+        async with open_engine(ledger=ledger) as engine:
+            events: list[p.ServerEvent] = []
+            room = trio.Event()
+
+            async def emit(event: p.ServerEvent) -> None:
+                deltas = sum(isinstance(e, p.OutputTextDelta) for e in events)
+                if isinstance(event, p.OutputTextDelta) and deltas == 10 and not room.is_set():
+                    await room.wait()  # the outbox is full until the client reads
+                events.append(event)
+
+            async def shutdown_then_read() -> None:
+                await trio.sleep(1.0)  # the response waits on its 11th delta by then
+                engine.interrupt_all()
+                await trio.sleep(1.0)
+                room.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(shutdown_then_read)
+                request = p.ResponseCreate(model=LONG, input="Tell me everything.")
+                await engine.session().create(request, emit)
+            await engine.post.flushed()
+    response = _interrupted(events)
+    (message,) = response.output
+    assert isinstance(message, p.Message) and message.status == "incomplete"
+    assert message.content == [p.OutputText(text=_streamed_text(events))]
+    assert sum(isinstance(e, p.OutputTextDelta) for e in events) == 11
