@@ -170,20 +170,7 @@ class Steering:
         try:
             while self._sending:
                 await self._wait_sent()
-            self._sending = True  # (`_send`, inlined: this runs for every event)
-            try:
-                if self._cut_off is not None:
-                    await self._send_cut_off()
-                try:
-                    await self._send_out(event)
-                except trio.Cancelled:
-                    self._hold(event)
-                    raise
-            finally:
-                self._sending = False
-                if self._waiting:
-                    self._sent.set()
-                    self._sent = trio.Event()
+            await self._send(event)
         finally:
             self._unsent -= 1
 

@@ -82,6 +82,7 @@ async def test_a_delta_goes_down_from_the_sampling_turn_to_the_outbox_in_one_cha
     turn = frames.index(("_sampling.py", "sample_turn"))
     assert frames[turn + 1 :] == [
         ("_steer.py", "emit"),
+        ("_steer.py", "_send"),
         ("_lanes.py", "send"),
         ("test_lanes.py", "put_watched"),
     ]
