@@ -82,6 +82,7 @@ from ._ws_deflate import (
     InflatePace,
     bound_inflation,
 )
+from ._ws_mask import unmask_in_c
 
 __all__ = ["API_KEYS_ENV", "ServerConfig", "StartupError", "open_server", "serve"]
 
@@ -393,6 +394,7 @@ async def serve(
     offer_transport()
     bound_transport()
     bound_inflation()
+    unmask_in_c()
     stats = TransportStats()
     hconfig = _hypercorn_config(config, stats)
     sockets = bind_sockets(hconfig)
