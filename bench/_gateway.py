@@ -882,8 +882,7 @@ def build_results(
     from ._runner import _loadavg, _machine, _versions
 
     refused = refused or {}
-    differing = _differing(runs, "content_digest")
-    other_bytes = _differing(runs, "digest") - differing
+    differing, other_bytes = _compare_bodies(runs)
     points = []
     for size in plan.sizes:
         for mode in plan.modes:
@@ -927,7 +926,7 @@ def build_results(
         "points": points,
         "refused": refused,
         "runs": runs,
-        "same_upstream_bodies": same_bodies(runs),
+        "same_upstream_bodies": same_bodies(runs, (differing, other_bytes)),
     }
     results["goals"] = judge(results)
     return results
@@ -937,7 +936,10 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-def same_bodies(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def same_bodies(
+    runs: list[dict[str, Any]],
+    compared: tuple[set[tuple[str, int, int]], set[tuple[str, int, int]]] | None = None,
+) -> dict[str, Any]:
     """Whether every client gave the upstream the same conversation at every turn of a size:
     the conversations are the same, so they must. `differ`: the conversations whose messages
     differ (`content_digest`: a history dropped or changed); `other_bytes`: those that said
@@ -945,13 +947,22 @@ def same_bodies(runs: list[dict[str, Any]]) -> dict[str, Any]:
     sends the same bytes from every client. The reference at each size is what most
     conversations sent (the first of equals): one client that drops its history differs, not
     the three that keep it. A conversation that failed is not compared (its error is
-    reported)."""
-    compared = [r for r in runs if "error" not in r]
+    reported). `compared`: `_compare_bodies(runs)`, when the caller has it."""
+    differ, other_bytes = compared or _compare_bodies(runs)
     return {
-        "compared": len(compared),
-        "differ": _names(_differing(runs, "content_digest")),
-        "other_bytes": _names(_differing(runs, "digest") - _differing(runs, "content_digest")),
+        "compared": sum("error" not in r for r in runs),
+        "differ": _names(differ),
+        "other_bytes": _names(other_bytes),
     }
+
+
+def _compare_bodies(
+    runs: list[dict[str, Any]],
+) -> tuple[set[tuple[str, int, int]], set[tuple[str, int, int]]]:
+    """The conversations that gave the model another conversation, and those that said the
+    same in other bytes (`same_bodies`)."""
+    differ = _differing(runs, "content_digest")
+    return differ, _differing(runs, "digest") - differ
 
 
 def _names(conversations: set[tuple[str, int, int]]) -> list[str]:

@@ -273,9 +273,7 @@ class RenderCache:
             self._keyed.move_to_end(ident)
             return known.digest
         digest, size = _prefix_key(instructions, tools)
-        if size <= MAX_KEYED_PREFIX_BYTES:
-            if known is not None:  # (not possible while held; kept exact anyway)
-                self._keyed_bytes -= self._keyed.pop(ident).size
+        if size <= MAX_KEYED_PREFIX_BYTES:  # (ids of held objects are not reused: no entry)
             self._keyed[ident] = _Keyed(instructions, tools, digest, size)
             self._keyed_bytes += size
             while len(self._keyed) > MAX_KEYED_PREFIXES or (
