@@ -45,7 +45,9 @@ bound), and trio's accept loop logs every `EMFILE` with a traceback ten times a 
   stream's body is bounded like an HTTP/1.1 one (size, `BodyClock`), and the streams of a
   connection that drops mid-body end at once (`BoundedH2Protocol` releases their send
   buffers, on which hypercorn left them waiting until shutdown).
-- **the TCP server** (`BoundedTCPServer`): its EOF is sent under the connection's send lock
+- **the TCP server** (`BoundedTCPServer`): it reads up to 1 MiB at a time into warm memory
+  (`_read.py`: a large request is one read, not nine of hypercorn's 64 KiB); its EOF is sent
+  under the connection's send lock
   (pipelined requests met `trio.BusyResourceError` in the app otherwise), and a WebSocket
   that negotiated permessage-deflate is handed its bytes `INFLATE_READ` at a time, each
   after the server's inflation pace, so one turn of the event loop inflates at most ~1 MiB
@@ -74,6 +76,8 @@ from typing import Any
 
 import attrs
 import trio
+
+from ._read import read_some
 
 __all__ = [
     "ACCEPT_ERROR_LOG_INTERVAL",
@@ -460,7 +464,7 @@ def bound_transport() -> None:
     import hypercorn.trio.run as run_module
     from hypercorn.events import Closed, RawData
     from hypercorn.protocol.h11 import H2ProtocolAssumedError
-    from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+    from hypercorn.trio.tcp_server import TCPServer
 
     # getattr by name: hypercorn's modules are untyped (and our mark on the patched class)
     if getattr(getattr(run_module, "TCPServer"), "_rollout_bounded", False):  # noqa: B009
@@ -534,7 +538,8 @@ def bound_transport() -> None:
             await self.stream.aclose()
 
         async def _read_data(self) -> None:
-            """hypercorn's reader, handing a WebSocket that negotiated permessage-deflate
+            """hypercorn's reader, reading through `read_some` (up to 1 MiB a read, into
+            warm memory: `_read.py`) and handing a WebSocket that negotiated permessage-deflate
             (`_ws_deflate.py` marks it) its bytes `INFLATE_READ` at a time, each after the
             server's inflation pace (`InflatePace`): a 64 KiB read of a compression bomb
             inflates to 64 MiB in one turn of the event loop (~0.2 s of it), 1 KiB to 1 MiB
@@ -545,20 +550,16 @@ def bound_transport() -> None:
             if getattr(self.config, "transport", None) is None:
                 await super()._read_data()
                 return
-            size = MAX_RECV
             while True:
                 try:
                     with trio.fail_after(self.config.read_timeout or math.inf):
-                        data = await self.stream.receive_some(size)
+                        data = await read_some(self.stream)  # up to 1 MiB, warm (`_read.py`)
                 except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                     break
                 if data == b"":
                     await self.protocol.handle(RawData(b""))
                     break
-                # A read that filled its buffer: more is waiting (a large body or frame), so
-                # the next read takes up to `LARGE_READ` at once; otherwise hypercorn's size.
-                size = LARGE_READ if len(data) == size else MAX_RECV
-                await self._hand_over(bytes(data))
+                await self._hand_over(data)
             await self.protocol.handle(Closed())
 
         async def _hand_over(self, data: bytes) -> None:
@@ -586,11 +587,6 @@ def bound_transport() -> None:
 
     BoundedTCPServer._rollout_bounded = True  # type: ignore[attr-defined]
     setattr(run_module, "TCPServer", BoundedTCPServer)  # noqa: B010
-
-
-# The read size after a read that filled hypercorn's (64 KiB): a 0.5 MB request arrives in a
-# few reads, not eight, each of which costs a pass through h11 and the app's receive.
-LARGE_READ = 1 << 20
 
 
 def _idle_phase(server: Any) -> str:
