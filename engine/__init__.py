@@ -13,11 +13,11 @@ handle appends go through), `_steer` / `_steered` (steering, and a steered respo
 stored responses), `_postinfer` (the writer), `_store` / `_memory` / `_ledger` (durability), `_app`
 and its `_responses_api` / `_chat_api` / `_asgi` / `_auth` / `_metrics` / `_http_stream` (HTTP),
 `_ws` (WebSocket mode) and its `_lanes` / `_deliveries` / `_outbox`, `_serve` (hypercorn) with
-`_warmup` and `_logging` and the patches of what it serves with (`_write`, `_read`, `_http_limits`,
-`_deflate`, `_ws_deflate`, `_ws_mask`), `_sim` / `_upstream` / `_chat` (backends); `_llama_vocab`
-/ `_template` / `_toolconv` (a llama.cpp model's own tokens, chat template and tool-call
-convention: the `llama` extra, never imported here, so the engine runs without
-llama-cpp-python).
+`_warmup` and `_logging` and the patches of what it serves with (`_write`, `_read`, `_h11_body`,
+`_http_limits`, `_deflate`, `_ws_deflate`, `_ws_mask`), `_sim` / `_upstream` / `_chat`
+(backends); `_llama_vocab` / `_template` / `_toolconv` (a llama.cpp model's own tokens, chat
+template and tool-call convention: the `llama` extra, never imported here, so the engine runs
+without llama-cpp-python).
 """
 
 from ._classify import (

@@ -45,6 +45,7 @@ from ._defaults import default_registry
 from ._deflate import DEFAULT_WEBSOCKET_DEFLATE, HypercornConfig, decline_deflate_offers
 from ._engine import DEFAULT_ROLLOUT_SUSPEND_LIMIT, open_engine
 from ._errors import EngineError
+from ._h11_body import hand_on_whole_buffers
 from ._heap import freeze_startup_heap
 from ._http_limits import (
     DEFAULT_BODY_MIN_RATE,
@@ -395,6 +396,7 @@ async def serve(
     bound_transport()
     bound_inflation()
     unmask_in_c()
+    hand_on_whole_buffers()
     stats = TransportStats()
     hconfig = _hypercorn_config(config, stats)
     sockets = bind_sockets(hconfig)
