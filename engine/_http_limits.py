@@ -45,8 +45,10 @@ bound), and trio's accept loop logs every `EMFILE` with a traceback ten times a 
   stream's body is bounded like an HTTP/1.1 one (size, `BodyClock`), and the streams of a
   connection that drops mid-body end at once (`BoundedH2Protocol` releases their send
   buffers, on which hypercorn left them waiting until shutdown).
-- **the TCP server** (`BoundedTCPServer`): it reads up to 1 MiB at a time into warm memory
-  (`_read.py`: a large request is one read, not nine of hypercorn's 64 KiB); its EOF is sent
+- **the TCP server** (`BoundedTCPServer`): it reads a request's head 64 KiB at a time, as
+  hypercorn does (`HEAD_READ`: a WebSocket's handshake, with what was sent behind it, is
+  handed on before any pacing), and a body or WebSocket frames up to 1 MiB at a time into warm
+  memory (`_read.py`: a large body is one read or two, not nine); its EOF is sent
   under the connection's send lock
   (pipelined requests met `trio.BusyResourceError` in the app otherwise), and a WebSocket
   that negotiated permessage-deflate is handed its bytes `INFLATE_READ` at a time, each
@@ -75,9 +77,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
+import h11
 import trio
 
-from ._read import read_some
+from ._read import READ_SIZE, read_some
 
 __all__ = [
     "ACCEPT_ERROR_LOG_INTERVAL",
@@ -538,14 +541,15 @@ def bound_transport() -> None:
             await self.stream.aclose()
 
         async def _read_data(self) -> None:
-            """hypercorn's reader, reading through `read_some` (up to 1 MiB a read, into
-            warm memory: `_read.py`) and handing a WebSocket that negotiated permessage-deflate
-            (`_ws_deflate.py` marks it) its bytes `INFLATE_READ` at a time, each after the
-            server's inflation pace (`InflatePace`): a 64 KiB read of a compression bomb
-            inflates to 64 MiB in one turn of the event loop (~0.2 s of it), 1 KiB to 1 MiB
-            (~3 ms), so other clients are served between pieces. The pieces are cut from
-            what was read, not read one by one: the read in progress as the handshake is
-            accepted (which happens in the app's task) is a whole one."""
+            """hypercorn's reader, reading through `read_some` (`HEAD_READ` for a request's
+            head, up to 1 MiB a read otherwise, into warm memory: `_read.py`) and handing a
+            WebSocket that negotiated permessage-deflate (`_ws_deflate.py` marks it) its
+            bytes `INFLATE_READ` at a time, each after the server's inflation pace
+            (`InflatePace`): a 64 KiB read of a compression bomb inflates to 64 MiB in one
+            turn of the event loop (~0.2 s of it), 1 KiB to 1 MiB (~3 ms), so other clients
+            are served between pieces. The pieces are cut from what was read, not read one by
+            one: the read in progress as the handshake is accepted (which happens in the app's
+            task) is a whole one, of at most `HEAD_READ`."""
             # our setting on hypercorn's Config (a plain Config lacks it)
             if getattr(self.config, "transport", None) is None:
                 await super()._read_data()
@@ -553,7 +557,7 @@ def bound_transport() -> None:
             while True:
                 try:
                     with trio.fail_after(self.config.read_timeout or math.inf):
-                        data = await read_some(self.stream)  # up to 1 MiB, warm (`_read.py`)
+                        data = await read_some(self.stream, _read_size(self.protocol))
                 except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                     break
                 if data == b"":
@@ -587,6 +591,24 @@ def bound_transport() -> None:
 
     BoundedTCPServer._rollout_bounded = True  # type: ignore[attr-defined]
     setattr(run_module, "TCPServer", BoundedTCPServer)  # noqa: B010
+
+
+# The read that starts an HTTP/1.1 request (hypercorn's own size): it holds the head, and for a
+# WebSocket's handshake whatever the client sent behind it, which is handed on unpaced (the
+# handshake is accepted after); 64 KiB of a deflate bomb inflates to 64 MiB, ~0.2 s of the loop.
+HEAD_READ = 1 << 16
+
+
+def _read_size(wrapper: Any) -> int:
+    """`HEAD_READ` while an HTTP/1.1 connection waits for a request's head (h11 not reading a
+    body), else up to `READ_SIZE` into warm memory (`_read.py`): a body, WebSocket frames
+    (paced for deflate), HTTP/2."""
+    # hypercorn's ProtocolWrapper.protocol (H11Protocol) and its h11 connection; once upgraded
+    # to a WebSocket, hypercorn's pass-through connection instead (not an h11.Connection)
+    connection = getattr(getattr(wrapper, "protocol", None), "connection", None)
+    if isinstance(connection, h11.Connection) and connection.their_state is not h11.SEND_BODY:
+        return HEAD_READ
+    return READ_SIZE
 
 
 def _idle_phase(server: Any) -> str:

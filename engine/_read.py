@@ -53,13 +53,14 @@ class _Buffer(threading.local):
 _buffer = _Buffer()
 
 
-async def read_some(stream: trio.abc.ReceiveStream) -> bytes:
-    """The bytes that have arrived on `stream`, up to `READ_SIZE` (waiting for some first);
-    `b""` at the end of the stream."""
+async def read_some(stream: trio.abc.ReceiveStream, max_bytes: int = READ_SIZE) -> bytes:
+    """The bytes that have arrived on `stream`, up to `max_bytes` (at most `READ_SIZE`;
+    waiting for some first); `b""` at the end of the stream."""
+    max_bytes = min(max_bytes, READ_SIZE)
     if not isinstance(stream, trio.SocketStream):
-        return bytes(await stream.receive_some(STREAM_READ_SIZE))
+        return bytes(await stream.receive_some(min(max_bytes, STREAM_READ_SIZE)))
     sock = stream.socket
-    view = _buffer.view
+    view = _buffer.view if max_bytes == READ_SIZE else _buffer.view[:max_bytes]
     await trio.lowlevel.checkpoint_if_cancelled()
     waited = False
     while True:

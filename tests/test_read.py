@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import socket
+from types import SimpleNamespace
 
+import h11
 import pytest
 import trio
 import trio.testing
 from rollout.engine import _http_limits
+from rollout.engine._http_limits import HEAD_READ, _read_size
 from rollout.engine._read import READ_SIZE, read_some
 
 from tests.server_harness import open_test_server
@@ -125,13 +128,13 @@ async def test_a_large_request_reaches_the_server_in_reads_of_up_to_a_mebibyte(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A `rollout serve` in this process, its reader's reads recorded: a 0.6 MB request body
-    whose bytes were all in the server's socket when it read them comes in reads larger than
-    hypercorn's 64 KiB, none over `READ_SIZE`, and gets its answer (here a 404 for its
-    unknown model: the body was read and parsed)."""
+    whose bytes were all in the server's socket when it read them comes, after a first read of
+    hypercorn's 64 KiB (`HEAD_READ`), in reads larger than that, none over `READ_SIZE`, and
+    gets its answer (here a 404 for its unknown model: the body was read and parsed)."""
     reads: list[int] = []
 
-    async def recorded(stream: trio.abc.ReceiveStream) -> bytes:
-        data = await read_some(stream)
+    async def recorded(stream: trio.abc.ReceiveStream, max_bytes: int = READ_SIZE) -> bytes:
+        data = await read_some(stream, max_bytes)
         reads.append(len(data))
         return data
 
@@ -154,4 +157,22 @@ async def test_a_large_request_reaches_the_server_in_reads_of_up_to_a_mebibyte(
                     answer += await stream.receive_some(65536)
     assert answer.startswith(b"HTTP/1.1 404"), answer[:200]
     assert sum(reads) >= len(head) + len(body), reads
+    assert reads[0] <= HEAD_READ  # the head (a WebSocket's handshake) in hypercorn's size
     assert max(reads) > 1 << 16 and max(reads) <= READ_SIZE, reads
+
+
+def test_a_requests_head_is_read_in_hypercorns_size_its_body_and_frames_in_large_reads() -> None:
+    """A WebSocket handshake, and whatever the client sent behind it, is handed on before its
+    deflate pacing starts: the read that starts a request stays at 64 KiB."""
+    conn = h11.Connection(h11.SERVER)
+    wrapper = SimpleNamespace(protocol=SimpleNamespace(connection=conn))  # as hypercorn's
+    assert _read_size(wrapper) == HEAD_READ == 1 << 16
+    conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 9\r\n\r\n")
+    assert isinstance(conn.next_event(), h11.Request) and conn.their_state is h11.SEND_BODY
+    assert _read_size(wrapper) == READ_SIZE
+    conn.receive_data(b"012345678")
+    assert isinstance(conn.next_event(), h11.Data)
+    assert isinstance(conn.next_event(), h11.EndOfMessage)
+    assert _read_size(wrapper) == HEAD_READ  # the next request's head
+    upgraded = SimpleNamespace(protocol=SimpleNamespace(connection=object()))  # WebSocket
+    assert _read_size(upgraded) == READ_SIZE
