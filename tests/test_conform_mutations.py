@@ -388,7 +388,10 @@ class IdleClose(Mutant):
     """Closes a connection IDLE_LIMIT seconds after the client last sent something."""
 
     breaks = ("ws.idle_ping",)
-    reason = "(close code 1000) on an idle connection"
+    # The close fails the check whether it comes while the check idles ("... on an idle
+    # connection") or during its first ping, when the handshake and that ping took longer than
+    # IDLE_LIMIT (a loaded machine: seen once in CI, at the end of the whole suite).
+    reason = "(close code 1000)"
 
     async def run_ws(self, conn: Conn) -> None:
         async with trio.open_nursery() as nursery:
