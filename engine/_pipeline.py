@@ -50,7 +50,7 @@ from ._state import (
     render_version,
 )
 from ._tools import offered_tools
-from ._validate import Validator
+from ._validate import Validator, invalid
 
 __all__ = ["Pipeline", "Prepared", "Prerendered", "Staged", "text_chars"]
 
@@ -440,14 +440,10 @@ class Pipeline:
         )
         if require_outputs and staged.open_calls:
             call_id = next(iter(staged.open_calls))
-            raise RemoteProtocolError.invalid(
-                f"No tool output found for function call {call_id}.",
-                code="invalid_value",
-                param="input",
-            )
+            raise invalid(f"No tool output found for function call {call_id}.", param="input")
         context = len(prefix.tokens) + root.item_tokens + staged.n_tokens
         if context > route.context_window:
-            raise RemoteProtocolError.invalid(
+            raise invalid(
                 f"Your input exceeds the context window of this model: {context} tokens, "
                 f"the limit is {route.context_window}.",
                 code="context_length_exceeded",

@@ -11,8 +11,9 @@ instead of ~1.5 us: an `mmap`, an `mremap` and a `munmap` per read).
 
 `read_some` reads up to `READ_SIZE` (1 MiB) into one buffer kept per thread, whose pages stay
 mapped, and returns a copy of what came: one copy of the bytes read, from warm memory (~40 us
-for 0.5 MB, ~2 us for a small frame). A large request that has arrived is then one read, one
-pass through the parser and one ASGI message. The buffer is shared by every connection of a
+for 0.5 MB, ~2 us for a small frame). A large body that has arrived (after its request's
+head, which `_http_limits` reads in 64 KiB) is then one read, one pass through the parser and
+one ASGI message. The buffer is shared by every connection of a
 thread safely because the copy is taken before the task can be suspended: the read is a
 non-blocking system call after trio said the socket was readable, and the read's checkpoint
 (as `receive_some`'s, after a successful read) comes after the copy.
@@ -35,8 +36,8 @@ import trio
 
 __all__ = ["READ_SIZE", "read_some"]
 
-# The most one read takes. A 0.55 MB request (~100k tokens of history) that has arrived fits
-# one read; larger bodies take a few. The buffer costs this much once per thread that reads.
+# The most one read takes. A 0.55 MB body (~100k tokens of history) that has arrived fits one
+# read; larger bodies take a few. The buffer costs this much once per thread that reads.
 READ_SIZE = 1 << 20
 
 # `receive_some`'s size for streams read through it (hypercorn's `MAX_RECV`).
