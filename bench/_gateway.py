@@ -8,7 +8,9 @@ library's time is counted.
 The upstream is a fake chat-completions server in a process of its own (`FakeUpstream`: h11
 over trio, `upstream_main`): it answers every request at once with one streamed tool call, and
 stamps the moment each request's body has fully arrived on the clock the client stamps its
-sends with (`time.monotonic()`: CLOCK_MONOTONIC, one clock for every process of the machine).
+sends with (`time.monotonic()`: CLOCK_MONOTONIC, one clock for every process of the machine);
+once a head is parsed, its body is read as it comes and parsed after the stamp, so the stamp
+is the model server having the bytes, not this process having also parsed them.
 A turn's **overhead** is that arrival minus the client's send: receiving and decoding the
 request, resolving and keying the conversation, validating, rendering and classifying what is
 new, encoding the chat request and writing it to
@@ -291,15 +293,26 @@ class FakeUpstream:
                 size = 0
                 arrived = time.monotonic()
                 target = b""
+                length: int | None = None  # the body's Content-Length, once the head is in
                 while True:
                     event = conn.next_event()
                     if event is h11.NEED_DATA:
+                        if length is not None and size < length:
+                            # The rest of the body as it arrives, parsed after the stamp.
+                            pieces = await _read_exactly(stream, length - size)
+                            arrived = time.monotonic()
+                            for piece in pieces:
+                                conn.receive_data(piece)
+                            if not pieces:
+                                conn.receive_data(b"")
+                            continue
                         data = await read_some(stream)
                         arrived = time.monotonic()
                         conn.receive_data(data)
                         continue
                     if isinstance(event, h11.Request):
                         target = event.target
+                        length = _content_length(event.headers)
                     elif isinstance(event, h11.Data):
                         size += len(event.data)
                         if size > MAX_UPSTREAM_BODY:
@@ -334,6 +347,27 @@ class FakeUpstream:
 # called them: the digest numbers them in order of appearance, so the same conversation has the
 # same digest from every client.
 _CALL_ID = re.compile(rb'"call_[0-9a-f]{24}"')
+
+
+async def _read_exactly(stream: trio.SocketStream, count: int) -> list[bytes]:
+    """The next `count` bytes of `stream` as read (fewer if it ends first), with nothing
+    done between reads: the arrival stamp is when the model server has the body, not when
+    this process has also parsed each piece of it (h11's copies, ~0.3 ms for 0.5 MB here)."""
+    pieces: list[bytes] = []
+    while count > 0:
+        data = await read_some(stream)
+        if not data:
+            break
+        pieces.append(data)
+        count -= len(data)
+    return pieces
+
+
+def _content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value)
+    return None
 
 
 def content_digest(body: bytes) -> str:
