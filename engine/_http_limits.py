@@ -45,10 +45,11 @@ bound), and trio's accept loop logs every `EMFILE` with a traceback ten times a 
   stream's body is bounded like an HTTP/1.1 one (size, `BodyClock`), and the streams of a
   connection that drops mid-body end at once (`BoundedH2Protocol` releases their send
   buffers, on which hypercorn left them waiting until shutdown).
-- **the TCP server** (`BoundedTCPServer`): it reads a request's head 64 KiB at a time, as
-  hypercorn does (`HEAD_READ`: a WebSocket's handshake, with what was sent behind it, is
-  handed on before any pacing), and a body or WebSocket frames up to 1 MiB at a time into warm
-  memory (`_read.py`: a large body is one read or two, not nine); its EOF is sent
+- **the TCP server** (`BoundedTCPServer`): it reads up to 1 MiB at a time into warm memory
+  (`_read.py`: a large body that has arrived is one read, not nine), and hands a request's
+  head to hypercorn by itself, cut from what followed it in the read (`_hand_over`,
+  `HEAD_READ`: a WebSocket's handshake is seen before the frames sent behind it, which then
+  meet the deflate pace; a body then reaches h11 whole, as the bytes read); its EOF is sent
   under the connection's send lock
   (pipelined requests met `trio.BusyResourceError` in the app otherwise), and a WebSocket
   that negotiated permessage-deflate is handed its bytes `INFLATE_READ` at a time, each
@@ -80,7 +81,7 @@ import attrs
 import h11
 import trio
 
-from ._read import READ_SIZE, read_some
+from ._read import read_cut, read_some
 
 __all__ = [
     "ACCEPT_ERROR_LOG_INTERVAL",
@@ -541,15 +542,9 @@ def bound_transport() -> None:
             await self.stream.aclose()
 
         async def _read_data(self) -> None:
-            """hypercorn's reader, reading through `read_some` (`HEAD_READ` for a request's
-            head, up to 1 MiB a read otherwise, into warm memory: `_read.py`) and handing a
-            WebSocket that negotiated permessage-deflate (`_ws_deflate.py` marks it) its
-            bytes `INFLATE_READ` at a time, each after the server's inflation pace
-            (`InflatePace`): a 64 KiB read of a compression bomb inflates to 64 MiB in one
-            turn of the event loop (~0.2 s of it), 1 KiB to 1 MiB (~3 ms), so other clients
-            are served between pieces. The pieces are cut from what was read, not read one by
-            one: the read in progress as the handshake is accepted (which happens in the app's
-            task) is a whole one, of at most `HEAD_READ`."""
+            """hypercorn's reader, reading up to 1 MiB a read into warm memory (`_read.py`),
+            a request's head cut from what follows it in the read (`read_cut`, `_head_end`),
+            each handed on by `_hand_over`."""
             # our setting on hypercorn's Config (a plain Config lacks it)
             if getattr(self.config, "transport", None) is None:
                 await super()._read_data()
@@ -557,27 +552,47 @@ def bound_transport() -> None:
             while True:
                 try:
                     with trio.fail_after(self.config.read_timeout or math.inf):
-                        data = await read_some(self.stream, _read_size(self.protocol))
+                        if _waits_for_head(self.protocol):
+                            data, rest = await read_cut(self.stream, _head_end)
+                        else:
+                            data, rest = await read_some(self.stream), b""
                 except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                     break
                 if data == b"":
                     await self.protocol.handle(RawData(b""))
                     break
                 await self._hand_over(data)
+                if rest:
+                    await self._hand_over(rest)
             await self.protocol.handle(Closed())
 
         async def _hand_over(self, data: bytes) -> None:
-            """`data` to the protocol: whole, or in paced pieces once deflate is on."""
+            """`data` to the protocol, in the pieces its state asks for:
+            - while an HTTP/1.1 connection waits for a request's head, up to the head's end
+              (at most `HEAD_READ`), so what follows a head reaches the protocol in a later
+              call, after the head has set its state;
+            - once a WebSocket negotiated permessage-deflate (`_ws_deflate.py` marks it as the
+              app accepts the handshake), `INFLATE_READ` at a time, each after the server's
+              inflation pace (`InflatePace`): a 64 KiB read of a compression bomb inflates to
+              64 MiB in one turn of the event loop (~0.2 s of it), 1 KiB to 1 MiB (~3 ms), so
+              other clients are served between pieces. Frames sent behind the handshake reach
+              a later call than the handshake, where the pace is decided (hypercorn refuses
+              frames that come before the app accepts);
+            - otherwise (a body, frames, HTTP/2) whole."""
             start = 0
             while start < len(data):
                 # ours, set on connections that negotiated deflate
                 inflater = getattr(self, "rollout_inflater", None)
-                if inflater is None or not inflater.enabled():
-                    await self.protocol.handle(RawData(data[start:] if start else data))
-                    return
-                await inflater.pace()  # at most the server's pace (`InflatePace`)
-                await self.protocol.handle(RawData(data[start : start + INFLATE_READ]))
-                start += INFLATE_READ
+                if inflater is not None and inflater.enabled():
+                    await inflater.pace()  # at most the server's pace (`InflatePace`)
+                    end = start + INFLATE_READ
+                elif _waits_for_head(self.protocol):
+                    end = _head_end(data, len(data), start)
+                else:
+                    end = len(data)
+                whole = start == 0 and end >= len(data)
+                await self.protocol.handle(RawData(data if whole else data[start:end]))
+                start = end
 
         async def _idle_timeout(self) -> None:
             # our setting on hypercorn's Config (a plain Config lacks it)
@@ -593,22 +608,29 @@ def bound_transport() -> None:
     setattr(run_module, "TCPServer", BoundedTCPServer)  # noqa: B010
 
 
-# The read that starts an HTTP/1.1 request (hypercorn's own size): it holds the head, and for a
-# WebSocket's handshake whatever the client sent behind it, which is handed on unpaced (the
-# handshake is accepted after); 64 KiB of a deflate bomb inflates to 64 MiB, ~0.2 s of the loop.
+# The most of a request's head handed to the protocol at once (hypercorn's own read size),
+# when its end is not found sooner: what follows a head in it reaches the protocol in the same
+# call (see `_hand_over`). 64 KiB of a deflate bomb inflates to 64 MiB, ~0.2 s of the loop.
 HEAD_READ = 1 << 16
+HEAD_END = b"\r\n\r\n"
 
 
-def _read_size(wrapper: Any) -> int:
-    """`HEAD_READ` while an HTTP/1.1 connection waits for a request's head (h11 not reading a
-    body), else up to `READ_SIZE` into warm memory (`_read.py`): a body, WebSocket frames
-    (paced for deflate), HTTP/2."""
+def _waits_for_head(wrapper: Any) -> bool:
+    """Whether an HTTP/1.1 connection waits for a request's head (h11 not reading a body, not
+    upgraded to a WebSocket); not for HTTP/2."""
     # hypercorn's ProtocolWrapper.protocol (H11Protocol) and its h11 connection; once upgraded
     # to a WebSocket, hypercorn's pass-through connection instead (not an h11.Connection)
     connection = getattr(getattr(wrapper, "protocol", None), "connection", None)
-    if isinstance(connection, h11.Connection) and connection.their_state is not h11.SEND_BODY:
-        return HEAD_READ
-    return READ_SIZE
+    return isinstance(connection, h11.Connection) and connection.their_state is not h11.SEND_BODY
+
+
+def _head_end(data: bytes | bytearray, size: int, start: int = 0) -> int:
+    """Where the request head starting at `start` in `data` (of which `size` bytes count)
+    ends: after its blank line, looked for in at most `HEAD_READ` bytes; else `HEAD_READ` on
+    (h11 also takes a head ending in bare LFs, which is then handed on in such pieces)."""
+    stop = min(size, start + HEAD_READ)
+    end = data.find(HEAD_END, start, stop)
+    return end + len(HEAD_END) if end >= 0 else stop
 
 
 def _idle_phase(server: Any) -> str:

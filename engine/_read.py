@@ -11,9 +11,11 @@ instead of ~1.5 us: an `mmap`, an `mremap` and a `munmap` per read).
 
 `read_some` reads up to `READ_SIZE` (1 MiB) into one buffer kept per thread, whose pages stay
 mapped, and returns a copy of what came: one copy of the bytes read, from warm memory (~40 us
-for 0.5 MB, ~2 us for a small frame). A large body that has arrived (after its request's
-head, which `_http_limits` reads in 64 KiB) is then one read, one pass through the parser and
-one ASGI message. The buffer is shared by every connection of a
+for 0.5 MB, ~2 us for a small frame). `read_cut` returns the same read in two pieces, each
+copied out once, where a caller's cut says: `_http_limits` cuts a request's head from the body
+behind it, so the body goes on as the bytes read (h11 holds them as they are:
+`_h11_body.py`). A large body that has arrived is then one read, one pass through the parser
+and one ASGI message. The buffer is shared by every connection of a
 thread safely because the copy is taken before the task can be suspended: the read is a
 non-blocking system call after trio said the socket was readable, and the read's checkpoint
 (as `receive_some`'s, after a successful read) comes after the copy.
@@ -31,10 +33,11 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 
 import trio
 
-__all__ = ["READ_SIZE", "read_some"]
+__all__ = ["READ_SIZE", "Cut", "read_cut", "read_some"]
 
 # The most one read takes. A 0.55 MB body (~100k tokens of history) that has arrived fits one
 # read; larger bodies take a few. The buffer costs this much once per thread that reads.
@@ -48,18 +51,41 @@ _CLOSED_ERRNOS = frozenset({errno.EBADF, errno.ENOTSOCK})  # as trio's SocketStr
 
 class _Buffer(threading.local):
     def __init__(self) -> None:
-        self.view = memoryview(bytearray(READ_SIZE))
+        self.array = bytearray(READ_SIZE)
+        self.view = memoryview(self.array)
 
 
 _buffer = _Buffer()
+
+# Where to cut what was read: given the buffer and the number of bytes read into it, an offset
+# from 0 to that number.
+Cut = Callable[[bytes | bytearray, int], int]
 
 
 async def read_some(stream: trio.abc.ReceiveStream, max_bytes: int = READ_SIZE) -> bytes:
     """The bytes that have arrived on `stream`, up to `max_bytes` (at most `READ_SIZE`;
     waiting for some first); `b""` at the end of the stream."""
+    return (await _read(stream, max_bytes, None))[0]
+
+
+async def read_cut(stream: trio.abc.ReceiveStream, cut: Cut) -> tuple[bytes, bytes]:
+    """As `read_some` (up to `READ_SIZE`), in two pieces, before and after `cut`'s offset
+    into what was read; each piece is copied out of the buffer once (a slice of a whole read
+    would copy its second piece again). `(b"", b"")` at the end of the stream."""
+    first, *rest = await _read(stream, READ_SIZE, cut)
+    return first, rest[0] if rest else b""
+
+
+async def _read(
+    stream: trio.abc.ReceiveStream, max_bytes: int, cut: Cut | None
+) -> tuple[bytes, ...]:
     max_bytes = min(max_bytes, READ_SIZE)
     if not isinstance(stream, trio.SocketStream):
-        return bytes(await stream.receive_some(min(max_bytes, STREAM_READ_SIZE)))
+        data = bytes(await stream.receive_some(min(max_bytes, STREAM_READ_SIZE)))
+        if cut is None:
+            return (data,)
+        at = cut(data, len(data))
+        return data[:at], data[at:]
     sock = stream.socket
     view = _buffer.view if max_bytes == READ_SIZE else _buffer.view[:max_bytes]
     await trio.lowlevel.checkpoint_if_cancelled()
@@ -75,8 +101,13 @@ async def read_some(stream: trio.abc.ReceiveStream, max_bytes: int = READ_SIZE) 
             if exc.errno in _CLOSED_ERRNOS:
                 raise trio.ClosedResourceError("this socket was already closed") from None
             raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-        data = bytes(view[:n])  # before any checkpoint: the buffer is the thread's
+        # copied out before any checkpoint: the buffer is the thread's
+        if cut is None:
+            pieces: tuple[bytes, ...] = (bytes(view[:n]),)
+        else:
+            at = min(cut(_buffer.array, n), n)
+            pieces = bytes(view[:at]), bytes(view[at:n])
         break
     if not waited:  # as trio's own reads: a read that did not wait still checkpoints
         await trio.lowlevel.cancel_shielded_checkpoint()
-    return data
+    return pieces

@@ -1,6 +1,7 @@
-"""h11 handing a whole buffer on without copying it (`engine/_h11_body.py`): the same bytes,
-type and remaining buffer as h11's own method, the same events over random messages cut at
-random points, no copy of a body that is the whole buffer, and the server installs it."""
+"""h11's receive buffer holding and handing on the bytes received as they are
+(`engine/_h11_body.py`): the same answers and remaining buffer as h11's own class over random
+operations, the same events over random messages cut at random points, a body received after
+its head handed on as the object received, and the server installs it."""
 
 from __future__ import annotations
 
@@ -8,55 +9,71 @@ import itertools
 from typing import Any
 
 import h11
-from h11 import _receivebuffer
+from h11 import _connection, _receivebuffer
 from hypothesis import given
 from hypothesis import strategies as st
 from rollout.engine import _serve
-from rollout.engine._h11_body import hand_on_whole_buffers
+from rollout.engine._h11_body import WholeReceiveBuffer, hand_on_whole_buffers
 
-ORIGINAL: Any = _receivebuffer.ReceiveBuffer.maybe_extract_at_most  # as imported
-if getattr(ORIGINAL, "_rollout_whole", False):  # (another test's server patched it first)
-    ORIGINAL = None
+H11S: Any = _receivebuffer.ReceiveBuffer  # h11's own class (the patch replaces a name only)
 
-
-def _state(buffer: Any) -> tuple[bytes, int, int]:
-    return bytes(buffer._data), buffer._next_line_search, buffer._multiple_lines_search
-
-
-@given(
-    pieces=st.lists(st.binary(max_size=40), max_size=5),
-    counts=st.lists(st.integers(min_value=0, max_value=120), min_size=1, max_size=6),
+_chunks = st.binary(max_size=40).map(lambda b: b.replace(b"x", b"\r\n"))
+_operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), _chunks, st.booleans()),  # bytes, or a bytearray
+        st.tuples(st.just("at_most"), st.integers(min_value=0, max_value=120)),
+        st.tuples(st.just("next_line")),
+        st.tuples(st.just("lines")),
+        st.tuples(st.just("invalid")),
+        st.tuples(st.just("bytes")),
+    ),
+    max_size=12,
 )
-def test_it_extracts_what_h11s_own_does(pieces: list[bytes], counts: list[int]) -> None:
-    hand_on_whole_buffers()
-    patched, plain = _receivebuffer.ReceiveBuffer(), _receivebuffer.ReceiveBuffer()
-    for piece in pieces:
-        patched += piece
-        plain += piece
-    plain.maybe_extract_next_line()  # a search position to reset
-    patched.maybe_extract_next_line()
-    for count in counts:
-        got = patched.maybe_extract_at_most(count)
-        expected = _h11s(plain, count)
-        assert (None if got is None else bytes(got)) == (
-            None if expected is None else bytes(expected)
-        )
-        assert type(got) is type(expected)
-        assert _state(patched) == _state(plain)
 
 
-def _h11s(buffer: Any, count: int) -> bytearray | None:
-    """h11's own method where this process has it, else the same steps written out."""
-    if ORIGINAL is not None:
-        return ORIGINAL(buffer, count)  # type: ignore[no-any-return]
-    out = buffer._data[:count]
-    if not out:
-        return None
-    return buffer._extract(count)  # type: ignore[no-any-return]
+def _apply(buffer: Any, operation: tuple[Any, ...]) -> Any:
+    """One operation on a buffer, and its answer in comparable form."""
+    name = operation[0]
+    if name == "add":
+        buffer += operation[1] if operation[2] else bytearray(operation[1])
+        return len(buffer)
+    if name == "at_most":
+        got = buffer.maybe_extract_at_most(operation[1])
+        return None if got is None else bytes(got)
+    if name == "next_line":
+        got = buffer.maybe_extract_next_line()
+        return None if got is None else bytes(got)
+    if name == "lines":
+        lines = buffer.maybe_extract_lines()
+        # h11 edits the lines in place: they must be bytearrays, as h11's own
+        return None if lines is None else [(type(line), bytes(line)) for line in lines]
+    if name == "invalid":
+        return buffer.is_next_line_obviously_invalid_request_line()
+    return bytes(buffer)
 
 
-def _events(message: bytes, cuts: list[int]) -> list[tuple[str, bytes]]:
-    conn = h11.Connection(h11.SERVER)
+def _state(buffer: Any) -> tuple[bytes, int, int, bool]:
+    return bytes(buffer), buffer._next_line_search, buffer._multiple_lines_search, bool(buffer)
+
+
+@given(operations=_operations)
+def test_it_answers_as_h11s_own_buffer(operations: list[tuple[Any, ...]]) -> None:
+    ours, theirs = WholeReceiveBuffer(), H11S()
+    for operation in operations:
+        assert _apply(ours, operation) == _apply(theirs, operation)
+        assert _state(ours) == _state(theirs)
+
+
+def _events(message: bytes, cuts: list[int], buffer: type[Any]) -> list[tuple[str, bytes]]:
+    """h11's events for `message` received in pieces cut at `cuts`, its connection's buffer
+    of class `buffer`."""
+    saved = _connection.ReceiveBuffer
+    _connection.ReceiveBuffer = buffer  # type: ignore[attr-defined]
+    try:
+        conn = h11.Connection(h11.SERVER)
+    finally:
+        _connection.ReceiveBuffer = saved  # type: ignore[attr-defined]
+    assert type(conn._receive_buffer) is buffer
     out: list[tuple[str, bytes]] = []
     edges = [0, *sorted(c % (len(message) + 1) for c in cuts), len(message)]
     for start, end in itertools.pairwise(edges):
@@ -75,40 +92,43 @@ def _events(message: bytes, cuts: list[int]) -> list[tuple[str, bytes]]:
 @given(
     body=st.binary(max_size=3000),
     cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=4),
+    chunked=st.booleans(),
 )
-def test_h11_gives_the_same_events_over_messages_cut_anywhere(body: bytes, cuts: list[int]) -> None:
-    message = (
-        b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body) + body
-    )
-    hand_on_whole_buffers()
-    patched = _events(message, cuts)
-    assert [e for e in patched if e[0] == "Request"]
-    assert b"".join(d for kind, d in patched if kind == "Data") == body
-    assert patched[-1][0] == "EndOfMessage"
-    # The same events, Data chunk by chunk, as h11 without the patch.
-    method: Any = _receivebuffer.ReceiveBuffer.maybe_extract_at_most
-    if ORIGINAL is not None:
-        _receivebuffer.ReceiveBuffer.maybe_extract_at_most = ORIGINAL  # type: ignore[method-assign]
-        try:
-            assert _events(message, cuts) == patched
-        finally:
-            _receivebuffer.ReceiveBuffer.maybe_extract_at_most = method  # type: ignore[method-assign]
+def test_h11_gives_the_same_events_over_messages_cut_anywhere(
+    body: bytes, cuts: list[int], chunked: bool
+) -> None:
+    head = b"POST /v1/responses HTTP/1.1\r\nhost: x\r\n"
+    if chunked:
+        half = len(body) // 2
+        parts = [body[:half], body[half:]]
+        message = head + b"transfer-encoding: chunked\r\n\r\n"
+        message += b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts if p) + b"0\r\n\r\n"
+    else:
+        message = head + b"content-length: %d\r\n\r\n" % len(body) + body
+    ours = _events(message, cuts, WholeReceiveBuffer)
+    assert [e for e in ours if e[0] == "Request"]
+    assert b"".join(d for kind, d in ours if kind == "Data") == body
+    assert ours[-1][0] == "EndOfMessage"
+    assert ours == _events(message, cuts, H11S)
 
 
-def test_a_body_that_is_the_whole_buffer_is_handed_on_not_copied() -> None:
+def test_a_body_after_its_head_is_handed_on_as_the_bytes_received() -> None:
+    """The bytes object the server read is the Data event's (h11's own class copies it into
+    its buffer, and slices it out again)."""
     hand_on_whole_buffers()
     body = b"x" * 550_000
     conn = h11.Connection(h11.SERVER)
     conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body))
     assert type(conn.next_event()).__name__ == "Request"
     conn.receive_data(body)
-    held: Any = conn._receive_buffer._data  # (h11's internals: the buffer's bytearray)
     event = conn.next_event()
-    assert isinstance(event, h11.Data) and event.data is held and bytes(event.data) == body
+    assert isinstance(event, h11.Data) and event.data is body
+    assert isinstance(conn.next_event(), h11.EndOfMessage)
 
 
 def test_the_server_installs_it() -> None:
     assert _serve.hand_on_whole_buffers is hand_on_whole_buffers
     hand_on_whole_buffers()
     hand_on_whole_buffers()  # idempotent
-    assert getattr(_receivebuffer.ReceiveBuffer.maybe_extract_at_most, "_rollout_whole", False)
+    assert _connection.ReceiveBuffer is WholeReceiveBuffer
+    assert type(h11.Connection(h11.SERVER)._receive_buffer) is WholeReceiveBuffer

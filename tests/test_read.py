@@ -1,20 +1,31 @@
 """Socket reads into warm memory (`engine/_read.py`), on real socket pairs: what arrived, up to
-1 MiB in one read; every connection's own bytes although they share one buffer; trio's
-errors and checkpoints; and the server's reader reading through it."""
+1 MiB in one read, whole or cut in two; every connection's own bytes although they share one
+buffer; trio's errors and checkpoints; and the server's reader reading through it, handing a
+request's head on by itself (`engine/_http_limits.py`)."""
 
 from __future__ import annotations
 
 import json
 import socket
 from types import SimpleNamespace
+from typing import Any
 
 import h11
+import hypercorn.protocol as protocol_module
 import pytest
 import trio
 import trio.testing
+from hypercorn.events import RawData
+from hypercorn.trio import run as run_module
 from rollout.engine import _http_limits
-from rollout.engine._http_limits import HEAD_READ, _read_size
-from rollout.engine._read import READ_SIZE, read_some
+from rollout.engine._http_limits import (
+    HEAD_READ,
+    INFLATE_READ,
+    _head_end,
+    _waits_for_head,
+    bound_transport,
+)
+from rollout.engine._read import READ_SIZE, read_cut, read_some
 
 from tests.server_harness import open_test_server
 
@@ -124,21 +135,73 @@ async def test_a_stream_that_is_not_a_socket_reads_through_its_own_receive() -> 
         assert await read_some(right) == b"through receive_some"
 
 
+async def test_a_cut_read_is_two_pieces_each_read_once() -> None:
+    """`read_cut` takes what arrived, up to `READ_SIZE`, in two pieces at the offset its cut
+    gives (a piece may be empty); `(b"", b"")` at the end; a non-socket stream is cut too."""
+    with trio.fail_after(DEADLINE):
+        a, b = pair()
+        async with a:
+            head, body = b"POST / HTTP/1.1\r\ncontent-length: 9\r\n\r\n", b"x" * 600_000
+            await a.send_all(head + body)
+            first, rest = await read_cut(b, _head_end)
+            assert (first, rest) == (head, body)
+            assert type(first) is bytes and type(rest) is bytes
+            await a.send_all(b"no blank line yet")
+            assert await read_cut(b, _head_end) == (b"no blank line yet", b"")
+            await a.send_all(b"0123456789")
+            assert await read_cut(b, lambda data, size: 0) == (b"", b"0123456789")
+        assert await read_cut(b, _head_end) == (b"", b"")  # the end of the stream
+        await b.aclose()
+
+        left, right = trio.testing.memory_stream_pair()
+        await left.send_all(head + b"frames")
+        assert await read_cut(right, _head_end) == (head, b"frames")
+
+
+def test_a_heads_end_is_its_blank_line_looked_for_in_at_most_64_kib() -> None:
+    head = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    data = head + b"frames" + head
+    assert _head_end(data, len(data)) == len(head)
+    assert _head_end(data, len(data), len(head) + 6) == len(data)  # the next head
+    assert _head_end(data, len(head) - 1) == len(head) - 1  # not all read: what there is
+    long = b"GET / HTTP/1.1\r\nx: " + b"y" * HEAD_READ + b"\r\n\r\n"
+    assert _head_end(long, len(long)) == HEAD_READ  # not found within HEAD_READ
+    bare = b"GET / HTTP/1.1\nhost: x\n\n" + b"z" * HEAD_READ
+    assert _head_end(bare, len(bare)) == HEAD_READ  # h11 takes bare LFs: handed in pieces
+
+
 async def test_a_large_request_reaches_the_server_in_reads_of_up_to_a_mebibyte(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A `rollout serve` in this process, its reader's reads recorded: a 0.6 MB request body
-    whose bytes were all in the server's socket when it read them comes, after a first read of
-    hypercorn's 64 KiB (`HEAD_READ`), in reads larger than that, none over `READ_SIZE`, and
-    gets its answer (here a 404 for its unknown model: the body was read and parsed)."""
+    """A `rollout serve` in this process, its reader's reads and what it hands to hypercorn
+    recorded: a 0.6 MB request sent in one write comes in reads larger than hypercorn's
+    64 KiB, none over `READ_SIZE`; its head is handed on by itself and what followed it in
+    the read in one piece; it gets its answer (here a 404 for its unknown model: the body was
+    read and parsed)."""
     reads: list[int] = []
+    handed: list[int] = []
 
     async def recorded(stream: trio.abc.ReceiveStream, max_bytes: int = READ_SIZE) -> bytes:
         data = await read_some(stream, max_bytes)
         reads.append(len(data))
         return data
 
+    async def recorded_cut(stream: trio.abc.ReceiveStream, cut: Any) -> tuple[bytes, bytes]:
+        first, rest = await read_cut(stream, cut)
+        reads.append(len(first) + len(rest))
+        return first, rest
+
+    bound_transport()
+    handle = protocol_module.ProtocolWrapper.handle
+
+    async def recorded_handle(self: Any, event: Any) -> None:
+        if isinstance(event, RawData) and event.data:
+            handed.append(len(event.data))
+        await handle(self, event)
+
     monkeypatch.setattr(_http_limits, "read_some", recorded)
+    monkeypatch.setattr(_http_limits, "read_cut", recorded_cut)
+    monkeypatch.setattr(protocol_module.ProtocolWrapper, "handle", recorded_handle)
     body = json.dumps({"model": "no-such-model", "input": "x" * 600_000}).encode()
     with trio.fail_after(DEADLINE):
         async with open_test_server() as url:
@@ -157,22 +220,101 @@ async def test_a_large_request_reaches_the_server_in_reads_of_up_to_a_mebibyte(
                     answer += await stream.receive_some(65536)
     assert answer.startswith(b"HTTP/1.1 404"), answer[:200]
     assert sum(reads) >= len(head) + len(body), reads
-    assert reads[0] <= HEAD_READ  # the head (a WebSocket's handshake) in hypercorn's size
     assert max(reads) > 1 << 16 and max(reads) <= READ_SIZE, reads
+    # The head by itself, then the rest of its read whole (the loopback's first segment
+    # holds the head and ~64 KB of the body, so the first read is more than the head).
+    assert reads[0] > len(head), reads
+    assert handed[:2] == [len(head), reads[0] - len(head)], (handed, reads)
 
 
-def test_a_requests_head_is_read_in_hypercorns_size_its_body_and_frames_in_large_reads() -> None:
-    """A WebSocket handshake, and whatever the client sent behind it, is handed on before its
-    deflate pacing starts: the read that starts a request stays at 64 KiB."""
+class _Protocol:
+    """hypercorn's protocol wrapper as the reader sees it: an h11 connection fed each
+    `RawData`, upgraded (no longer an h11 connection) by a WebSocket handshake."""
+
+    def __init__(self) -> None:
+        self.connection: Any = h11.Connection(h11.SERVER)
+        self.calls: list[bytes] = []
+        self.protocol = self  # hypercorn's wrapper holds its protocol, which holds h11's
+
+    async def handle(self, event: RawData) -> None:
+        self.calls.append(bytes(event.data))
+        if not isinstance(self.connection, h11.Connection):
+            return  # a WebSocket's bytes
+        self.connection.receive_data(event.data)
+        while True:
+            ev = self.connection.next_event()
+            if ev is h11.NEED_DATA:
+                return
+            if ev is h11.PAUSED:
+                if self.connection.their_state is h11.MIGHT_SWITCH_PROTOCOL:
+                    self.connection = object()  # as hypercorn's H11WSConnection
+                    return
+                # (the app answers at once)
+                self.connection.send(h11.Response(status_code=204, headers=[]))
+                self.connection.send(h11.EndOfMessage())
+                self.connection.start_next_cycle()
+                continue
+
+
+class _Inflater:
+    def __init__(self) -> None:
+        self.paced = 0
+
+    def enabled(self) -> bool:
+        return True
+
+    async def pace(self) -> None:
+        self.paced += 1
+
+
+async def test_the_reader_hands_a_head_on_by_itself_and_what_follows_as_the_state_asks() -> None:
+    """Frames sent behind a WebSocket handshake reach the protocol in a later call than the
+    handshake (so they meet the deflate pace, which the app's accept sets up); a body comes
+    whole after its head; pipelined heads one at a time; a connection that negotiated
+    deflate is handed `INFLATE_READ` at a time, each after its pace."""
+    bound_transport()
+    hand_over = run_module.TCPServer._hand_over
+    handshake = (
+        b"GET /v1/responses HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\n"
+        b"upgrade: websocket\r\nsec-websocket-version: 13\r\n"
+        b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    frames = b"\x81\x85" + b"m" * 4 + b"hello" + b"\x82\x7e\x10\x00" + b"f" * 4096
+    server = SimpleNamespace(protocol=_Protocol())
+    await hand_over(server, handshake + frames)
+    assert server.protocol.calls == [handshake, frames]
+
+    post = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 300000\r\n\r\n"
+    body = b"b" * 300_000
+    server = SimpleNamespace(protocol=_Protocol())
+    await hand_over(server, post + body)
+    assert server.protocol.calls == [post, body]
+
+    get = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
+    server = SimpleNamespace(protocol=_Protocol())
+    await hand_over(server, get * 3)
+    assert server.protocol.calls == [get] * 3
+
+    inflater = _Inflater()
+    server = SimpleNamespace(protocol=_Protocol(), rollout_inflater=inflater)
+    server.protocol.connection = object()  # an accepted WebSocket
+    await hand_over(server, frames)
+    pieces = [frames[i : i + INFLATE_READ] for i in range(0, len(frames), INFLATE_READ)]
+    assert server.protocol.calls == pieces and inflater.paced == len(pieces)
+
+
+def test_the_reader_knows_when_a_connection_waits_for_a_head() -> None:
+    """While an HTTP/1.1 connection waits for a request's head, the reader cuts a head from
+    what follows it; not while h11 reads a body, nor once the connection is a WebSocket."""
     conn = h11.Connection(h11.SERVER)
     wrapper = SimpleNamespace(protocol=SimpleNamespace(connection=conn))  # as hypercorn's
-    assert _read_size(wrapper) == HEAD_READ == 1 << 16
+    assert _waits_for_head(wrapper)
     conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 9\r\n\r\n")
     assert isinstance(conn.next_event(), h11.Request) and conn.their_state is h11.SEND_BODY
-    assert _read_size(wrapper) == READ_SIZE
+    assert not _waits_for_head(wrapper)
     conn.receive_data(b"012345678")
     assert isinstance(conn.next_event(), h11.Data)
     assert isinstance(conn.next_event(), h11.EndOfMessage)
-    assert _read_size(wrapper) == HEAD_READ  # the next request's head
+    assert _waits_for_head(wrapper)  # the next request's head
     upgraded = SimpleNamespace(protocol=SimpleNamespace(connection=object()))  # WebSocket
-    assert _read_size(upgraded) == READ_SIZE
+    assert not _waits_for_head(upgraded)
