@@ -5,7 +5,9 @@ request's head on by itself (`engine/_http_limits.py`)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import socket
 from types import SimpleNamespace
 from typing import Any
@@ -17,7 +19,7 @@ import trio
 import trio.testing
 from hypercorn.events import RawData
 from hypercorn.trio import run as run_module
-from rollout.engine import _http_limits
+from rollout.engine import _http_limits, _read
 from rollout.engine._http_limits import (
     HEAD_READ,
     INFLATE_READ,
@@ -25,7 +27,7 @@ from rollout.engine._http_limits import (
     _waits_for_head,
     bound_transport,
 )
-from rollout.engine._read import READ_SIZE, read_cut, read_some
+from rollout.engine._read import READ_ON, READ_SIZE, read_cut, read_some
 
 from tests.server_harness import open_test_server
 
@@ -59,6 +61,64 @@ async def test_what_has_arrived_is_one_read_up_to_the_read_size() -> None:
             assert len(first) == READ_SIZE
             rest = await read_some(b)
             assert first + rest == more
+
+
+def _segments(
+    monkeypatch: pytest.MonkeyPatch, size: int, fail_after: int | None = None
+) -> list[int]:
+    """`os.readv` as the kernel delivers a transfer in progress: at most `size` bytes a call
+    (and a reset on the call after `fail_after` calls); returns the sizes each call took
+    (0: nothing was there, -1: the reset)."""
+    calls: list[int] = []
+    readv = os.readv
+
+    def segment(fd: int, buffers: list[memoryview]) -> int:
+        if fail_after is not None and len(calls) == fail_after:
+            calls.append(-1)
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        try:
+            got = readv(fd, [buffers[0][:size]])
+        except BlockingIOError:
+            calls.append(0)  # nothing there
+            raise
+        calls.append(got)
+        return got
+
+    monkeypatch.setattr(_read.os, "readv", segment)
+    return calls
+
+
+async def test_a_large_read_reads_on_what_came_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of `READ_ON` or more goes on, without waiting, with what arrived while it copied
+    (here the kernel hands 64 KiB a call): 200 KB that has arrived is one read; a small read
+    (a WebSocket event) is one system call."""
+    with trio.fail_after(DEADLINE):
+        a, b = pair()
+        async with a, b:
+            calls = _segments(monkeypatch, READ_ON)
+            body = bytes(range(256)) * 800  # 200 KB
+            await a.send_all(body)
+            assert await read_some(b) == body
+            assert calls == [READ_ON] * 3 + [len(body) - 3 * READ_ON, 0]
+            calls.clear()
+            await a.send_all(b"e" * 1400)
+            assert await read_some(b) == b"e" * 1400
+            assert calls == [1400]  # not read on: one system call
+
+
+async def test_an_error_met_reading_on_is_the_next_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reset met while reading on: the read returns what came before it, and the next read
+    raises it as a read meeting it would (`trio.BrokenResourceError`), once."""
+    with trio.fail_after(DEADLINE):
+        a, b = pair()
+        async with a, b:
+            _segments(monkeypatch, READ_ON, fail_after=1)
+            await a.send_all(b"r" * (2 * READ_ON))
+            assert await read_some(b) == b"r" * READ_ON
+            with pytest.raises(trio.BrokenResourceError):
+                await read_some(b)
+            monkeypatch.undo()
+            assert await read_some(b) == b"r" * READ_ON  # the error was the next read's only
 
 
 async def test_connections_sharing_the_buffer_each_get_their_own_bytes() -> None:
