@@ -32,7 +32,8 @@ bound), and trio's accept loop logs every `EMFILE` with a traceback ten times a 
   arrive within `body_timeout` seconds of the headers plus one second per `body_min_rate`
   bytes received (Apache's `mod_reqtimeout` rule), or the request gets
   `408 request_timeout` and its connection is closed (timeout phase `body`). HTTP/2 streams
-  read their bodies through the same wrapper.
+  read their bodies through the same wrapper. A body ends with the message that brings its
+  `Content-Length`'s last byte, not with hypercorn's empty message after it.
 - **framing** (HTTP/1.1, `BoundedH11Protocol`): both `Content-Length` and
   `Transfer-Encoding` is a 400 and the connection closes; a header block over
   `max_header_bytes` is a 431 however it arrived; hypercorn's own refusals (h11's parse
@@ -194,7 +195,14 @@ class BodyClock:
     """An HTTP request's ASGI `receive`, with the body's deadline: `timeout` seconds after
     the first call (the headers are in), plus one second per `min_rate` bytes received. Past
     it, `on_timeout()` is called and the read raises what it returns; once the body is
-    complete, `receive` passes through (a streamed response waits on `http.disconnect`)."""
+    complete, `receive` passes through (a streamed response waits on `http.disconnect`).
+
+    With the request's `Content-Length` (`length`), the message that brings the body's last
+    byte says so (`more_body` false): hypercorn sends the end of a body as a message of its
+    own, which cost the app another wait on its queue, behind the reader's next turn (the
+    `receive` stage of a 0.55 MB body 0.17-0.18 ms with it, 0.07-0.08 without; of a small
+    one 0.10-0.11 and 0.06-0.07: `bench/README.md`); that empty message is passed over when it
+    comes."""
 
     def __init__(
         self,
@@ -203,28 +211,52 @@ class BodyClock:
         timeout: float,
         min_rate: float,
         on_timeout: Callable[[], Exception],
+        length: int | None = None,
     ) -> None:
         self._receive = receive
         self._timeout = timeout
         self._min_rate = min_rate
         self._on_timeout = on_timeout
+        self._length = length
         self._started: float | None = None
         self._received = 0
         self._complete = False
+        self._end_pending = False  # hypercorn's end-of-body message, not yet passed over
 
     async def __call__(self) -> dict[str, Any]:
-        if self._complete or not math.isfinite(self._timeout):
-            return await self._receive()
+        if self._complete:
+            message = await self._receive()
+            if self._end_pending:
+                self._end_pending = False
+                if _is_end(message):
+                    message = await self._receive()
+            return message
+        if not math.isfinite(self._timeout):
+            return self._seen(await self._receive())
         if self._started is None:
             self._started = trio.current_time()
         deadline = self._started + self._timeout + self._received / self._min_rate
         with trio.move_on_at(deadline):
-            message = await self._receive()
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                self._complete = True
-            self._received += len(message.get("body", b""))
-            return message
+            return self._seen(await self._receive())
         raise self._on_timeout()
+
+    def _seen(self, message: dict[str, Any]) -> dict[str, Any]:
+        self._received += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self._complete = True
+        elif self._received == self._length:
+            self._complete = self._end_pending = True
+            message = {**message, "more_body": False}
+        return message
+
+
+def _is_end(message: dict[str, Any]) -> bool:
+    """hypercorn's message for the end of a request body: empty, no more to come."""
+    return (
+        message["type"] == "http.request"
+        and not message.get("body")
+        and not message.get("more_body", False)
+    )
 
 
 # --- accept errors -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 from rollout.engine import MemoryResponseStore, _http_limits
-from rollout.engine._app import AppConfig, RolloutApp
+from rollout.engine._app import AppConfig, RolloutApp, _content_length
 from rollout.engine._engine import open_engine
 from rollout.engine._http_limits import BodyClock
 from rollout.engine._ws_deflate import (
@@ -260,6 +260,73 @@ async def test_the_body_clock_lets_a_body_at_the_minimum_rate_through(
                     break
             assert (await clock())["type"] == "http.disconnect"  # (no deadline past the body)
     assert received == 100_000
+
+
+async def test_the_body_clock_ends_a_body_at_its_content_length(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """With the request's Content-Length, the message bringing its last byte ends the body
+    (`more_body` false) and hypercorn's empty end message is passed over: the app reads a
+    body that has arrived with one wait, and its next read is the disconnect, unbounded by
+    the body's deadline. A body still short of its length, or without one, is as it came."""
+    body = {"type": "http.request", "body": b"x" * 600, "more_body": True}
+    end = {"type": "http.request", "body": b"", "more_body": False}
+    disconnect = {"type": "http.disconnect"}
+
+    async def read(length: int | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        send, receive = trio.open_memory_channel[dict[str, Any]](len(messages))
+        for message in messages:
+            send.send_nowait(message)
+        clock = BodyClock(
+            receive.receive,
+            timeout=2.0,
+            min_rate=1000.0,
+            on_timeout=lambda: TimeoutError("body"),
+            length=length,
+        )
+        got = []
+        with trio.fail_after(5000):
+            while not got or got[-1]["type"] == "http.request":
+                got.append(await clock())
+        return got
+
+    whole = await read(1200, [body, body, end, disconnect])
+    assert whole == [body, {**body, "more_body": False}, disconnect]
+    assert await read(None, [body, body, end, disconnect]) == [body, body, end, disconnect]
+    assert await read(1201, [body, body, end, disconnect]) == [body, body, end, disconnect]
+
+    # Past the body, no deadline: the disconnect an hour later is still the next message.
+    send, receive = trio.open_memory_channel[dict[str, Any]](4)
+    clock = BodyClock(
+        receive.receive,
+        timeout=2.0,
+        min_rate=1000.0,
+        on_timeout=lambda: TimeoutError("body"),
+        length=600,
+    )
+    send.send_nowait(body)
+    send.send_nowait(end)
+    with trio.fail_after(5000):
+        assert (await clock())["more_body"] is False
+        async with trio.open_nursery() as nursery:
+
+            async def later() -> None:
+                await trio.sleep(3600)
+                await send.send(disconnect)
+
+            nursery.start_soon(later)
+            assert await clock() == disconnect
+
+
+def test_a_requests_content_length_is_one_number_or_none() -> None:
+    def scope(*values: bytes) -> dict[str, Any]:
+        return {"headers": [(b"host", b"x"), *((b"Content-Length", v) for v in values)]}
+
+    assert _content_length(scope(b"1200")) == 1200
+    assert _content_length(scope()) is None  # chunked
+    assert _content_length(scope(b"12", b"12")) is None
+    assert _content_length(scope(b"-1")) is None
+    assert _content_length(scope(b"1e3")) is None
 
 
 def test_accept_errors_are_logged_once_per_interval_without_tracebacks(
