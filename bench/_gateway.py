@@ -70,6 +70,7 @@ import h11
 import httpx
 import msgspec
 import trio
+from rollout.engine._http_limits import content_length
 from rollout.engine._read import read_some
 from rollout.protocol import SseDecoder
 
@@ -312,7 +313,7 @@ class FakeUpstream:
                         continue
                     if isinstance(event, h11.Request):
                         target = event.target
-                        length = _content_length(event.headers)
+                        length = content_length(event.headers)
                     elif isinstance(event, h11.Data):
                         size += len(event.data)
                         if size > MAX_UPSTREAM_BODY:
@@ -361,13 +362,6 @@ async def _read_exactly(stream: trio.SocketStream, count: int) -> list[bytes]:
         pieces.append(data)
         count -= len(data)
     return pieces
-
-
-def _content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
-    for name, value in headers:
-        if name == b"content-length":
-            return int(value)
-    return None
 
 
 def content_digest(body: bytes) -> str:

@@ -79,6 +79,7 @@ from ._http_limits import (
     DEFAULT_MAX_TCP_CONNECTIONS,
     BodyClock,
     TransportStats,
+    content_length,
 )
 from ._metrics import MetricsExporter
 from ._responses_api import ResponsesApi
@@ -428,7 +429,7 @@ class RolloutApp:
             timeout=config.body_timeout,
             min_rate=config.body_min_rate,
             on_timeout=self._body_timed_out,
-            length=_content_length(scope),
+            length=content_length(scope.get("headers", ())),
         )
         try:
             duplicate = _duplicate_authorization(scope)
@@ -647,18 +648,6 @@ def _holder(scope: Scope, owner: str | None) -> str:
         return f"key:{owner}"
     client = scope.get("client")
     return f"peer:{client[0]}" if client else "peer:"
-
-
-def _content_length(scope: Scope) -> int | None:
-    """The request's `Content-Length`, when it has one (h11 and h2 have held the body to
-    it); None without one (a chunked body) or with a value that is not one number."""
-    found: int | None = None
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"content-length":
-            if found is not None or not value.isdigit():
-                return None
-            found = int(value)
-    return found
 
 
 def _duplicate_authorization(scope: Scope) -> tuple[int, dict[str, Any]] | None:

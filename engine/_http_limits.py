@@ -75,7 +75,7 @@ import resource
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import attrs
@@ -97,6 +97,7 @@ __all__ = [
     "TransportLimits",
     "TransportStats",
     "bound_transport",
+    "content_length",
     "fit_connection_cap",
 ]
 
@@ -248,6 +249,19 @@ class BodyClock:
             self._complete = self._end_pending = True
             message = {**message, "more_body": False}
         return message
+
+
+def content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    """A request's `Content-Length` from its headers (an ASGI scope's, or h11's), when it has
+    one; None without one (a chunked body) or with a value that is not one number (h11 and h2
+    have held the body to a valid one)."""
+    found: int | None = None
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            if found is not None or not value.isdigit():
+                return None
+            found = int(value)
+    return found
 
 
 def _is_end(message: dict[str, Any]) -> bool:

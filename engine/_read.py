@@ -89,8 +89,8 @@ async def read_cut(stream: trio.abc.ReceiveStream, cut: Cut) -> tuple[bytes, byt
     """As `read_some` (up to `READ_SIZE`), in two pieces, before and after `cut`'s offset
     into what was read; each piece is copied out of the buffer once (a slice of a whole read
     would copy its second piece again). `(b"", b"")` at the end of the stream."""
-    first, *rest = await _read(stream, READ_SIZE, cut)
-    return first, rest[0] if rest else b""
+    first, rest = await _read(stream, READ_SIZE, cut)
+    return first, rest
 
 
 async def _read(

@@ -19,9 +19,9 @@ import pytest
 import trio
 import trio.testing
 from rollout.engine import MemoryResponseStore, _http_limits
-from rollout.engine._app import AppConfig, RolloutApp, _content_length
+from rollout.engine._app import AppConfig, RolloutApp
 from rollout.engine._engine import open_engine
-from rollout.engine._http_limits import BodyClock
+from rollout.engine._http_limits import BodyClock, content_length
 from rollout.engine._ws_deflate import (
     INFLATE_STEP,
     BoundedPerMessageDeflate,
@@ -319,14 +319,14 @@ async def test_the_body_clock_ends_a_body_at_its_content_length(
 
 
 def test_a_requests_content_length_is_one_number_or_none() -> None:
-    def scope(*values: bytes) -> dict[str, Any]:
-        return {"headers": [(b"host", b"x"), *((b"Content-Length", v) for v in values)]}
+    def scope(*values: bytes) -> list[tuple[bytes, bytes]]:
+        return [(b"host", b"x"), *((b"Content-Length", v) for v in values)]
 
-    assert _content_length(scope(b"1200")) == 1200
-    assert _content_length(scope()) is None  # chunked
-    assert _content_length(scope(b"12", b"12")) is None
-    assert _content_length(scope(b"-1")) is None
-    assert _content_length(scope(b"1e3")) is None
+    assert content_length(scope(b"1200")) == 1200
+    assert content_length(scope()) is None  # chunked
+    assert content_length(scope(b"12", b"12")) is None
+    assert content_length(scope(b"-1")) is None
+    assert content_length(scope(b"1e3")) is None
 
 
 def test_accept_errors_are_logged_once_per_interval_without_tracebacks(
